@@ -1,0 +1,160 @@
+"""The one place that decides which implementation runs an op: cuda-sm90, cuda-sm80, triton, torch.
+
+Dispatch looks only at static facts (device, compute capability, dtype, sizes), never at tensor
+values, so torch.compile can treat the choice as a constant. Each backend states what it supports
+and, when it cannot run an input, why; when nothing fits, the error lists every backend's reason.
+
+Overrides: the `backend=` argument, else the environment variable FUSEDOPS_BACKEND
+(auto | cuda | cuda-sm90 | cuda-sm80 | triton | torch). FUSEDOPS_CUDA_ARCH=sm80 makes "cuda" and
+"auto" use the Ampere kernels even on a Hopper GPU (how the sm_80 path is tested on an H200).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from fusedops import _ext
+
+BACKENDS = ("cuda-sm90", "cuda-sm80", "triton", "torch")
+REQUESTS = ("auto", "cuda") + BACKENDS
+_GPU_DTYPES = (torch.float16, torch.bfloat16)
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class InputSig:
+    """Static facts about an op's inputs."""
+
+    op: str
+    device_type: str
+    device_index: int
+    dtype: torch.dtype
+    inner_dim: int  # linear_ce: hidden size H; attention: head dim D
+
+
+def _capability(sig: InputSig) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(sig.device_index)
+
+
+def _triton_import_error() -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"Triton is not importable ({exc}); pip install triton"
+    return None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _why_not_cuda(sig: InputSig, arch: int) -> str | None:
+    if sig.op not in ("linear_ce",):
+        return f"no CUDA kernels for {sig.op} yet"
+    if not _ext.available():
+        return (f"the extension fusedops._C is not built ({_ext.EXT_ERROR}); reinstall with nvcc "
+                "and a CUDA-enabled torch: pip install --no-build-isolation .")
+    if sig.device_type != "cuda":
+        return f"inputs are on {sig.device_type}, the CUDA kernels need CUDA tensors"
+    if sig.dtype not in _GPU_DTYPES:
+        return f"dtype {sig.dtype} (the CUDA kernels take float16 and bfloat16)"
+    if sig.inner_dim % 8 != 0:
+        return f"hidden size {sig.inner_dim} is not a multiple of 8 (16-byte rows needed)"
+    cap = _capability(sig)
+    archs = _ext.built_archs()
+    if arch == 90:
+        if cap != (9, 0):
+            return f"the sm_90a kernels need a Hopper GPU (compute capability 9.0), this is {cap}"
+        if "9.0a" not in archs:
+            return f"the extension was built without sm_90a (built for {';'.join(archs)})"
+    else:
+        if cap[0] == 8 and not any(a.startswith("8.") for a in archs):
+            return f"the extension was built without sm_8x code (built for {';'.join(archs)})"
+        if cap == (9, 0) and not any(a.startswith("9.0") for a in archs):
+            return f"the extension was built without sm_90 code (built for {';'.join(archs)})"
+        if cap[0] not in (8, 9):
+            return f"compute capability {cap} is not 8.x or 9.0"
+    return None
+
+
+def why_not(backend: str, sig: InputSig) -> str | None:
+    """None when `backend` can run inputs described by `sig`, else the reason it cannot."""
+    if backend == "torch":
+        return None
+    if backend == "triton":
+        err = _triton_import_error()
+        if err:
+            return err
+        if sig.dtype not in _TRITON_DTYPES:
+            return f"dtype {sig.dtype} (Triton kernels take float32, float16, bfloat16)"
+        if sig.device_type == "cpu":
+            if _interpreting():
+                return None
+            return "inputs are on the CPU (Triton runs there only under TRITON_INTERPRET=1)"
+        if sig.device_type != "cuda":
+            return f"inputs are on {sig.device_type}"
+        cap = _capability(sig)
+        if cap < (8, 0):
+            return f"compute capability {cap} is below 8.0"
+        return None
+    if backend == "cuda-sm90":
+        return _why_not_cuda(sig, 90)
+    if backend == "cuda-sm80":
+        return _why_not_cuda(sig, 80)
+    raise ValueError(f"backend must be one of {REQUESTS} or None, got {backend!r}")
+
+
+def _forced_sm80() -> bool:
+    val = os.environ.get("FUSEDOPS_CUDA_ARCH", "").lower().replace("_", "")
+    if val in ("", "auto", "native"):
+        return False
+    if val in ("sm80", "80", "8.0", "ampere"):
+        return True
+    if val in ("sm90", "90", "9.0", "sm90a", "hopper"):
+        return False
+    raise ValueError(f"FUSEDOPS_CUDA_ARCH must be sm80, sm90 or auto, got {val!r}")
+
+
+def candidates(request: str, sig: InputSig) -> list[str]:
+    cuda = ["cuda-sm80"] if _forced_sm80() else ["cuda-sm90", "cuda-sm80"]
+    if request == "auto":
+        return cuda + (["triton"] if sig.device_type == "cuda" else []) + ["torch"]
+    if request == "cuda":
+        return cuda
+    if request == "cuda-sm90" and _forced_sm80():
+        return ["cuda-sm80"]
+    return [request]
+
+
+@torch.compiler.assume_constant_result
+def select_name(op: str, device_type: str, device_index: int, dtype_name: str, inner_dim: int,
+                backend: str | None) -> str:
+    """Backend name for these static facts (plain values, so torch.compile can fold the call)."""
+    dtype = getattr(torch, dtype_name)
+    sig = InputSig(op, device_type, device_index, dtype, inner_dim)
+    request = backend if backend is not None else os.environ.get("FUSEDOPS_BACKEND", "auto")
+    request = request.lower()
+    if request not in REQUESTS:
+        source = "backend" if backend is not None else "FUSEDOPS_BACKEND"
+        raise ValueError(f"{source} must be one of {REQUESTS}, got {request!r}")
+    reasons = []
+    for name in candidates(request, sig):
+        reason = why_not(name, sig)
+        if reason is None:
+            return name
+        reasons.append(f"  {name}: {reason}")
+    raise RuntimeError(
+        f"fusedops.{op}: no backend can run backend={request!r} on {dtype_name} {device_type} "
+        "inputs:\n" + "\n".join(reasons)
+        + "\nPick another backend (backend= or FUSEDOPS_BACKEND) or change the inputs."
+    )
+
+
+def select(op: str, x: torch.Tensor, inner_dim: int, backend: str | None = None) -> str:
+    index = x.device.index if x.device.index is not None else (
+        torch.cuda.current_device() if x.device.type == "cuda" else -1)
+    return select_name(op, x.device.type, index, str(x.dtype).removeprefix("torch."), inner_dim,
+                       backend)

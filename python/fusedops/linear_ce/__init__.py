@@ -1,0 +1,146 @@
+"""Fused linear + cross-entropy: the loss of `hidden @ weight.T (+ bias)` without the full logits."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor, nn
+
+from fusedops import dispatch
+
+__all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss):
+    if not isinstance(hidden, Tensor):
+        raise TypeError(f"hidden must be a Tensor, got {type(hidden).__name__}")
+    if not isinstance(weight, Tensor):
+        raise TypeError(f"weight must be a Tensor, got {type(weight).__name__}")
+    if not isinstance(target, Tensor):
+        raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"hidden must be float32, float16 or bfloat16, got {hidden.dtype}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have shape (..., H), got a 0-d tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must have shape (V, H), got {tuple(weight.shape)}")
+    hidden_size = hidden.shape[-1]
+    if hidden_size == 0:
+        raise ValueError("hidden has hidden size 0")
+    if weight.shape[1] != hidden_size:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; its second dimension must be "
+                         f"hidden's last dimension {hidden_size}")
+    if weight.shape[0] == 0:
+        raise ValueError("weight has 0 rows (vocabulary size 0)")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    if bias is not None:
+        if not isinstance(bias, Tensor):
+            raise TypeError(f"bias must be a Tensor or None, got {type(bias).__name__}")
+        if bias.shape != (weight.shape[0],):
+            raise ValueError(f"bias must have shape ({weight.shape[0]},), got "
+                             f"{tuple(bias.shape)}")
+        if bias.dtype != hidden.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must be int64 or int32, got {target.dtype}")
+    if target.shape != hidden.shape[:-1]:
+        raise ValueError(f"target must have hidden's leading shape {tuple(hidden.shape[:-1])}, "
+                         f"got {tuple(target.shape)}")
+    for name, t in (("weight", weight), ("target", target), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not (0.0 <= float(label_smoothing) <= 1.0):
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if softcap is not None and not (float(softcap) > 0.0 and math.isfinite(float(softcap))):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+    if not (float(z_loss) >= 0.0 and math.isfinite(float(z_loss))):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+
+
+def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
+                         *, ignore_index: int = -100, reduction: str = "mean",
+                         label_smoothing: float = 0.0, softcap: float | None = None,
+                         z_loss: float = 0.0, return_lse: bool = False,
+                         backend: str | None = None, check_targets: bool | None = None):
+    """Cross-entropy of `hidden @ weight.T + bias` against `target`, never materialising logits.
+
+    Equals, within rounding, ``F.cross_entropy(z.float(), target, ignore_index=ignore_index,
+    reduction=reduction, label_smoothing=label_smoothing)`` with
+    ``z = softcap * tanh((hidden @ weight.T + bias) / softcap)`` (no tanh when softcap is None),
+    plus ``z_loss * lse**2`` for each non-ignored token (lse = logsumexp of z), reduced the same way.
+
+    * hidden (..., H); weight (V, H); bias (V,) or None; one dtype (float32, float16, bfloat16;
+      float64 runs on the torch backend only). target int64/int32 with hidden's leading shape.
+    * reduction "mean" divides by the number of non-ignored tokens and returns 0 (with zero
+      gradients) when there are none, or the batch is empty; "none" returns per-token losses of the
+      leading shape with 0 at ignored tokens. Loss and lse are float32.
+    * return_lse=True returns (loss, lse), lse of the leading shape.
+    * Targets outside [0, V) other than ignore_index raise ValueError. The check costs one host
+      synchronisation; check_targets=False (or FUSEDOPS_CHECK_TARGETS=0) skips it, and such a target
+      then contributes its lse alone as loss (no memory outside the inputs is ever read).
+    * backend: None (automatic), "cuda", "cuda-sm90", "cuda-sm80", "triton" or "torch"; see
+      fusedops.dispatch.
+    """
+    _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss)
+    hidden_size = hidden.shape[-1]
+    vocab_size = weight.shape[0]
+    lead_shape = hidden.shape[:-1]
+    h2 = hidden.reshape(-1, hidden_size)
+    if not h2.is_contiguous():
+        h2 = h2.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    b = bias if (bias is None or bias.is_contiguous()) else bias.contiguous()
+    t1 = target.reshape(-1)
+    if not t1.is_contiguous():
+        t1 = t1.contiguous()
+    name = dispatch.select("linear_ce", h2, hidden_size, backend)
+    if check_targets is None:
+        check_targets = os.environ.get("FUSEDOPS_CHECK_TARGETS", "1") != "0"
+    lse, z_target, z_sum = torch.ops.fusedops.linear_ce_fwd(
+        h2, w, b, t1, int(ignore_index), float(softcap or 0.0), bool(check_targets), name)
+
+    eps = float(label_smoothing)
+    loss = lse - z_target if eps == 0.0 else lse - (1.0 - eps) * z_target - (eps / vocab_size) * z_sum
+    if z_loss:
+        loss = loss + float(z_loss) * lse * lse
+    valid = t1 != ignore_index
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == "mean":
+        loss = loss.sum() / valid.sum().clamp(min=1).to(loss.dtype)
+    elif reduction == "sum":
+        loss = loss.sum()
+    else:
+        loss = loss.view(lead_shape)
+    if return_lse:
+        return loss, lse.view(lead_shape)
+    return loss
+
+
+class LinearCrossEntropyLoss(nn.Module):
+    """Module form of :func:`linear_cross_entropy`; forward(hidden, weight, target, bias=None)."""
+
+    def __init__(self, *, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0, softcap: float | None = None, z_loss: float = 0.0,
+                 return_lse: bool = False, backend: str | None = None,
+                 check_targets: bool | None = None):
+        super().__init__()
+        self.options = dict(ignore_index=ignore_index, reduction=reduction,
+                            label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+                            return_lse=return_lse, backend=backend, check_targets=check_targets)
+
+    def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None):
+        return linear_cross_entropy(hidden, weight, target, bias, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+
+
+from fusedops.linear_ce import ops as _ops  # noqa: E402,F401  (registers torch.ops.fusedops.*)

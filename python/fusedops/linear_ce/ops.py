@@ -1,0 +1,128 @@
+"""torch.library ops for linear cross-entropy: fusedops::linear_ce_fwd / linear_ce_bwd.
+
+The forward returns three per-token statistics (lse, target logit, sum of logits); the loss, label
+smoothing, z-loss and the reduction are ordinary differentiable torch code on top of them
+(fusedops.linear_ce.linear_cross_entropy), so one backward op serves every option:
+dz = d_lse * softmax(z) + d_zt * onehot(target) + d_zsum. Both ops carry fake implementations
+(for torch.compile and meta tensors) and the forward an autograd formula calling the backward op.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from fusedops import _ext  # noqa: F401  (loads torch.ops.fusedops.linear_ce_*_cuda when built)
+from fusedops.linear_ce import reference
+
+_CUDA_ARCH = {"cuda-sm90": 90, "cuda-sm80": 80}
+
+
+def _stat_dtype(hidden: Tensor) -> torch.dtype:
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+def check_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Raises ValueError naming the first target outside [0, V) that is not ignore_index."""
+    bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
+    if bool(bad.any()):  # one host sync; pass check_targets=False to skip it
+        idx = int(torch.nonzero(bad.flatten())[0, 0])
+        raise ValueError(
+            f"target[{idx}] = {int(target.flatten()[idx])} is outside [0, {vocab_size}) and is not "
+            f"ignore_index ({ignore_index})")
+
+
+@torch.library.custom_op("fusedops::linear_ce_fwd", mutates_args=())
+def linear_ce_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                  ignore_index: int, softcap: float, check_targets: bool,
+                  backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    if check_targets:
+        check_targets_in_range(target, weight.shape[0], ignore_index)
+    if backend == "torch":
+        out = reference.linear_ce_fwd(hidden, weight, bias, target, softcap)
+    elif backend == "triton":
+        from kernels_triton import linear_ce as tk
+        out = tk.linear_ce_fwd(hidden, weight, bias, target, softcap)
+    elif backend in _CUDA_ARCH:
+        out = torch.ops.fusedops.linear_ce_fwd_cuda(hidden, weight, bias, target, softcap,
+                                                    _CUDA_ARCH[backend])
+    else:
+        raise ValueError(f"unknown backend {backend!r}")
+    return tuple(o.to(_stat_dtype(hidden)) for o in out)
+
+
+@linear_ce_fwd.register_fake
+def _(hidden, weight, bias, target, ignore_index, softcap, check_targets, backend):
+    n = hidden.shape[0]
+    dt = _stat_dtype(hidden)
+    return tuple(hidden.new_empty(n, dtype=dt) for _ in range(3))
+
+
+@torch.library.custom_op("fusedops::linear_ce_bwd", mutates_args=())
+def linear_ce_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+                  lse: Tensor, d_lse: Tensor, d_zt: Tensor, d_zsum: Tensor, softcap: float,
+                  need_dh: bool, need_dw: bool, need_db: bool,
+                  backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    args = (hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, softcap, need_dh, need_dw,
+            need_db)
+    if backend == "torch":
+        return reference.linear_ce_bwd(*args)
+    if backend == "triton":
+        from kernels_triton import linear_ce as tk
+        return tk.linear_ce_bwd(*args)
+    if backend in _CUDA_ARCH:
+        return tuple(torch.ops.fusedops.linear_ce_bwd_cuda(*args, _CUDA_ARCH[backend]))
+    raise ValueError(f"unknown backend {backend!r}")
+
+
+@linear_ce_bwd.register_fake
+def _(hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, softcap, need_dh, need_dw, need_db,
+      backend):
+    return (
+        torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
+        torch.empty_like(weight) if need_dw else hidden.new_empty(0),
+        torch.empty_like(bias) if (need_db and bias is not None) else hidden.new_empty(0),
+    )
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, bias, target, _ignore, softcap, _check, backend = inputs
+    lse = output[0]
+    ctx.save_for_backward(hidden, weight, bias, target, lse)
+    ctx.softcap = softcap
+    ctx.backend = backend
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, g_lse, g_zt, g_zsum):
+    hidden, weight, bias, target, lse = ctx.saved_tensors
+    need_dh, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_db = ctx.has_bias and ctx.needs_input_grad[2]
+    grads = [g if g is not None else torch.zeros_like(lse) for g in (g_lse, g_zt, g_zsum)]
+    dh, dw, db = linear_ce_bwd(hidden, weight, bias, target, lse, *grads, ctx.softcap, need_dh,
+                               need_dw, need_db, ctx.backend)
+    return (dh if need_dh else None, dw if need_dw else None, db if need_db else None,
+            None, None, None, None, None)
+
+
+linear_ce_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# Fake implementations of the compiled ops, so they can be traced and opcheck'ed too.
+if _ext.available():
+
+    @torch.library.register_fake("fusedops::linear_ce_fwd_cuda")
+    def _(hidden, weight, bias, target, softcap, arch):
+        n = hidden.shape[0]
+        return tuple(hidden.new_empty(n, dtype=torch.float32) for _ in range(3))
+
+    @torch.library.register_fake("fusedops::linear_ce_bwd_cuda")
+    def _(hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, softcap, need_dh, need_dw,
+          need_db, arch):
+        return (
+            torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
+            torch.empty_like(weight) if need_dw else hidden.new_empty(0),
+            torch.empty_like(bias) if (need_db and bias is not None) else hidden.new_empty(0),
+        )
