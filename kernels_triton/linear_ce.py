@@ -1,0 +1,330 @@
+"""Triton kernels for fused linear cross-entropy (same op contract as fusedops.linear_ce.reference).
+
+Forward: logit tiles live only on chip; each program owns a block of tokens and a range of vocab
+tiles, keeps an online log-sum-exp, the target logit and the logit sum in registers, and writes
+per-(split, token) partials that a small kernel combines.
+
+Backward, per vocab chunk of `chunk_v` columns:
+  1. _dz_kernel recomputes the logit tiles and turns them into dz in registers, writing dz (in the
+     input dtype, the rounding PyTorch eager also applies) for [N, chunk_v] only, and d_bias by
+     float32 atomics;
+  2. _dw_kernel: d_weight[chunk] = dz^T @ hidden, reduced over all tokens in float32 registers;
+  3. _dx_kernel: d_hidden += dz @ weight[chunk], accumulated across chunks in float32. For bfloat16
+     the float32 accumulator is stored split: its high 16 bits in the d_hidden output itself and
+     its low 16 bits in a scratch buffer, so the extra memory is N*H*2 bytes, not N*H*4; the last
+     chunk rounds to bfloat16 (round-to-nearest-even) in place.
+Constraints: hidden (N, H) and weight (V, H) contiguous; float32 uses IEEE dots (no TF32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# Bytes of dz one backward chunk may hold: 32 MiB keeps the Llama-3 shape (N=8192) under 1% of
+# eager's extra memory together with the N*H*2 bytes of the split d_hidden accumulator.
+DZ_CHUNK_BYTES = 32 << 20
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+INTERPRET = tl.constexpr(_interpreting())
+
+
+def _tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+def _blocks(dtype: torch.dtype):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the GEMM-shaped kernels."""
+    if _interpreting():
+        return 16, 32, 16, 1, 1
+    if dtype == torch.float32:
+        return 64, 64, 32, 4, 3
+    return 128, 128, 64, 8, 3
+
+
+@triton.jit
+def _tanh(x):
+    if INTERPRET:  # the interpreter has no libdevice; this form is exact to a few float32 ulps
+        e = tl.exp(-2.0 * tl.abs(x))
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+    else:
+        return libdevice.tanh(x)
+
+
+@triton.jit
+def _cap(acc, softcap, SOFTCAP: tl.constexpr):
+    if SOFTCAP:
+        acc = softcap * _tanh(acc / softcap)
+    return acc
+
+
+@triton.jit
+def _logit_tile(X, W, B, rows, cols, row_mask, col_mask, H, softcap,
+                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_ptrs = X + rows.to(tl.int64)[:, None] * H + tl.arange(0, BLOCK_K)[None, :]
+    w_ptrs = W + cols.to(tl.int64)[:, None] * H + tl.arange(0, BLOCK_K)[None, :]
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = (k0 + tl.arange(0, BLOCK_K)) < H
+        x = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=col_mask[:, None] & k_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return _cap(acc, softcap, SOFTCAP)
+
+
+@triton.jit
+def _fwd_kernel(X, W, B, T, PART, N, V, H, softcap, tiles_per_split,
+                HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < N
+    tgt = tl.load(T + rows, mask=row_mask, other=-1).to(tl.int64)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    s_i = tl.zeros((BLOCK_M,), tl.float32)
+    zt = tl.zeros((BLOCK_M,), tl.float32)
+    zs = tl.zeros((BLOCK_M,), tl.float32)
+    LOG2E: tl.constexpr = 1.4426950408889634
+    for i in range(0, tiles_per_split):
+        cols = (pid_s * tiles_per_split + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < V
+        z = _logit_tile(X, W, B, rows, cols, row_mask, col_mask, H, softcap, HAS_BIAS, SOFTCAP,
+                        IEEE, BLOCK_M, BLOCK_N, BLOCK_K)
+        z = tl.where(col_mask[None, :], z, float("-inf"))
+        # The first tile of every split has a valid column, so m_new is finite from then on.
+        m_new = tl.maximum(m_i, tl.max(z, 1))
+        s_i = s_i * tl.exp2((m_i - m_new) * LOG2E) + tl.sum(
+            tl.exp2((z - m_new[:, None]) * LOG2E), 1)
+        m_i = m_new
+        zs += tl.sum(tl.where(col_mask[None, :], z, 0.0), 1)
+        zt += tl.sum(tl.where(cols.to(tl.int64)[None, :] == tgt[:, None], z, 0.0), 1)
+    base = PART + pid_s * 4 * N
+    tl.store(base + rows, m_i, mask=row_mask)
+    tl.store(base + N + rows, s_i, mask=row_mask)
+    tl.store(base + 2 * N + rows, zt, mask=row_mask)
+    tl.store(base + 3 * N + rows, zs, mask=row_mask)
+
+
+@triton.jit
+def _combine_kernel(PART, LSE, ZT, ZS, N, n_splits, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = rows < N
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for s in range(0, n_splits):
+        m = tl.maximum(m, tl.load(PART + s * 4 * N + rows, mask=mask, other=0.0))
+    tot = tl.zeros((BLOCK,), tl.float32)
+    zt = tl.zeros((BLOCK,), tl.float32)
+    zs = tl.zeros((BLOCK,), tl.float32)
+    for s in range(0, n_splits):
+        base = PART + s * 4 * N
+        tot += tl.load(base + N + rows, mask=mask, other=1.0) * tl.exp(
+            tl.load(base + rows, mask=mask, other=0.0) - m)
+        zt += tl.load(base + 2 * N + rows, mask=mask, other=0.0)
+        zs += tl.load(base + 3 * N + rows, mask=mask, other=0.0)
+    tl.store(LSE + rows, m + tl.log(tot), mask=mask)
+    tl.store(ZT + rows, zt, mask=mask)
+    tl.store(ZS + rows, zs, mask=mask)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def linear_ce_fwd(hidden, weight, bias, target, softcap: float):
+    n_tokens, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    dev = hidden.device
+    lse = torch.empty(n_tokens, dtype=torch.float32, device=dev)
+    z_target = torch.empty_like(lse)
+    z_sum = torch.empty_like(lse)
+    if n_tokens == 0:
+        return lse, z_target, z_sum
+    bm, bn, bk, warps, stages = _blocks(hidden.dtype)
+    m_blocks = triton.cdiv(n_tokens, bm)
+    v_tiles = triton.cdiv(vocab_size, bn)
+    # Enough (token block, vocab split) programs for two waves, each split >= 1 vocab tile.
+    want_splits = max(1, min(v_tiles, triton.cdiv(2 * _num_sms(dev), m_blocks)))
+    tiles_per_split = triton.cdiv(v_tiles, want_splits)
+    n_splits = triton.cdiv(v_tiles, tiles_per_split)
+    part = torch.empty((n_splits, 4, n_tokens), dtype=torch.float32, device=dev)
+    _fwd_kernel[(m_blocks, n_splits)](
+        hidden, weight, bias if bias is not None else hidden, target, part, n_tokens, vocab_size,
+        hidden_size, float(softcap), tiles_per_split, HAS_BIAS=bias is not None,
+        SOFTCAP=bool(softcap), IEEE=hidden.dtype == torch.float32, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    block = 16 if _interpreting() else 256
+    _combine_kernel[(triton.cdiv(n_tokens, block),)](part, lse, z_target, z_sum, n_tokens,
+                                                    n_splits, BLOCK=block)
+    return lse, z_target, z_sum
+
+
+@triton.jit
+def _dz_kernel(X, W, B, T, LSE, DLSE, DZT, DZS, DZ, DB, N, V, H, v0, chunk_cols, ld_dz, softcap,
+               HAS_BIAS: tl.constexpr, NEED_DB: tl.constexpr, SOFTCAP: tl.constexpr,
+               IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    local = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = v0 + local
+    row_mask = rows < N
+    col_mask = (local < chunk_cols) & (cols < V)
+    z = _logit_tile(X, W, B, rows, cols, row_mask, col_mask, H, softcap, HAS_BIAS, SOFTCAP, IEEE,
+                    BLOCK_M, BLOCK_N, BLOCK_K)
+    lse = tl.load(LSE + rows, mask=row_mask, other=0.0)
+    a = tl.load(DLSE + rows, mask=row_mask, other=0.0)
+    b = tl.load(DZT + rows, mask=row_mask, other=0.0)
+    c = tl.load(DZS + rows, mask=row_mask, other=0.0)
+    tgt = tl.load(T + rows, mask=row_mask, other=-1).to(tl.int64)
+    dz = a[:, None] * tl.exp(z - lse[:, None]) + c[:, None]
+    dz += tl.where(cols.to(tl.int64)[None, :] == tgt[:, None], b[:, None], 0.0)
+    if SOFTCAP:
+        zc = z / softcap
+        dz = dz * (1.0 - zc * zc)
+    dz = tl.where(row_mask[:, None] & col_mask[None, :], dz, 0.0)
+    if NEED_DB:
+        tl.atomic_add(DB + cols, tl.sum(dz, 0), mask=col_mask)
+    out = DZ + rows.to(tl.int64)[:, None] * ld_dz + local[None, :]
+    tl.store(out, dz.to(DZ.dtype.element_ty), mask=row_mask[:, None] & (local < ld_dz)[None, :])
+
+
+@triton.jit
+def _dw_kernel(DZ, X, DW, N, V, H, v0, chunk_cols, ld_dz, IEEE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # DW[v0 + i, j] = sum_n DZ[n, i] * X[n, j]; i over the chunk's columns, j over H.
+    i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    i_mask = (i < chunk_cols) & (v0 + i < V)
+    j_mask = j < H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_K):
+        n = n0 + tl.arange(0, BLOCK_K)
+        n_mask = n < N
+        a = tl.load(DZ + n.to(tl.int64)[:, None] * ld_dz + i[None, :],
+                    mask=n_mask[:, None] & i_mask[None, :], other=0.0)
+        b = tl.load(X + n.to(tl.int64)[:, None] * H + j[None, :],
+                    mask=n_mask[:, None] & j_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(a), b, acc)
+    out = DW + (v0 + i).to(tl.int64)[:, None] * H + j[None, :]
+    tl.store(out, acc.to(DW.dtype.element_ty), mask=i_mask[:, None] & j_mask[None, :])
+
+
+@triton.jit
+def _dx_kernel(DZ, W, ACC, LO, OUT, N, V, H, v0, chunk_cols, ld_dz,
+               FIRST: tl.constexpr, LAST: tl.constexpr, SPLIT_BF16: tl.constexpr,
+               CAST_OUT: tl.constexpr, IEEE: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # d_hidden[n, j] += sum_i DZ[n, i] * W[v0 + i, j]
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    j_mask = j < H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, chunk_cols, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = (k < chunk_cols) & (v0 + k < V)
+        a = tl.load(DZ + rows.to(tl.int64)[:, None] * ld_dz + k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(W + (v0 + k).to(tl.int64)[:, None] * H + j[None, :],
+                    mask=k_mask[:, None] & j_mask[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    offs = rows.to(tl.int64)[:, None] * H + j[None, :]
+    mask = row_mask[:, None] & j_mask[None, :]
+    if SPLIT_BF16:
+        # ACC is d_hidden viewed as int16 (high halves), LO the low halves of the float32 sums.
+        if not FIRST:
+            hi = tl.load(ACC + offs, mask=mask, other=0).to(tl.int32)
+            lo = tl.load(LO + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+            acc += ((hi << 16) | lo).to(tl.float32, bitcast=True)
+        if LAST:
+            tl.store(ACC + offs, acc.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)
+        else:
+            bits = acc.to(tl.int32, bitcast=True)
+            tl.store(ACC + offs, (bits >> 16).to(tl.int16), mask=mask)
+            tl.store(LO + offs, (bits & 0xFFFF).to(tl.int16), mask=mask)
+    else:
+        if not FIRST:
+            acc += tl.load(ACC + offs, mask=mask, other=0.0)
+        if LAST and CAST_OUT:
+            tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=mask)
+        else:
+            tl.store(ACC + offs, acc, mask=mask)
+
+
+def chunk_columns(n_tokens: int, vocab_size: int, elem_bytes: int, block: int,
+                  budget_bytes: int = DZ_CHUNK_BYTES) -> int:
+    """Vocab columns per backward chunk: dz [N, cols] within budget, a multiple of `block`."""
+    cols = budget_bytes // max(1, n_tokens * elem_bytes)
+    cols = max(block, cols // block * block)
+    return min(cols, triton.cdiv(vocab_size, block) * block)
+
+
+def linear_ce_bwd(hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, softcap: float,
+                  need_dh: bool, need_dw: bool, need_db: bool):
+    n_tokens, hidden_size = hidden.shape
+    vocab_size = weight.shape[0]
+    dev, dtype = hidden.device, hidden.dtype
+    empty = hidden.new_empty(0)  # placeholder argument; returned gradients never alias it
+    need_db = need_db and bias is not None
+    d_hidden = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
+    d_weight = torch.empty_like(weight) if need_dw else hidden.new_empty(0)
+    d_bias32 = torch.zeros(vocab_size, dtype=torch.float32, device=dev) if need_db else None
+    d_bias = lambda: d_bias32.to(dtype) if need_db else hidden.new_empty(0)  # noqa: E731
+    if n_tokens == 0 or not (need_dh or need_dw or need_db):
+        d_weight.zero_()
+        return d_hidden, d_weight, d_bias()
+    bm, bn, bk, warps, stages = _blocks(dtype)
+    cols = chunk_columns(n_tokens, vocab_size, hidden.element_size(), bn)
+    dz = torch.empty((n_tokens, cols), dtype=dtype, device=dev)
+    split = dtype == torch.bfloat16
+    if need_dh:
+        if split:
+            acc, lo = d_hidden.view(torch.int16), torch.empty_like(d_hidden, dtype=torch.int16)
+        elif dtype == torch.float32:
+            acc, lo = d_hidden, empty
+        else:
+            acc, lo = torch.empty_like(d_hidden, dtype=torch.float32), empty
+    ieee = dtype == torch.float32
+    for v0 in range(0, vocab_size, cols):
+        n_cols = min(cols, vocab_size - v0)
+        _dz_kernel[(triton.cdiv(n_tokens, bm), triton.cdiv(n_cols, bn))](
+            hidden, weight, bias if bias is not None else hidden, target, lse, d_lse, d_zt, d_zsum,
+            dz, d_bias32 if need_db else lse, n_tokens, vocab_size, hidden_size, v0, n_cols, cols,
+            float(softcap), HAS_BIAS=bias is not None, NEED_DB=need_db, SOFTCAP=bool(softcap),
+            IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        if need_dw:
+            _dw_kernel[(triton.cdiv(n_cols, bm), triton.cdiv(hidden_size, bn))](
+                dz, hidden, d_weight, n_tokens, vocab_size, hidden_size, v0, n_cols, cols,
+                IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+        if need_dh:
+            _dx_kernel[(triton.cdiv(n_tokens, bm), triton.cdiv(hidden_size, bn))](
+                dz, weight, acc, lo, d_hidden, n_tokens, vocab_size, hidden_size, v0, n_cols, cols,
+                FIRST=v0 == 0, LAST=v0 + cols >= vocab_size, SPLIT_BF16=split,
+                CAST_OUT=dtype == torch.float16, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                num_warps=warps, num_stages=stages)
+    return d_hidden, d_weight, d_bias()
