@@ -1,0 +1,176 @@
+// Torch binding for the CUDA linear cross-entropy: ATen tensors -> LinearCeParams, input checks,
+// allocation, and the op registrations torch.ops.fusedops.linear_ce_{fwd,bwd}_cuda.
+#include <Python.h>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "build_info.h"
+#include "linear_ce_params.h"
+
+namespace fusedops {
+namespace {
+
+using at::Tensor;
+
+void check_inputs(const Tensor& hidden, const Tensor& weight, const std::optional<Tensor>& bias,
+                  const Tensor& target) {
+  TORCH_CHECK_VALUE(hidden.is_cuda(), "hidden must be a CUDA tensor");
+  TORCH_CHECK_TYPE(hidden.scalar_type() == at::kHalf || hidden.scalar_type() == at::kBFloat16,
+                   "hidden must be float16 or bfloat16, got ", hidden.scalar_type());
+  TORCH_CHECK_VALUE(hidden.dim() == 2, "hidden must be 2-D (N, H)");
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight.size(1) == hidden.size(1),
+                    "weight must be (V, H) with H = hidden.size(1)");
+  TORCH_CHECK_VALUE(weight.size(0) >= 1, "weight must have at least one row");
+  TORCH_CHECK_TYPE(weight.scalar_type() == hidden.scalar_type(), "weight dtype ",
+                   weight.scalar_type(), " differs from hidden dtype ", hidden.scalar_type());
+  TORCH_CHECK_VALUE(hidden.is_contiguous() && weight.is_contiguous(),
+                    "hidden and weight must be contiguous");
+  TORCH_CHECK_VALUE(hidden.size(1) % 8 == 0, "hidden size must be a multiple of 8, got ",
+                    hidden.size(1));
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(hidden.data_ptr()) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
+                    "hidden and weight must be 16-byte aligned");
+  TORCH_CHECK_VALUE(weight.device() == hidden.device(), "weight is on another device");
+  TORCH_CHECK_VALUE(target.device() == hidden.device(), "target is on another device");
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == hidden.size(0),
+                    "target must be (N,) with N = hidden.size(0)");
+  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong || target.scalar_type() == at::kInt,
+                   "target must be int64 or int32");
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == weight.size(0),
+                      "bias must be (V,) with V = weight.size(0)");
+    TORCH_CHECK_TYPE(bias->scalar_type() == hidden.scalar_type(), "bias dtype differs");
+    TORCH_CHECK_VALUE(bias->device() == hidden.device(), "bias is on another device");
+  }
+}
+
+LinearCeParams make_params(const Tensor& hidden, const Tensor& weight,
+                           const std::optional<Tensor>& bias, const Tensor& target_long,
+                           double softcap) {
+  LinearCeParams p;
+  p.hidden = hidden.data_ptr();
+  p.weight = weight.data_ptr();
+  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  p.target = target_long.data_ptr<int64_t>();
+  p.n_tokens = hidden.size(0);
+  p.vocab_size = weight.size(0);
+  p.hidden_size = hidden.size(1);
+  p.softcap = static_cast<float>(softcap);
+  p.is_bf16 = hidden.scalar_type() == at::kBFloat16;
+  int dev = hidden.get_device();
+  cudaDeviceGetAttribute(&p.num_sms, cudaDevAttrMultiProcessorCount, dev);
+  p.stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  return p;
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "fusedops ", what, " launch failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<Tensor, Tensor, Tensor> linear_ce_fwd_cuda(const Tensor& hidden, const Tensor& weight,
+                                                      const std::optional<Tensor>& bias_in,
+                                                      const Tensor& target, double softcap,
+                                                      int64_t arch) {
+  check_inputs(hidden, weight, bias_in, target);
+  TORCH_CHECK_VALUE(arch == 80 || arch == 90, "arch must be 80 or 90, got ", arch);
+  c10::cuda::CUDAGuard guard(hidden.device());
+  std::optional<Tensor> bias =
+      bias_in.has_value() ? std::optional<Tensor>(bias_in->contiguous()) : std::nullopt;
+  Tensor target_long = target.to(at::kLong).contiguous();
+  auto f32 = hidden.options().dtype(at::kFloat);
+  const int64_t n = hidden.size(0);
+  Tensor lse = at::empty({n}, f32), zt = at::empty({n}, f32), zs = at::empty({n}, f32);
+  if (n == 0) return {lse, zt, zs};
+  LinearCeParams p = make_params(hidden, weight, bias, target_long, softcap);
+  lce_fwd_splits(p.n_tokens, p.vocab_size, p.num_sms, &p.tiles_per_split, &p.n_splits);
+  Tensor part = at::empty({p.n_splits, 4, n}, f32);
+  p.part = part.data_ptr<float>();
+  p.lse = lse.data_ptr<float>();
+  p.z_target = zt.data_ptr<float>();
+  p.z_sum = zs.data_ptr<float>();
+  check_launch(arch == 90 ? linear_ce_fwd_sm90(p) : linear_ce_fwd_sm80(p), "linear_ce forward");
+  return {lse, zt, zs};
+}
+
+std::tuple<Tensor, Tensor, Tensor> linear_ce_bwd_cuda(
+    const Tensor& hidden, const Tensor& weight, const std::optional<Tensor>& bias_in,
+    const Tensor& target, const Tensor& lse, const Tensor& d_lse, const Tensor& d_zt,
+    const Tensor& d_zsum, double softcap, bool need_dh, bool need_dw, bool need_db, int64_t arch) {
+  check_inputs(hidden, weight, bias_in, target);
+  TORCH_CHECK_VALUE(arch == 80 || arch == 90, "arch must be 80 or 90, got ", arch);
+  c10::cuda::CUDAGuard guard(hidden.device());
+  const int64_t n = hidden.size(0), vocab = weight.size(0);
+  for (const Tensor* t : {&lse, &d_lse, &d_zt, &d_zsum}) {
+    TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == n, "per-token statistics must be (N,)");
+  }
+  std::optional<Tensor> bias =
+      bias_in.has_value() ? std::optional<Tensor>(bias_in->contiguous()) : std::nullopt;
+  need_db = need_db && bias.has_value();
+  // Gradients not asked for are distinct empty tensors (op outputs must not alias).
+  auto empty = [&] { return at::empty({0}, hidden.options()); };
+  Tensor d_hidden = need_dh ? at::empty_like(hidden) : empty();
+  Tensor d_weight = need_dw ? at::empty_like(weight) : empty();
+  Tensor d_bias32 = need_db ? at::zeros({vocab}, hidden.options().dtype(at::kFloat)) : Tensor();
+  if (n == 0 || !(need_dh || need_dw || need_db)) {
+    if (need_dw) d_weight.zero_();
+    return {d_hidden, d_weight, need_db ? d_bias32.to(hidden.scalar_type()) : empty()};
+  }
+  auto as_f32 = [](const Tensor& t) { return t.to(at::kFloat).contiguous(); };
+  Tensor lse_f = as_f32(lse), a = as_f32(d_lse), b = as_f32(d_zt), c = as_f32(d_zsum);
+  Tensor target_long = target.to(at::kLong).contiguous();
+  LinearCeParams p = make_params(hidden, weight, bias, target_long, softcap);
+  p.lse_in = lse_f.data_ptr<float>();
+  p.d_lse = a.data_ptr<float>();
+  p.d_zt = b.data_ptr<float>();
+  p.d_zsum = c.data_ptr<float>();
+  p.ld_dz = lce_bwd_chunk_cols(n, vocab, static_cast<int>(hidden.element_size()));
+  Tensor dz = at::empty({n, p.ld_dz}, hidden.options());
+  p.dz = dz.data_ptr();
+  Tensor scratch;
+  if (need_dh) {
+    p.d_hidden = d_hidden.data_ptr();
+    if (p.is_bf16) {
+      scratch = at::empty({n, hidden.size(1)}, hidden.options().dtype(at::kShort));
+      p.d_hidden_lo = reinterpret_cast<uint16_t*>(scratch.data_ptr<int16_t>());
+    } else {
+      scratch = at::empty({n, hidden.size(1)}, hidden.options().dtype(at::kFloat));
+      p.d_hidden_acc = scratch.data_ptr<float>();
+    }
+  }
+  p.d_weight = need_dw ? d_weight.data_ptr() : nullptr;
+  p.d_bias_f32 = need_db ? d_bias32.data_ptr<float>() : nullptr;
+  check_launch(arch == 90 ? linear_ce_bwd_sm90(p) : linear_ce_bwd_sm80(p), "linear_ce backward");
+  return {d_hidden, d_weight, need_db ? d_bias32.to(hidden.scalar_type()) : empty()};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fusedops, m) {
+  m.def(
+      "linear_ce_fwd_cuda(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+      "float softcap, int arch) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "linear_ce_bwd_cuda(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, Tensor lse, "
+      "Tensor d_lse, Tensor d_zt, Tensor d_zsum, float softcap, bool need_dh, bool need_dw, "
+      "bool need_db, int arch) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
+  m.impl("linear_ce_fwd_cuda", &linear_ce_fwd_cuda);
+  m.impl("linear_ce_bwd_cuda", &linear_ce_bwd_cuda);
+}
+
+}  // namespace fusedops
+
+// A plain Python module, so `import fusedops._C` loads the library and its op registrations.
+static struct PyModuleDef fusedops_c_module = {PyModuleDef_HEAD_INIT, "_C",
+                                               "fusedops CUDA kernels", -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* m = PyModule_Create(&fusedops_c_module);
+  if (m != nullptr) PyModule_AddStringConstant(m, "built_archs", FUSEDOPS_BUILT_ARCHS);
+  return m;
+}
