@@ -1,0 +1,154 @@
+"""Benchmark: fused linear cross-entropy, forward + backward of the mean loss (grads for hidden and
+weight), every fusedops backend next to PyTorch eager, torch.compile, Liger and Cut Cross-Entropy
+(when installed). Prints a table; writes one JSON object per line under benchmarks/results/.
+
+    python benchmarks/bench_linear_ce.py                  # Llama-3-8B LM head, bf16
+    python benchmarks/bench_linear_ce.py --shapes llama3,gemma2,llama2 --out DIR
+
+"extra_mib" is peak memory above what was allocated before the step (inputs, weights) minus the
+bytes of the gradients the step returns (d_hidden, d_weight), i.e. the method's scratch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {  # name: (N tokens, H, V, softcap)
+    "llama3": (8192, 4096, 128256, None),
+    "gemma2": (16384, 2304, 256000, 30.0),
+    "llama2": (4096, 4096, 32000, None),
+    "small": (2048, 1024, 32000, None),
+}
+
+
+def git_sha() -> str:
+    env = os.environ.get("FUSEDOPS_GIT")
+    if env:
+        return env
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def eager_loss(x, w, t, softcap=None):
+    z = (x @ w.T).float()
+    if softcap:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z, t)
+
+
+def methods(softcap):
+    from fusedops import dispatch
+    from fusedops.linear_ce import linear_cross_entropy
+
+    out = {}
+    sig = dispatch.InputSig("linear_ce", "cuda", torch.cuda.current_device(), torch.bfloat16, 64)
+    out["fusedops"] = lambda x, w, t: linear_cross_entropy(x, w, t, softcap=softcap,
+                                                           check_targets=False)
+    for name in ("cuda-sm90", "cuda-sm80", "triton", "torch"):
+        if dispatch.why_not(name, sig) is None:
+            out[f"fusedops-{name}"] = (lambda n: lambda x, w, t: linear_cross_entropy(
+                x, w, t, softcap=softcap, backend=n, check_targets=False))(name)
+    out["torch_eager"] = lambda x, w, t: eager_loss(x, w, t, softcap)
+    compiled = torch.compile(eager_loss)
+    out["torch_compile"] = lambda x, w, t: compiled(x, w, t, softcap)
+    try:
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+        liger = LigerFusedLinearCrossEntropyLoss(softcap=softcap)
+        out["liger"] = lambda x, w, t: liger(w, x, t)
+    except Exception as exc:  # not installed
+        print(f"liger: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+        out["cce"] = lambda x, w, t: cce(x, w, t, softcap=softcap, impl="cce")
+    except Exception as exc:
+        print(f"cce: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
+    return out
+
+
+def measure(fn, x, w, t, reps: int):
+    import triton.testing
+
+    def step():
+        x.grad = None
+        w.grad = None
+        fn(x, w, t).backward()
+
+    step()  # warm-up: compilation, autotuning, caches
+    torch.cuda.synchronize()
+    x.grad = w.grad = None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    grad_bytes = sum(g.numel() * g.element_size() for g in (x.grad, w.grad) if g is not None)
+    extra = torch.cuda.max_memory_allocated() - before - grad_bytes
+    loss = float(fn(x, w, t))
+    ms, p20, p80 = triton.testing.do_bench(step, warmup=25, rep=reps, quantiles=[0.5, 0.2, 0.8],
+                                           grad_to_none=[x, w])
+    return ms, p20, p80, extra / 2**20, loss
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="llama3")
+    ap.add_argument("--methods", default="", help="comma list; default all")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--rep-ms", type=int, default=300)
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    run_id = uuid.uuid4().hex[:8]
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    path = os.path.join(args.out, f"linear_ce_{stamp:%Y%m%d_%H%M%S}_{run_id}.jsonl")
+    rows = []
+    for shape in args.shapes.split(","):
+        n, h, v, softcap = SHAPES[shape]
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = (torch.randn(n, h, device="cuda", generator=g) * 1.0).bfloat16().requires_grad_()
+        w = (torch.randn(v, h, device="cuda", generator=g) * (2.0 / h**0.5)).bfloat16()
+        w.requires_grad_()
+        t = torch.randint(0, v, (n,), device="cuda", generator=g)
+        for name, fn in methods(softcap).items():
+            if args.methods and name not in args.methods.split(","):
+                continue
+            rep = args.rep_ms if name != "fusedops-torch" else 50
+            t0 = time.time()
+            try:
+                ms, p20, p80, extra, loss = measure(fn, x, w, t, rep)
+            except Exception as exc:
+                print(f"{shape} {name}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
+            row = dict(op="linear_ce", method=name, shape=shape, N=n, H=h, V=v, softcap=softcap,
+                       dtype="bfloat16", ms=round(ms, 3), p20=round(p20, 3), p80=round(p80, 3),
+                       tflops=round(6 * n * h * v / ms / 1e9, 1), extra_mib=round(extra, 1),
+                       loss=round(loss, 6), gpu=gpu, torch=torch.__version__, git=git_sha(),
+                       run=run_id, date=f"{stamp:%Y-%m-%d}")
+            rows.append(row)
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(f"  {shape} {name}: {ms:.2f} ms ({time.time() - t0:.0f} s)", file=sys.stderr)
+            torch.cuda.empty_cache()
+    print(f"\n{gpu}, torch {torch.__version__}, git {git_sha()}, run {run_id} -> {path}")
+    print(f"{'shape':8} {'method':22} {'ms':>9} {'TFLOP/s':>8} {'extra MiB':>10} {'loss':>10}")
+    for r in rows:
+        print(f"{r['shape']:8} {r['method']:22} {r['ms']:9.2f} {r['tflops']:8.1f} "
+              f"{r['extra_mib']:10.1f} {r['loss']:10.5f}")
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One device call: build the extension, run the GPU test suite, benchmark. Logs under $OUT.
+# Usage (on the GPU machine): FUSEDOPS_GIT=<sha> bash benchmarks/gpu_run.sh [pytest -k expr]
+set -uo pipefail
+OUT=${OUT:-/tmp/fusedops_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
+export FUSEDOPS_CUDA_ARCHS=${FUSEDOPS_CUDA_ARCHS:-8.0;9.0a}
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+t0=$(date +%s)
+python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build: $(( $(date +%s) - t0 )) s"
+cd /tmp && python3 -m fusedops.info | tee "$OUT/info.txt"; cd - > /dev/null
+if [ "${SKIP_TESTS:-0}" != "1" ]; then
+  t0=$(date +%s)
+  # Run from /tmp-free cwd so the installed package (with _C) is imported, not the source tree.
+  python3 -m pytest -q -rs -p no:cacheprovider tests ${1:+-k "$1"} > "$OUT/tests.log" 2>&1
+  rc=$?
+  tail -25 "$OUT/tests.log"
+  echo "tests: rc=$rc, $(( $(date +%s) - t0 )) s"
+fi
+if [ "${SKIP_BENCH:-0}" != "1" ]; then
+  python3 benchmarks/bench_linear_ce.py --out "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.err"
+  tail -5 "$OUT/bench.err"
+fi
