@@ -52,7 +52,8 @@ def cuda_extension():
         _say("no nvcc found (set CUDA_HOME): installing without the CUDA extension")
         return [], {}
     archs = os.environ.get("FUSEDOPS_CUDA_ARCHS") or os.environ.get("TORCH_CUDA_ARCH_LIST")
-    archs = [a for a in (archs or DEFAULT_ARCHS).replace(",", ";").replace(" ", ";").split(";") if a]
+    archs = (archs or DEFAULT_ARCHS).replace(",", ";").replace(" ", ";")
+    archs = [a for a in archs.split(";") if a]
     # torch's own arch detection needs a GPU; our -gencode flags replace it.
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", ";".join(a.rstrip("a") for a in archs))
     with open(os.path.join(ROOT, "csrc", "build_info.h"), "w") as f:

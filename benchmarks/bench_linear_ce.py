@@ -102,12 +102,34 @@ def measure(fn, x, w, t, reps: int):
     return ms, p20, p80, extra / 2**20, loss
 
 
+def profile(fn, x, w, t, label, path):
+    """Per-kernel GPU time of one forward+backward step (CUDA events via torch.profiler)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    def step():
+        x.grad = w.grad = None
+        fn(x, w, t).backward()
+
+    step()
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12,
+                                      max_name_column_width=60)
+    with open(path, "a") as f:
+        f.write(f"== {label}\n{table}\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama3")
     ap.add_argument("--methods", default="", help="comma list; default all")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--rep-ms", type=int, default=300)
+    ap.add_argument("--profile", action="store_true",
+                    help="also write per-kernel times of the fusedops backends to profile.txt")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name()
@@ -138,6 +160,8 @@ def main():
                        loss=round(loss, 6), gpu=gpu, torch=torch.__version__, git=git_sha(),
                        run=run_id, date=f"{stamp:%Y-%m-%d}")
             rows.append(row)
+            if args.profile and name.startswith("fusedops-") and name != "fusedops-torch":
+                profile(fn, x, w, t, f"{shape} {name}", os.path.join(args.out, "profile.txt"))
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"  {shape} {name}: {ms:.2f} ms ({time.time() - t0:.0f} s)", file=sys.stderr)

@@ -37,10 +37,6 @@ def _interpreting() -> bool:
 INTERPRET = tl.constexpr(_interpreting())
 
 
-def _tl_dtype(dtype: torch.dtype):
-    return {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
-
-
 def _blocks(dtype: torch.dtype):
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for the GEMM-shaped kernels."""
     if _interpreting():
@@ -208,33 +204,56 @@ def _dz_kernel(X, W, B, T, LSE, DLSE, DZT, DZS, DZ, DB, N, V, H, v0, chunk_cols,
 
 
 @triton.jit
+def _dw_operands(DZ, X, n, i, j, N, H, ld_dz, i_mask, j_mask):
+    n_mask = n < N
+    a = tl.load(DZ + n.to(tl.int64)[:, None] * ld_dz + i[None, :],
+                mask=n_mask[:, None] & i_mask[None, :], other=0.0)
+    b = tl.load(X + n.to(tl.int64)[:, None] * H + j[None, :],
+                mask=n_mask[:, None] & j_mask[None, :], other=0.0)
+    return a, b
+
+
+@triton.jit
 def _dw_kernel(DZ, X, DW, N, V, H, v0, chunk_cols, ld_dz, IEEE: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               INNER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
     # DW[v0 + i, j] = sum_n DZ[n, i] * X[n, j]; i over the chunk's columns, j over H.
     i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     i_mask = (i < chunk_cols) & (v0 + i < V)
     j_mask = j < H
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for n0 in range(0, N, BLOCK_K):
-        n = n0 + tl.arange(0, BLOCK_K)
-        n_mask = n < N
-        a = tl.load(DZ + n.to(tl.int64)[:, None] * ld_dz + i[None, :],
-                    mask=n_mask[:, None] & i_mask[None, :], other=0.0)
-        b = tl.load(X + n.to(tl.int64)[:, None] * H + j[None, :],
-                    mask=n_mask[:, None] & j_mask[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(tl.trans(a), b, acc, input_precision="ieee")
-        else:
+    if IEEE:  # float32: sum in two levels, see _dx_kernel
+        for n_outer in range(0, N, BLOCK_K * INNER):
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, INNER):
+                n = n_outer + kk * BLOCK_K + tl.arange(0, BLOCK_K)
+                a, b = _dw_operands(DZ, X, n, i, j, N, H, ld_dz, i_mask, j_mask)
+                part = tl.dot(tl.trans(a), b, part, input_precision="ieee")
+            acc += part
+    else:
+        for n0 in range(0, N, BLOCK_K):
+            n = n0 + tl.arange(0, BLOCK_K)
+            a, b = _dw_operands(DZ, X, n, i, j, N, H, ld_dz, i_mask, j_mask)
             acc = tl.dot(tl.trans(a), b, acc)
     out = DW + (v0 + i).to(tl.int64)[:, None] * H + j[None, :]
     tl.store(out, acc.to(DW.dtype.element_ty), mask=i_mask[:, None] & j_mask[None, :])
 
 
 @triton.jit
+def _dx_operands(DZ, W, rows, k, j, V, H, v0, chunk_cols, ld_dz, row_mask, j_mask):
+    k_mask = (k < chunk_cols) & (v0 + k < V)
+    a = tl.load(DZ + rows.to(tl.int64)[:, None] * ld_dz + k[None, :],
+                mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+    b = tl.load(W + (v0 + k).to(tl.int64)[:, None] * H + j[None, :],
+                mask=k_mask[:, None] & j_mask[None, :], other=0.0)
+    return a, b
+
+
+@triton.jit
 def _dx_kernel(DZ, W, ACC, LO, OUT, N, V, H, v0, chunk_cols, ld_dz,
                FIRST: tl.constexpr, LAST: tl.constexpr, SPLIT_BF16: tl.constexpr,
-               CAST_OUT: tl.constexpr, IEEE: tl.constexpr,
+               CAST_OUT: tl.constexpr, IEEE: tl.constexpr, INNER: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # d_hidden[n, j] += sum_i DZ[n, i] * W[v0 + i, j]
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -242,16 +261,22 @@ def _dx_kernel(DZ, W, ACC, LO, OUT, N, V, H, v0, chunk_cols, ld_dz,
     row_mask = rows < N
     j_mask = j < H
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, chunk_cols, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = (k < chunk_cols) & (v0 + k < V)
-        a = tl.load(DZ + rows.to(tl.int64)[:, None] * ld_dz + k[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(W + (v0 + k).to(tl.int64)[:, None] * H + j[None, :],
-                    mask=k_mask[:, None] & j_mask[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
+    if IEEE:
+        # float32 inputs: one long chain of float32 adds over K = V loses ~sqrt(V) ulps
+        # (2e-5 relative at V = 128256, 40x eager's cuBLAS error); partial sums over
+        # INNER * BLOCK_K columns, then added up, keep it at eager's level.
+        for k_outer in range(0, chunk_cols, BLOCK_K * INNER):
+            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kk in range(0, INNER):
+                k = k_outer + kk * BLOCK_K + tl.arange(0, BLOCK_K)
+                a, b = _dx_operands(DZ, W, rows, k, j, V, H, v0, chunk_cols, ld_dz, row_mask,
+                                    j_mask)
+                part = tl.dot(a, b, part, input_precision="ieee")
+            acc += part
+    else:
+        for k0 in range(0, chunk_cols, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            a, b = _dx_operands(DZ, W, rows, k, j, V, H, v0, chunk_cols, ld_dz, row_mask, j_mask)
             acc = tl.dot(a, b, acc)
     offs = rows.to(tl.int64)[:, None] * H + j[None, :]
     mask = row_mask[:, None] & j_mask[None, :]
@@ -320,11 +345,13 @@ def linear_ce_bwd(hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, softca
         if need_dw:
             _dw_kernel[(triton.cdiv(n_cols, bm), triton.cdiv(hidden_size, bn))](
                 dz, hidden, d_weight, n_tokens, vocab_size, hidden_size, v0, n_cols, cols,
-                IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                IEEE=ieee, INNER=16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                num_stages=stages)
         if need_dh:
             _dx_kernel[(triton.cdiv(n_tokens, bm), triton.cdiv(hidden_size, bn))](
                 dz, weight, acc, lo, d_hidden, n_tokens, vocab_size, hidden_size, v0, n_cols, cols,
                 FIRST=v0 == 0, LAST=v0 + cols >= vocab_size, SPLIT_BF16=split,
-                CAST_OUT=dtype == torch.float16, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                CAST_OUT=dtype == torch.float16, IEEE=ieee, INNER=16, BLOCK_M=bm, BLOCK_N=bn,
+                BLOCK_K=bk,
                 num_warps=warps, num_stages=stages)
     return d_hidden, d_weight, d_bias()

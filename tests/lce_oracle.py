@@ -45,7 +45,8 @@ def make_inputs(case: Case):
     if case.noncontig:
         h = h[..., ::2]
     # Logits ~ N(0, 3^2): peaked enough that softmax is far from uniform.
-    w = torch.randn(case.vocab_size, case.hidden_size, generator=g) * (3.0 / math.sqrt(case.hidden_size))
+    w = torch.randn(case.vocab_size, case.hidden_size, generator=g)
+    w = w * (3.0 / math.sqrt(case.hidden_size))
     b = torch.randn(case.vocab_size, generator=g) * 0.5 if case.bias else None
     t = torch.randint(0, case.vocab_size, case.lead, generator=g)
     if case.ignore_frac >= 1.0:
@@ -104,7 +105,7 @@ def run(fn, inp, case: Case, dtype=None):
         vals = {"loss": loss.detach()}
     leaves = [("d_hidden", h), ("d_weight", w)] + ([("d_bias", b)] if b is not None else [])
     grads = torch.autograd.grad(total, [x for _, x in leaves], allow_unused=True)
-    for (name, x), gr in zip(leaves, grads):
+    for (name, x), gr in zip(leaves, grads, strict=True):
         vals[name] = torch.zeros_like(x) if gr is None else gr
     return vals
 

@@ -8,8 +8,8 @@ from fusedops.linear_ce import linear_cross_entropy
 
 def _inputs(n=6, h=16, v=11, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
-    return (torch.randn(n, h, generator=g, dtype=dtype), torch.randn(v, h, generator=g, dtype=dtype),
-            torch.randint(0, v, (n,), generator=g))
+    return (torch.randn(n, h, generator=g, dtype=dtype),
+            torch.randn(v, h, generator=g, dtype=dtype), torch.randint(0, v, (n,), generator=g))
 
 
 @pytest.mark.parametrize("mutate,exc,match", [

@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from fusedops import _ext, dispatch
-from fusedops.linear_ce import linear_cross_entropy
-from fusedops.linear_ce import ops  # noqa: F401
+from fusedops.linear_ce import (
+    linear_cross_entropy,
+    ops,  # noqa: F401
+)
 
 HAS_GPU = torch.cuda.is_available()
 

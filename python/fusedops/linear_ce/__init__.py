@@ -1,4 +1,4 @@
-"""Fused linear + cross-entropy: the loss of `hidden @ weight.T (+ bias)` without the full logits."""
+"""Fused linear + cross-entropy: the loss of `hidden @ weight.T + bias` without the full logits."""
 
 from __future__ import annotations
 
@@ -75,7 +75,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     Equals, within rounding, ``F.cross_entropy(z.float(), target, ignore_index=ignore_index,
     reduction=reduction, label_smoothing=label_smoothing)`` with
     ``z = softcap * tanh((hidden @ weight.T + bias) / softcap)`` (no tanh when softcap is None),
-    plus ``z_loss * lse**2`` for each non-ignored token (lse = logsumexp of z), reduced the same way.
+    plus ``z_loss * lse**2`` for each non-ignored token (lse = logsumexp of z), reduced the same
+    way.
 
     * hidden (..., H); weight (V, H); bias (V,) or None; one dtype (float32, float16, bfloat16;
       float64 runs on the torch backend only). target int64/int32 with hidden's leading shape.
@@ -108,7 +109,10 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
         h2, w, b, t1, int(ignore_index), float(softcap or 0.0), bool(check_targets), name)
 
     eps = float(label_smoothing)
-    loss = lse - z_target if eps == 0.0 else lse - (1.0 - eps) * z_target - (eps / vocab_size) * z_sum
+    if eps == 0.0:
+        loss = lse - z_target
+    else:
+        loss = lse - (1.0 - eps) * z_target - (eps / vocab_size) * z_sum
     if z_loss:
         loss = loss + float(z_loss) * lse * lse
     valid = t1 != ignore_index

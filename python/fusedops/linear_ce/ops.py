@@ -9,8 +9,6 @@ dz = d_lse * softmax(z) + d_zt * onehot(target) + d_zsum. Both ops carry fake im
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -35,7 +33,7 @@ def check_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int) -
 
 
 @torch.library.custom_op("fusedops::linear_ce_fwd", mutates_args=())
-def linear_ce_fwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+def linear_ce_fwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                   ignore_index: int, softcap: float, check_targets: bool,
                   backend: str) -> tuple[Tensor, Tensor, Tensor]:
     if check_targets:
@@ -61,7 +59,7 @@ def _(hidden, weight, bias, target, ignore_index, softcap, check_targets, backen
 
 
 @torch.library.custom_op("fusedops::linear_ce_bwd", mutates_args=())
-def linear_ce_bwd(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], target: Tensor,
+def linear_ce_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                   lse: Tensor, d_lse: Tensor, d_zt: Tensor, d_zsum: Tensor, softcap: float,
                   need_dh: bool, need_dw: bool, need_db: bool,
                   backend: str) -> tuple[Tensor, Tensor, Tensor]:
