@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: build the extension, run the GPU test suite, benchmark. Logs under $OUT.
-# Usage (on the GPU machine): FUSEDOPS_GIT=<sha> bash benchmarks/gpu_run.sh [pytest -k expr]
+# Usage (on the GPU machine): FUSEDOPS_GIT=<sha> bash benchmarks/gpu_run.sh
+#   PYTEST_ARGS (default "-m gpu"), BENCH_ARGS, SKIP_TESTS=1, SKIP_BENCH=1, RUN_DEMO=1
 set -uo pipefail
 OUT=${OUT:-/tmp/fusedops_out}
 mkdir -p "$OUT"
@@ -15,7 +16,7 @@ cd /tmp && python3 -m fusedops.info | tee "$OUT/info.txt"; cd - > /dev/null
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   t0=$(date +%s)
   # Run from /tmp-free cwd so the installed package (with _C) is imported, not the source tree.
-  python3 -m pytest -q -rs -p no:cacheprovider tests ${1:+-k "$1"} > "$OUT/tests.log" 2>&1
+  python3 -m pytest -q -rs -p no:cacheprovider tests ${PYTEST_ARGS:--m gpu} > "$OUT/tests.log" 2>&1
   rc=$?
   tail -25 "$OUT/tests.log"
   echo "tests: rc=$rc, $(( $(date +%s) - t0 )) s"
@@ -23,4 +24,7 @@ fi
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
   python3 benchmarks/bench_linear_ce.py --out "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.err"
   tail -5 "$OUT/bench.err"
+fi
+if [ "${RUN_DEMO:-0}" = "1" ]; then
+  (cd /tmp && python3 "$OLDPWD/examples/demo_lm_head.py") 2>&1 | tee "$OUT/demo.log"
 fi

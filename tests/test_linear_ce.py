@@ -31,6 +31,9 @@ def _backends():
 
 
 BACKENDS = _backends()
+# (backend, device) as pytest params, CUDA ones marked gpu.
+BACKEND_PARAMS = [pytest.param(b, d, marks=[pytest.mark.gpu] if d == "cuda" else [],
+                               id=f"{b}-{d}") for b, d in BACKENDS]
 
 # (leading shape, H, V). Sizes that are not multiples of any tile, 3-D hidden, the large shapes.
 SHAPES_SMALL = [((1,), 64, 123), ((37,), 120, 123), ((2, 19), 64, 123)]
@@ -123,7 +126,7 @@ def test_reference_chunking_matches_unchunked():
         torch.testing.assert_close(a, c)
 
 
-@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("backend,device", BACKEND_PARAMS)
 def test_mean_all_ignored_is_zero_with_zero_grads(backend, device):
     dtype = _dtypes(backend, device)[0]
     h = torch.randn(5, 64, device=device, dtype=dtype, requires_grad=True)
@@ -135,7 +138,7 @@ def test_mean_all_ignored_is_zero_with_zero_grads(backend, device):
     assert torch.count_nonzero(h.grad) == 0 and torch.count_nonzero(w.grad) == 0
 
 
-@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("backend,device", BACKEND_PARAMS)
 def test_empty_batch(backend, device):
     dtype = _dtypes(backend, device)[0]
     h = torch.randn(0, 64, device=device, dtype=dtype, requires_grad=True)
@@ -149,7 +152,7 @@ def test_empty_batch(backend, device):
     assert none.shape == (0,)
 
 
-@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("backend,device", BACKEND_PARAMS)
 def test_frozen_weight_and_int32_targets(backend, device):
     """Only the gradients asked for are computed; int32 targets equal int64 ones."""
     dtype = _dtypes(backend, device)[0]

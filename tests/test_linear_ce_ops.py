@@ -53,7 +53,7 @@ def test_fake_tensor_shapes():
         assert dh.shape == (5, 8) and dw.shape == (11, 8) and db.shape == (0,)
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if HAS_GPU else []))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_torch_compile_fullgraph(device):
     """A function calling linear_cross_entropy compiles without graph breaks, forward+backward."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
