@@ -36,7 +36,7 @@ def make_data(vocab: int, hidden: int, tokens: int, steps: int, device, dtype, s
         h = emb[prev]
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)  # RMSNorm
         batches.append((h.to(device, dtype), nxt.to(device)))
-    w0 = (torch.randn(vocab, hidden, generator=g) * 0.02).to(device, dtype)
+    w0 = (torch.randn(vocab, hidden, generator=g) * 0.02).to(device)  # float32 master weights
     return batches, w0
 
 
@@ -57,10 +57,11 @@ def train(variant: str, args) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
+        wc = w.to(dtype)  # compute copy in the training dtype; AdamW updates the float32 master
         if variant == "fusedops":
-            loss = linear_cross_entropy(h, w, t)
+            loss = linear_cross_entropy(h, wc, t)
         else:
-            loss = F.cross_entropy((h @ w.T).float(), t)
+            loss = F.cross_entropy((h @ wc.T).float(), t)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -82,8 +83,8 @@ def main():
     ap.add_argument("--vocab", type=int, default=128256 if gpu else 32000)
     ap.add_argument("--hidden", type=int, default=2048 if gpu else 256)
     ap.add_argument("--tokens", type=int, default=8192 if gpu else 2048)
-    ap.add_argument("--steps", type=int, default=30 if gpu else 12)
-    ap.add_argument("--lr", type=float, default=2e-2)
+    ap.add_argument("--steps", type=int, default=30 if gpu else 10)
+    ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.variant:  # child process: one variant, so CPU peak RSS is its own

@@ -1,0 +1,45 @@
+"""Plots a linear_ce benchmark run (JSON lines) as time and extra memory per method and shape.
+
+    python benchmarks/plot_linear_ce.py benchmarks/results/linear_ce_<run>.jsonl [out.png]
+"""
+
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main(path, out=None):
+    rows = [json.loads(line) for line in open(path)]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(2, len(shapes), figsize=(5.5 * len(shapes), 7.5), squeeze=False)
+    for col, shape in enumerate(shapes):
+        rs = [r for r in rows if r["shape"] == shape]
+        names = [r["method"].replace("fusedops-", "fo-") for r in rs]
+        colors = ["tab:blue" if r["method"].startswith("fusedops") else "tab:gray" for r in rs]
+        r0 = rs[0]
+        title = f"{shape}: N={r0['N']} H={r0['H']} V={r0['V']}"
+        ax = axes[0][col]
+        ax.barh(names, [r["ms"] for r in rs], color=colors)
+        ax.set_title(title)
+        ax.set_xlabel("forward+backward, ms (lower is better)")
+        ax.invert_yaxis()
+        ax = axes[1][col]
+        ax.barh(names, [max(r["extra_mib"], 0.1) for r in rs], color=colors)
+        ax.set_xscale("log")
+        ax.set_xlabel("extra peak memory, MiB (log)")
+        ax.invert_yaxis()
+    r0 = rows[0]
+    fig.suptitle(f"fused linear cross-entropy, bf16, {r0['gpu']}, torch {r0['torch']}, "
+                 f"git {r0['git']}, {r0['date']}")
+    fig.tight_layout()
+    out = out or path.replace(".jsonl", ".png")
+    fig.savefig(out, dpi=90)
+    print(out)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
