@@ -83,7 +83,7 @@ def cuda_extension():
 ext_modules, cmdclass = cuda_extension()
 
 setup(
-    packages=["fusedops", "fusedops.linear_ce", "kernels_triton"],
+    packages=["fusedops", "fusedops.linear_ce", "fusedops.attention", "kernels_triton"],
     package_dir={"fusedops": "python/fusedops", "kernels_triton": "kernels_triton"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One device call: build the extension, run the GPU test suite, benchmark. Logs under $OUT.
+# One device call: build/install, run the GPU tests, benchmark. Logs under $OUT.
 # Usage (on the GPU machine): FUSEDOPS_GIT=<sha> bash benchmarks/gpu_run.sh
-#   PYTEST_ARGS (default "-m gpu"), BENCH_ARGS, SKIP_TESTS=1, SKIP_BENCH=1, RUN_DEMO=1
+#   PYTEST_ARGS (default "-m gpu tests"), TEST_TIMEOUT (s), BENCH (default bench_linear_ce.py),
+#   BENCH_ARGS, BENCH_TIMEOUT (s), SKIP_TESTS=1, SKIP_BENCH=1, RUN_DEMO=1,
+#   FUSEDOPS_SKIP_CUDA_BUILD=1 (Triton/torch work only)
 set -uo pipefail
 OUT=${OUT:-/tmp/fusedops_out}
 mkdir -p "$OUT"
@@ -12,17 +14,20 @@ t0=$(date +%s)
 python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log"; exit 1; }
 echo "build: $(( $(date +%s) - t0 )) s"
-cd /tmp && python3 -m fusedops.info | tee "$OUT/info.txt"; cd - > /dev/null
+(cd /tmp && python3 -m fusedops.info) | tee "$OUT/info.txt"
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   t0=$(date +%s)
-  # Run from /tmp-free cwd so the installed package (with _C) is imported, not the source tree.
-  python3 -m pytest -q -rs -p no:cacheprovider tests ${PYTEST_ARGS:--m gpu} > "$OUT/tests.log" 2>&1
+  # From the repo root the installed fusedops (with _C) is imported; kernels_triton is the same
+  # code either way.
+  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rs -p no:cacheprovider \
+    ${PYTEST_ARGS:--m gpu tests} > "$OUT/tests.log" 2>&1
   rc=$?
   tail -25 "$OUT/tests.log"
   echo "tests: rc=$rc, $(( $(date +%s) - t0 )) s"
 fi
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
-  python3 benchmarks/bench_linear_ce.py --out "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.err"
+  timeout "${BENCH_TIMEOUT:-300}" python3 "benchmarks/${BENCH:-bench_linear_ce.py}" --out "$OUT" \
+    ${BENCH_ARGS:-} 2> "$OUT/bench.err"
   tail -5 "$OUT/bench.err"
 fi
 if [ "${RUN_DEMO:-0}" = "1" ]; then

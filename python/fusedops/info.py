@@ -33,8 +33,9 @@ def report() -> str:
         device = ("cpu", -1)
     for name, var in (("FUSEDOPS_BACKEND", "auto"), ("FUSEDOPS_CUDA_ARCH", "auto")):
         lines.append(f"{name}={os.environ.get(name, var)}")
-    for op, inner in (("linear_ce", 4096),):
-        lines.append(f"{op} backends for bfloat16 inputs on {device[0]} (hidden size {inner}):")
+    for op, inner in (("linear_ce", 4096), ("attention", 128)):
+        what = "hidden size" if op == "linear_ce" else "head dim"
+        lines.append(f"{op} backends for bfloat16 inputs on {device[0]} ({what} {inner}):")
         sig = dispatch.InputSig(op, device[0], device[1], torch.bfloat16, inner)
         for name in dispatch.BACKENDS:
             why = dispatch.why_not(name, sig)

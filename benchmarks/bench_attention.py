@@ -1,0 +1,143 @@
+"""Benchmark: exact attention forward and backward, fusedops backends next to PyTorch SDPA's flash,
+cuDNN and memory-efficient backends and FlexAttention, one run. bf16, B*L = 16384, H*D = 2048.
+Writes one JSON object per line under benchmarks/results/ (or --out) and prints a table.
+
+    python benchmarks/bench_attention.py [--lengths 1024,4096,16384] [--dims 64,128]
+
+FLOPs: forward 4*B*H*L*L*D (half when causal), backward 2.5x the forward. Backward time is
+(forward+backward) - forward. peak_mib is peak memory above the inputs during forward+backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import uuid
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_linear_ce import git_sha  # noqa: E402
+
+
+def sdpa(kind):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+               "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[kind]
+
+    def fn(q, k, v, causal):
+        with sdpa_kernel(backend):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                 v.transpose(1, 2), is_causal=causal)
+        return out.transpose(1, 2)
+    return fn
+
+
+def flex():
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    compiled = torch.compile(flex_attention)
+    masks = {}
+
+    def fn(q, k, v, causal):
+        bm = None
+        if causal:
+            key = q.shape[1]
+            if key not in masks:
+                masks[key] = create_block_mask(lambda b, h, i, j: j <= i, None, None, key, key)
+            bm = masks[key]
+        return compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                        block_mask=bm).transpose(1, 2)
+    return fn
+
+
+def fused(backend):
+    from fusedops.attention import attention
+    return lambda q, k, v, causal: attention(q, k, v, causal=causal, backend=backend)
+
+
+def measure(fn, q, k, v, do, causal, rep_ms):
+    """(forward ms, forward+backward ms, peak MiB above the inputs)."""
+    fn(q, k, v, causal).backward(do)  # warm-up / compile
+    torch.cuda.synchronize()
+    for t in (q, k, v):
+        t.grad = None
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fn(q, k, v, causal).backward(do)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    with torch.no_grad():
+        fwd = triton.testing.do_bench(lambda: fn(q, k, v, causal), rep=rep_ms)
+    tot = triton.testing.do_bench(lambda: fn(q, k, v, causal).backward(do), rep=rep_ms,
+                                  grad_to_none=[q, k, v])
+    return fwd, tot, peak
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lengths", default="1024,4096,16384")
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--methods", default="triton,torch,sdpa_flash,sdpa_cudnn,sdpa_efficient,flex")
+    ap.add_argument("--flex-lengths", default="4096", help="FlexAttention compiles per shape")
+    ap.add_argument("--torch-max-length", type=int, default=1024)
+    ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    gpu, run_id = torch.cuda.get_device_name(), uuid.uuid4().hex[:8]
+    stamp = datetime.datetime.now(datetime.timezone.utc)
+    path = os.path.join(args.out, f"attention_{stamp:%Y%m%d_%H%M%S}_{run_id}.jsonl")
+    makers = {"triton": lambda: fused("triton"), "torch": lambda: fused("torch"),
+              "sdpa_flash": lambda: sdpa("sdpa_flash"), "sdpa_cudnn": lambda: sdpa("sdpa_cudnn"),
+              "sdpa_efficient": lambda: sdpa("sdpa_efficient"), "flex": flex}
+    fns = {m: makers[m]() for m in args.methods.split(",")}
+    rows = []
+    for d in map(int, args.dims.split(",")):
+        for length in map(int, args.lengths.split(",")):
+            for causal in (False, True):
+                b, h = 16384 // length, 2048 // d
+                g = torch.Generator(device="cuda").manual_seed(0)
+                q, k, v, do = (torch.randn(b, length, h, d, device="cuda", generator=g,
+                                           dtype=torch.bfloat16) for _ in range(4))
+                for t in (q, k, v):
+                    t.requires_grad_()
+                flops = 4 * b * h * length * length * d / (2 if causal else 1)
+                for name, fn in fns.items():
+                    if name == "flex" and str(length) not in args.flex_lengths.split(","):
+                        continue
+                    if name == "torch" and length > args.torch_max_length:
+                        continue
+                    try:
+                        fwd, tot, peak = measure(fn, q, k, v, do, causal, args.rep_ms)
+                    except Exception as exc:
+                        print(f"{name} D={d} L={length} causal={causal}: {type(exc).__name__}: "
+                              f"{str(exc)[:200]}", file=sys.stderr)
+                        continue
+                    bwd = tot - fwd
+                    row = dict(op="attention", method=name, B=b, H=h, L=length, D=d,
+                               causal=causal, dtype="bfloat16", fwd_ms=round(fwd, 4),
+                               bwd_ms=round(bwd, 4), fwd_tflops=round(flops / fwd / 1e9, 1),
+                               bwd_tflops=round(2.5 * flops / bwd / 1e9, 1),
+                               peak_mib=round(peak, 1), gpu=gpu, torch=torch.__version__,
+                               git=git_sha(), run=run_id, date=f"{stamp:%Y-%m-%d}")
+                    rows.append(row)
+                    with open(path, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+                del q, k, v, do
+                torch.cuda.empty_cache()
+    print(f"\n{gpu}, torch {torch.__version__}, git {git_sha()}, run {run_id} -> {path}")
+    print(f"{'D':>4} {'L':>6} {'causal':>6} {'method':15} {'fwd TF/s':>9} {'bwd TF/s':>9} "
+          f"{'peak MiB':>9}")
+    for r in rows:
+        print(f"{r['D']:4d} {r['L']:6d} {str(r['causal']):>6} {r['method']:15} "
+              f"{r['fwd_tflops']:9.1f} {r['bwd_tflops']:9.1f} {r['peak_mib']:9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Exact tiled attention (FlashAttention-style online softmax), forward and backward."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from fusedops import dispatch
+
+__all__ = ["attention", "Attention"]
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k, window_size, softcap, softmax_scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    want = 3 if varlen else 4
+    layout = "(total, H, D) with cu_seqlens" if varlen else "(B, S, H, D)"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != want:
+            raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head dims differ: q has {q.shape[-1]}, k and v have {k.shape[-1]}")
+    if not 1 <= q.shape[-1] <= 256:
+        raise ValueError(f"head dim must be in [1, 256], got {q.shape[-1]}")
+    hq, hkv = q.shape[-2], k.shape[-2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"the number of q heads ({hq}) must be a multiple of the number of k/v "
+                         f"heads ({hkv})")
+    if not varlen and q.shape[0] != k.shape[0]:
+        raise ValueError(f"q has batch {q.shape[0]}, k and v have batch {k.shape[0]}")
+    if varlen:
+        for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_k", cu_k)):
+            if not isinstance(cu, Tensor):
+                raise TypeError(f"{name} must be an int32 Tensor, got {type(cu).__name__}")
+            if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
+                raise ValueError(f"{name} must be a 1-D int32 tensor of length batch + 1, got "
+                                 f"{cu.dtype} of shape {tuple(cu.shape)}")
+            if cu.device != q.device:
+                raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+        if cu_q.shape != cu_k.shape:
+            raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), "
+                             f"got {cu_q.shape[0]} and {cu_k.shape[0]}")
+        for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
+            if not isinstance(m, int) or m < 0:
+                raise ValueError(f"{name} must be an int >= 0 with cu_seqlens, got {m!r}")
+    elif cu_q is not None or cu_k is not None:
+        raise ValueError("pass both cu_seqlens_q and cu_seqlens_k (packed q, k, v) or neither")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(not isinstance(w, int) or w < -1 for w in window_size)):
+        raise ValueError(f"window_size must be (left, right) ints >= -1, got {window_size!r}")
+    if softcap is not None and not (float(softcap) > 0 and math.isfinite(float(softcap))):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+    if softmax_scale is not None and not math.isfinite(float(softmax_scale)):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
+              softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+              softcap: float | None = None, cu_seqlens_q: Tensor | None = None,
+              cu_seqlens_k: Tensor | None = None, max_seqlen_q: int | None = None,
+              max_seqlen_k: int | None = None, return_lse: bool = False,
+              backend: str | None = None):
+    """Exact attention softmax(scale * q k^T (+ masks, softcap)) v without the score matrix.
+
+    Dense: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), Hq a multiple of Hkv (MHA, GQA, MQA);
+    returns out (B, Sq, Hq, D) and, with return_lse, lse (B, Hq, Sq) float32.
+    Packed variable-length: q (total_q, Hq, D), k and v (total_k, Hkv, D), int32 cu_seqlens_q and
+    cu_seqlens_k (batch + 1) and the maximum lengths; lse (Hq, total_q).
+    causal is aligned to the bottom-right corner (query i sees key j <= i + Sk - Sq);
+    window_size=(left, right) limits query i to keys in [i + Sk - Sq - left, i + Sk - Sq + right]
+    (-1 = unlimited); softcap applies softcap * tanh(s / softcap) to the scaled scores;
+    softmax_scale defaults to 1 / sqrt(D). A query that sees no key returns zeros and lse -inf,
+    with zero gradients. lse is not differentiable. The backward is deterministic (no atomics)
+    when torch.use_deterministic_algorithms(True) is set.
+    """
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    _check(q, k, v, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size,
+           softcap, softmax_scale)
+    head_dim = q.shape[-1]
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    if varlen:
+        q3, k3, v3 = q, k, v
+        cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
+        max_q, max_k = max_seqlen_q, max_seqlen_k
+    else:
+        batch, sq, hq, _ = q.shape
+        sk = k.shape[1]
+        q3 = q.reshape(batch * sq, hq, head_dim)
+        k3 = k.reshape(batch * sk, k.shape[2], head_dim)
+        v3 = v.reshape(batch * sk, v.shape[2], head_dim)
+        steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
+        cu_q, cu_k = steps * sq, steps * sk
+        max_q, max_k = sq, sk
+    q3, k3, v3 = (t if t.is_contiguous() else t.contiguous() for t in (q3, k3, v3))
+    name = dispatch.select("attention", q, head_dim, backend)
+    out, lse = torch.ops.fusedops.attention_fwd(
+        q3, k3, v3, cu_q, cu_k, int(max_q), int(max_k), scale, bool(causal),
+        int(window_size[0]), int(window_size[1]), float(softcap or 0.0), varlen, name)
+    if not varlen:
+        out = out.view(q.shape)
+        lse = lse.view(q.shape[2], q.shape[0], q.shape[1]).permute(1, 0, 2)
+    return (out, lse) if return_lse else out
+
+
+class Attention(nn.Module):
+    """Module form of :func:`attention`: options at construction, forward(q, k, v, **varlen)."""
+
+    def __init__(self, *, causal: bool = False, softmax_scale: float | None = None,
+                 window_size: tuple[int, int] = (-1, -1), softcap: float | None = None,
+                 return_lse: bool = False, backend: str | None = None):
+        super().__init__()
+        self.options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                            softcap=softcap, return_lse=return_lse, backend=backend)
+
+    def forward(self, q, k, v, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                max_seqlen_k=None):
+        return attention(q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, **self.options)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+
+
+from fusedops.attention import ops as _ops  # noqa: E402,F401  (registers torch.ops.fusedops.*)

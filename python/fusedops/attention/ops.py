@@ -1,0 +1,103 @@
+"""torch.library ops for attention: fusedops::attention_fwd / attention_bwd (packed layout).
+
+Inputs are always packed: q (total_q, Hq, D), k/v (total_k, Hkv, D) with int32 cu_seqlens; the
+dense API builds cu_seqlens = arange(B + 1) * S. lse is (Hq, total_q). The backward op is its own
+op so torch.compile sees both directions; lse is returned as a non-differentiable output.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from fusedops.attention import reference
+
+
+def _stat_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def check_seqlens(cu_q: Tensor, cu_k: Tensor, total_q: int, total_k: int, max_q: int,
+                  max_k: int) -> None:
+    """Value checks of cu_seqlens (one host synchronisation; only for user-given cu_seqlens)."""
+    for name, cu, total, mx in (("cu_seqlens_q", cu_q, total_q, max_q),
+                                ("cu_seqlens_k", cu_k, total_k, max_k)):
+        c = cu.tolist()
+        if c[0] != 0:
+            raise ValueError(f"{name}[0] must be 0, got {c[0]}")
+        if c[-1] != total:
+            raise ValueError(f"{name}[-1] must equal the packed length {total}, got {c[-1]}")
+        lens = [b - a for a, b in zip(c, c[1:], strict=False)]
+        if any(n < 0 for n in lens):
+            raise ValueError(f"{name} must be non-decreasing, got {c}")
+        if lens and max(lens) > mx:
+            raise ValueError(f"a sequence in {name} has length {max(lens)} > the given maximum "
+                             f"{mx}")
+
+
+@torch.library.custom_op("fusedops::attention_fwd", mutates_args=())
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                  max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
+                  window_left: int, window_right: int, softcap: float, check: bool,
+                  backend: str) -> tuple[Tensor, Tensor]:
+    if check:
+        check_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
+                      max_seqlen_k)
+    if backend == "torch":
+        return reference.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal,
+                                       window_left, window_right, softcap)
+    if backend == "triton":
+        from kernels_triton import attention as ta
+        return ta.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                scale, causal, window_left, window_right, softcap)
+    raise ValueError(f"unknown attention backend {backend!r}")
+
+
+@attention_fwd.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+      window_left, window_right, softcap, check, backend):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=_stat_dtype(q))
+
+
+@torch.library.custom_op("fusedops::attention_bwd", mutates_args=())
+def attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+                  cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                  max_seqlen_k: int, scale: float, causal: bool, window_left: int,
+                  window_right: int, softcap: float, deterministic: bool,
+                  backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    if backend == "torch":
+        return reference.attention_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k,
+                                       scale, causal, window_left, window_right, softcap)
+    if backend == "triton":
+        from kernels_triton import attention as ta
+        return ta.attention_bwd(q, k, v, out, lse, dout.contiguous(), cu_seqlens_q,
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+                                window_left, window_right, softcap, deterministic)
+    raise ValueError(f"unknown attention backend {backend!r}")
+
+
+@attention_bwd.register_fake
+def _(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+      causal, window_left, window_right, softcap, deterministic, backend):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right, softcap, _check,
+     backend) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.args = (max_q, max_k, scale, causal, left, right, softcap)
+    ctx.backend = backend
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args, deterministic,
+                               ctx.backend)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -1,0 +1,209 @@
+"""Attention parity suite against the float64 oracle, bad input, op registration."""
+
+import os
+
+import attn_oracle as A
+import pytest
+import torch
+
+from fusedops.attention import Attention, attention
+
+HAS_GPU = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+# (B, Sq, Sk, Hq, Hkv, D): seqlens 1, 97, 128, 1025, 4096; Sq != Sk both ways; GQA 1, 4, 8;
+# head dims 32, 64, 96, 128, 256.
+GPU_SHAPES = [(2, 1, 1, 4, 4, 64), (2, 97, 97, 4, 1, 64), (1, 128, 128, 8, 1, 128),
+              (2, 1025, 1025, 4, 4, 128), (1, 4096, 4096, 2, 2, 64), (2, 97, 211, 4, 2, 64),
+              (2, 211, 97, 4, 2, 128), (1, 97, 97, 2, 2, 32), (1, 97, 97, 2, 2, 96),
+              (1, 211, 97, 2, 1, 256)]
+CPU_SHAPES = [(1, 1, 1, 2, 2, 16), (2, 19, 23, 4, 2, 16), (1, 23, 19, 4, 1, 32)]
+FEATURES = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window=(32, 16)),
+    "softcap": dict(softcap=20.0),
+    "causal_window": dict(causal=True, window=(64, -1)),
+    "varlen_causal": dict(varlen=True, causal=True),
+    "varlen_everything": dict(varlen=True, causal=True, window=(40, -1), softcap=15.0),
+}
+_CACHE = {}
+
+
+def _params():
+    out = []
+    for lead in CPU_SHAPES:
+        for f in FEATURES:
+            out.append(pytest.param("torch", "cpu", torch.float32, lead, f,
+                                    id=f"torch-cpu-{'x'.join(map(str, lead))}-{f}"))
+            if INTERPRET and not HAS_GPU:
+                out.append(pytest.param("triton", "cpu", torch.float32, lead, f,
+                                        id=f"triton-cpu-{'x'.join(map(str, lead))}-{f}"))
+    for backend in ("triton", "torch"):
+        for dtype in (torch.bfloat16, torch.float16):
+            for lead in GPU_SHAPES:
+                for f in FEATURES:
+                    # The torch backend is the oracle's own code (tested on the CPU too): on the GPU
+                    # only bf16 and the smaller shapes.
+                    big = lead[1] * lead[2] > 10**6
+                    if backend == "torch" and (big or dtype != torch.bfloat16):
+                        continue
+                    out.append(pytest.param(
+                        backend, "cuda", dtype, lead, f, marks=pytest.mark.gpu,
+                        id=f"{backend}-cuda-{str(dtype)[6:]}-{'x'.join(map(str, lead))}-{f}"))
+    return out
+
+
+@pytest.mark.parametrize("backend,device,dtype,shape,feature", _params())
+def test_parity(backend, device, dtype, shape, feature):
+    case = A.Case(*shape, dtype, device, **FEATURES[feature])
+    A.check(case, backend, _CACHE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("feature", ["plain", "causal_window", "varlen_everything"])
+def test_deterministic_backward_is_bitwise_repeatable(feature):
+    case = A.Case(2, 1025, 1025, 8, 2, 128, torch.bfloat16, "cuda", **FEATURES[feature])
+    inp = A.make_inputs(case)
+    torch.use_deterministic_algorithms(True)
+    try:
+        A.check(case, "triton", _CACHE)
+        runs = [A.run(lambda *a, **k: attention(*a, **k, return_lse=True, backend="triton"), inp,
+                      case, case.dtype) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name in ("dq", "dk", "dv"):
+        assert torch.equal(runs[0][name], runs[1][name]), name
+
+
+def test_reference_matches_materialised_float64():
+    for f in ("plain", "causal_window", "varlen_everything", "softcap"):
+        case = A.Case(2, 23, 19, 4, 2, 16, torch.float64, "cpu", **FEATURES[f])
+        inp = A.make_inputs(case)
+        ref = A.run(lambda *a, **k: attention(*a, **k, return_lse=True, backend="torch"), inp,
+                    case, torch.float64)
+        direct = A.run(A.eager_attention, inp, case, torch.float64)
+        for name in ref:
+            assert A.rel_err(ref[name], direct[name]) < 1e-12, (f, name)
+
+
+def test_row_that_sees_no_key_is_zero_with_lse_minus_inf():
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    k = torch.randn(1, 3, 2, 16, requires_grad=True)
+    v = torch.randn(1, 3, 2, 16, requires_grad=True)
+    out, lse = attention(q, k, v, causal=True, return_lse=True, backend="torch")
+    # Sq=8 > Sk=3, bottom-right causal: query i sees keys j <= i - 5, so rows 0-4 see nothing.
+    assert torch.all(out[0, :5] == 0) and torch.all(lse[0, :, :5] == float("-inf"))
+    assert torch.isfinite(lse[0, :, 5:]).all()
+    out.sum().backward()
+    assert torch.all(q.grad[0, :5] == 0) and torch.isfinite(k.grad).all()
+
+
+def test_checker_rejects_wrong_scale():
+    case = A.Case(2, 19, 23, 4, 2, 16, torch.float32, "cpu", causal=True)
+    inp = A.make_inputs(case)
+    ref = A.run(lambda *a, **k: attention(*a, **k, return_lse=True, backend="torch"), inp, case,
+                torch.float64)
+    wrong = A.run(lambda *a, **k: attention(*a, **k, return_lse=True, backend="torch",
+                                            softmax_scale=0.26), inp, case, torch.float32)
+    eager = A.run(A.eager_attention, inp, case, torch.float32)
+    assert A.rel_err(wrong["out"], ref["out"]) > 2 * A.rel_err(eager["out"], ref["out"]) + 2e-6
+
+
+def test_module():
+    m = Attention(causal=True, backend="torch")
+    q = torch.randn(1, 5, 2, 16)
+    torch.testing.assert_close(m(q, q, q), attention(q, q, q, causal=True, backend="torch"))
+    assert "causal=True" in repr(m)
+
+
+def _qkv(b=1, s=5, hq=4, hkv=2, d=16, sk=None):
+    return (torch.randn(b, s, hq, d), torch.randn(b, sk or s, hkv, d),
+            torch.randn(b, sk or s, hkv, d))
+
+
+@pytest.mark.parametrize("make,kwargs,exc,match", [
+    (lambda: (lambda q, k, v: (q, k[..., :8], v[..., :8]))(*_qkv()), {}, ValueError,
+     "head dims differ"),
+    (lambda: _qkv(hq=3, hkv=2), {}, ValueError, "multiple of the number of k/v heads"),
+    (lambda: (lambda q, k, v: (q, k, v[:, :3]))(*_qkv()), {}, ValueError, "k and v must have"),
+    (lambda: (lambda q, k, v: (q[0], k[0], v[0]))(*_qkv()), {}, ValueError,
+     r"must be \(B, S, H, D\)"),
+    (lambda: (lambda q, k, v: (q.half(), k, v))(*_qkv()), {}, TypeError, "dtype"),
+    (lambda: (lambda q, k, v: (q.long(), k, v))(*_qkv()), {}, TypeError, "q must be float"),
+    (lambda: _qkv(b=1), dict(window_size=(-2, 0)), ValueError, "window_size"),
+    (lambda: _qkv(b=1), dict(softcap=-1.0), ValueError, "softcap"),
+    (lambda: _qkv(d=300), {}, ValueError, "head dim must be"),
+])
+def test_bad_dense_input(make, kwargs, exc, match):
+    q, k, v = make()
+    with pytest.raises(exc, match=match):
+        attention(q, k, v, backend="torch", **kwargs)
+
+
+def _packed():
+    q = torch.randn(10, 2, 16)
+    k = torch.randn(12, 2, 16)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    return q, k, k.clone(), cu_q, cu_k
+
+
+@pytest.mark.parametrize("mutate,match", [
+    (lambda a: {**a, "cu_seqlens_q": a["cu_seqlens_q"].long()}, "1-D int32"),
+    (lambda a: {**a, "cu_seqlens_k": torch.tensor([0, 12], dtype=torch.int32)}, "one length"),
+    (lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 6, 4], dtype=torch.int32)},
+     r"cu_seqlens_q\[-1\] must equal"),
+    (lambda a: {**a, "cu_seqlens_q": torch.tensor([0, 11, 10], dtype=torch.int32)},
+     "non-decreasing"),
+    (lambda a: {**a, "cu_seqlens_k": torch.tensor([1, 5, 12], dtype=torch.int32)},
+     r"cu_seqlens_k\[0\] must be 0"),
+    (lambda a: {**a, "max_seqlen_q": 3}, "length 6 > the given maximum 3"),
+    (lambda a: {**a, "max_seqlen_k": None}, "max_seqlen_k must be an int"),
+    (lambda a: {k: v for k, v in a.items() if k != "cu_seqlens_k"}, "cu_seqlens_k must be"),
+])
+def test_bad_varlen_input(mutate, match):
+    q, k, v, cu_q, cu_k = _packed()
+    args = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6, max_seqlen_k=7)
+    with pytest.raises((ValueError, TypeError), match=match):
+        attention(q, k, v, backend="torch", **mutate(args))
+
+
+def test_opcheck_and_compile():
+    q, k, v, cu_q, cu_k = _packed()
+    q.requires_grad_()
+    torch.library.opcheck(torch.ops.fusedops.attention_fwd.default,
+                          (q, k, v, cu_q, cu_k, 6, 7, 0.25, True, -1, -1, 0.0, True, "torch"))
+    out, lse = torch.ops.fusedops.attention_fwd(q, k, v, cu_q, cu_k, 6, 7, 0.25, True, 3, -1,
+                                                5.0, False, "torch")
+    torch.library.opcheck(torch.ops.fusedops.attention_bwd.default,
+                          (q.detach(), k, v, out.detach(), lse, torch.randn_like(out), cu_q, cu_k,
+                           6, 7, 0.25, True, 3, -1, 5.0, False, "torch"))
+
+    def f(q, k, v):
+        return attention(q, k, v, causal=True, softcap=10.0).float().square().sum()
+
+    q, k, v = (t.requires_grad_() for t in _qkv(b=2, s=7))
+    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    compiled = torch.autograd.grad(torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v),
+                                   (q, k, v))
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+def test_compile_gpu_triton():
+    def f(q, k, v):
+        return attention(q, k, v, causal=True).float().square().sum()
+
+    q, k, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(b=2, s=300, d=64))
+    eager = torch.autograd.grad(f(q, k, v), (q, k, v))
+    compiled = torch.autograd.grad(torch.compile(f, fullgraph=True)(q, k, v), (q, k, v))
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b)
+    q, k, v = (t.detach() for t in (q, k, v))
+    torch.library.opcheck(torch.ops.fusedops.attention_fwd.default,
+                          (q.reshape(600, 4, 64), k.reshape(600, 2, 64), v.reshape(600, 2, 64),
+                           torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda"),
+                           torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda"),
+                           300, 300, 0.125, True, -1, -1, 0.0, False, "triton"))
