@@ -50,6 +50,18 @@ def _mask(offs_m, offs_n, lq, lk, off, left, right, HAS_LEFT: tl.constexpr,
 
 
 @triton.jit
+def _mask_t(offs_n, offs_m, lq, lk, off, left, right, HAS_LEFT: tl.constexpr,
+            HAS_RIGHT: tl.constexpr):
+    """[N, M]: the transpose of _mask, built directly (keys along rows)."""
+    valid = (offs_n[:, None] < lk) & (offs_m[None, :] < lq)
+    if HAS_RIGHT:
+        valid &= offs_n[:, None] <= offs_m[None, :] + off + right
+    if HAS_LEFT:
+        valid &= offs_n[:, None] >= offs_m[None, :] + off - left
+    return valid
+
+
+@triton.jit
 def _seq(CU_Q, CU_K, b):
     q_start = tl.load(CU_Q + b)
     k_start = tl.load(CU_K + b)
@@ -200,7 +212,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, CU_Q, CU_K, sm_scale, soft
             if SOFTCAP:
                 t_t = _tanh(s_t / softcap)
                 s_t = softcap * t_t
-            valid_t = tl.trans(_mask(rows, offs_n, lq, lk, off, left, right, HAS_LEFT, HAS_RIGHT))
+            valid_t = _mask_t(offs_n, rows, lq, lk, off, left, right, HAS_LEFT, HAS_RIGHT)
             p_t = tl.where(valid_t, tl.exp2((s_t - lse[None, :]) * 1.4426950408889634), 0.0)
             if IEEE:
                 dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
