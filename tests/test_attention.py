@@ -10,6 +10,11 @@ from fusedops.attention import Attention, attention
 
 HAS_GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+try:
+    import triton  # noqa: F401
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
 
 # (B, Sq, Sk, Hq, Hkv, D): seqlens 1, 97, 128, 1025, 4096; Sq != Sk both ways; GQA 1, 4, 8;
 # head dims 32, 64, 96, 128, 256.
@@ -36,7 +41,7 @@ def _params():
         for f in FEATURES:
             out.append(pytest.param("torch", "cpu", torch.float32, lead, f,
                                     id=f"torch-cpu-{'x'.join(map(str, lead))}-{f}"))
-            if INTERPRET and not HAS_GPU:
+            if INTERPRET and HAS_TRITON and not HAS_GPU:
                 out.append(pytest.param("triton", "cpu", torch.float32, lead, f,
                                         id=f"triton-cpu-{'x'.join(map(str, lead))}-{f}"))
     for backend in ("triton", "torch"):

@@ -99,5 +99,5 @@ def test_cuda_backend_on_cpu_tensors_says_why():
 def test_triton_on_cpu_without_interpreter_says_why(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     h, w, t = _inputs()
-    with pytest.raises(RuntimeError, match="triton: .*CPU"):
+    with pytest.raises(RuntimeError, match="triton: .*(CPU|not importable)"):
         linear_cross_entropy(h, w, t, backend="triton")
