@@ -75,14 +75,19 @@ def linear_ce_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     raise ValueError(f"unknown backend {backend!r}")
 
 
-@linear_ce_bwd.register_fake
-def _(hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, softcap, need_dh, need_dw, need_db,
-      backend):
+def _grad_shapes(hidden, weight, bias, need_dh, need_dw, need_db):
+    """Backward outputs as every backend returns them: the gradient, or a distinct empty tensor."""
     return (
         torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
         torch.empty_like(weight) if need_dw else hidden.new_empty(0),
         torch.empty_like(bias) if (need_db and bias is not None) else hidden.new_empty(0),
     )
+
+
+@linear_ce_bwd.register_fake
+def _(hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, softcap, need_dh, need_dw, need_db,
+      backend):
+    return _grad_shapes(hidden, weight, bias, need_dh, need_dw, need_db)
 
 
 def _setup_context(ctx, inputs, output):
@@ -119,8 +124,4 @@ if _ext.available():
     @torch.library.register_fake("fusedops::linear_ce_bwd_cuda")
     def _(hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, softcap, need_dh, need_dw,
           need_db, arch):
-        return (
-            torch.empty_like(hidden) if need_dh else hidden.new_empty(0),
-            torch.empty_like(weight) if need_dw else hidden.new_empty(0),
-            torch.empty_like(bias) if (need_db and bias is not None) else hidden.new_empty(0),
-        )
+        return _grad_shapes(hidden, weight, bias, need_dh, need_dw, need_db)
