@@ -7,6 +7,8 @@ op so torch.compile sees both directions; lse is returned as a non-differentiabl
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -94,7 +96,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    # The separate no-atomics dQ kernel is the default: deterministic and, on the H200, about
+    # twice as fast as fp32 atomics (benchmarks/NOTES_attention.md). FUSEDOPS_ATTN_DQ=atomic
+    # selects the atomic variant (for comparison), unless deterministic algorithms are enforced.
+    deterministic = (torch.are_deterministic_algorithms_enabled()
+                     or os.environ.get("FUSEDOPS_ATTN_DQ", "separate") != "atomic")
     dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args, deterministic,
                                ctx.backend)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
