@@ -49,18 +49,34 @@ def eager_loss(x, w, t, softcap=None):
     return F.cross_entropy(z, t)
 
 
+LOWMEM_MIB = 64  # the low-memory setting reported as "-lowmem"
+
+
 def methods(softcap):
     from fusedops import dispatch
     from fusedops.linear_ce import linear_cross_entropy
 
-    out = {}
+    def fused(backend=None, budget=None):
+        return lambda x, w, t: linear_cross_entropy(x, w, t, softcap=softcap, backend=backend,
+                                                    check_targets=False, memory_budget_mib=budget)
+
+    def recompute(x, w, t):  # the issue-2 design: 4 fused GEMM kernels, no logits chunk
+        os.environ["FUSEDOPS_LCE_ALGO"] = "recompute"
+        try:
+            return linear_cross_entropy(x, w, t, softcap=softcap, check_targets=False)
+        finally:
+            del os.environ["FUSEDOPS_LCE_ALGO"]
+
+    out = {"fusedops": fused(), "fusedops-lowmem": fused(budget=LOWMEM_MIB)}
     sig = dispatch.InputSig("linear_ce", "cuda", torch.cuda.current_device(), torch.bfloat16, 64)
-    out["fusedops"] = lambda x, w, t: linear_cross_entropy(x, w, t, softcap=softcap,
-                                                           check_targets=False)
+    default = dispatch.select_name("linear_ce", "cuda", torch.cuda.current_device(), "bfloat16",
+                                   64, None)
     for name in ("cuda-sm90", "cuda-sm80", "triton", "torch"):
-        if dispatch.why_not(name, sig) is None:
-            out[f"fusedops-{name}"] = (lambda n: lambda x, w, t: linear_cross_entropy(
-                x, w, t, softcap=softcap, backend=n, check_targets=False))(name)
+        if name != default and dispatch.why_not(name, sig) is None:
+            out[f"fusedops-{name}"] = fused(name)
+            if name != "torch":
+                out[f"fusedops-{name}-lowmem"] = fused(name, LOWMEM_MIB)
+    out["fusedops-recompute"] = recompute
     out["torch_eager"] = lambda x, w, t: eager_loss(x, w, t, softcap)
     compiled = torch.compile(eager_loss)
     out["torch_compile"] = lambda x, w, t: compiled(x, w, t, softcap)
@@ -76,6 +92,34 @@ def methods(softcap):
     except Exception as exc:
         print(f"cce: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
     return out
+
+
+def rel_err(a, ref, rows=4096):
+    """||a - ref|| / ||ref|| in float64, a few thousand rows at a time."""
+    num = den = 0.0
+    for i in range(0, a.shape[0], rows):
+        r = ref[i:i + rows]
+        num += float((a[i:i + rows].double() - r).pow(2).sum())
+        den += float(r.pow(2).sum())
+    return (num / den) ** 0.5 if den else float("nan")
+
+
+def reference_grads(x, w, t, softcap):
+    """float64 gradients of the mean loss (the torch backend in float64, the tests' oracle)."""
+    from fusedops.linear_ce import linear_cross_entropy
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    linear_cross_entropy(x64, w64, t, softcap=softcap, backend="torch",
+                         check_targets=False).backward()
+    return x64.grad, w64.grad
+
+
+def grad_errors(fn, x, w, t, ref):
+    x.grad = w.grad = None
+    fn(x, w, t).backward()
+    errs = rel_err(x.grad, ref[0]), rel_err(w.grad, ref[1])
+    x.grad = w.grad = None
+    return errs
 
 
 def measure(fn, x, w, t, reps: int):
@@ -100,6 +144,21 @@ def measure(fn, x, w, t, reps: int):
     ms, p20, p80 = triton.testing.do_bench(step, warmup=25, rep=reps, quantiles=[0.5, 0.2, 0.8],
                                            grad_to_none=[x, w])
     return ms, p20, p80, extra / 2**20, loss
+
+
+def measure_memory(fn, x, w, t):
+    """Extra peak MiB of one step (after a warm-up step), as in measure()."""
+    for _ in range(2):
+        x.grad = w.grad = None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn(x, w, t).backward()
+        torch.cuda.synchronize()
+    grad_bytes = sum(g.numel() * g.element_size() for g in (x.grad, w.grad) if g is not None)
+    x.grad = w.grad = None
+    return (torch.cuda.max_memory_allocated() - before - grad_bytes) / 2**20
 
 
 def profile(fn, x, w, t, label, path):
@@ -130,6 +189,10 @@ def main():
     ap.add_argument("--rep-ms", type=int, default=300)
     ap.add_argument("--profile", action="store_true",
                     help="also write per-kernel times of the fusedops backends to profile.txt")
+    ap.add_argument("--no-accuracy", action="store_true",
+                    help="skip the float64 gradient errors (err_dh, err_dw)")
+    ap.add_argument("--curve", default="",
+                    help="comma list of N: extra memory vs N at H=4096, V=128256 (no timing)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     gpu = torch.cuda.get_device_name()
@@ -144,33 +207,66 @@ def main():
         w = (torch.randn(v, h, device="cuda", generator=g) * (2.0 / h**0.5)).bfloat16()
         w.requires_grad_()
         t = torch.randint(0, v, (n,), device="cuda", generator=g)
+        ref = None if args.no_accuracy else reference_grads(x, w, t, softcap)
         for name, fn in methods(softcap).items():
             if args.methods and name not in args.methods.split(","):
                 continue
-            rep = args.rep_ms if name != "fusedops-torch" else 50
+            rep = args.rep_ms if name not in ("fusedops-torch", "fusedops-recompute") else 100
             t0 = time.time()
             try:
                 ms, p20, p80, extra, loss = measure(fn, x, w, t, rep)
+                errs = (None, None) if ref is None else grad_errors(fn, x, w, t, ref)
             except Exception as exc:
                 print(f"{shape} {name}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
             row = dict(op="linear_ce", method=name, shape=shape, N=n, H=h, V=v, softcap=softcap,
                        dtype="bfloat16", ms=round(ms, 3), p20=round(p20, 3), p80=round(p80, 3),
                        tflops=round(6 * n * h * v / ms / 1e9, 1), extra_mib=round(extra, 1),
-                       loss=round(loss, 6), gpu=gpu, torch=torch.__version__, git=git_sha(),
-                       run=run_id, date=f"{stamp:%Y-%m-%d}")
+                       loss=round(loss, 6), err_dh=errs[0], err_dw=errs[1], gpu=gpu,
+                       torch=torch.__version__, git=git_sha(), run=run_id,
+                       date=f"{stamp:%Y-%m-%d}")
             rows.append(row)
-            if args.profile and name.startswith("fusedops-") and name != "fusedops-torch":
+            if args.profile and name.startswith("fusedops") and name != "fusedops-torch":
                 profile(fn, x, w, t, f"{shape} {name}", os.path.join(args.out, "profile.txt"))
             with open(path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(f"  {shape} {name}: {ms:.2f} ms ({time.time() - t0:.0f} s)", file=sys.stderr)
             torch.cuda.empty_cache()
+        del x, w, t, ref
+        torch.cuda.empty_cache()
+    for n in [int(c) for c in args.curve.split(",") if c]:
+        h, v = 4096, 128256
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(n, h, device="cuda", generator=g).bfloat16().requires_grad_()
+        w = (torch.randn(v, h, device="cuda", generator=g) * (2.0 / h**0.5)).bfloat16()
+        w.requires_grad_()
+        t = torch.randint(0, v, (n,), device="cuda", generator=g)
+        for name, fn in methods(None).items():
+            if name not in ("fusedops", "fusedops-lowmem", "torch_eager", "liger", "cce"):
+                continue
+            try:
+                extra = measure_memory(fn, x, w, t)
+            except Exception as exc:
+                print(f"curve N={n} {name}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
+            row = dict(op="linear_ce", method=name, shape="curve", N=n, H=h, V=v, softcap=None,
+                       dtype="bfloat16", extra_mib=round(extra, 1), gpu=gpu,
+                       torch=torch.__version__, git=git_sha(), run=run_id,
+                       date=f"{stamp:%Y-%m-%d}")
+            rows.append(row)
+            with open(path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            torch.cuda.empty_cache()
+        del x, w, t
+        torch.cuda.empty_cache()
     print(f"\n{gpu}, torch {torch.__version__}, git {git_sha()}, run {run_id} -> {path}")
-    print(f"{'shape':8} {'method':22} {'ms':>9} {'TFLOP/s':>8} {'extra MiB':>10} {'loss':>10}")
+    print(f"{'shape':8} {'N':>6} {'method':26} {'ms':>9} {'TFLOP/s':>8} {'extra MiB':>10} "
+          f"{'err_dh':>8} {'err_dw':>8}")
+    fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
     for r in rows:
-        print(f"{r['shape']:8} {r['method']:22} {r['ms']:9.2f} {r['tflops']:8.1f} "
-              f"{r['extra_mib']:10.1f} {r['loss']:10.5f}")
+        print(f"{r['shape']:8} {r['N']:6d} {r['method']:26} {fmt(r.get('ms'), '9.2f'):>9} "
+              f"{fmt(r.get('tflops'), '8.1f'):>8} {r['extra_mib']:10.1f} "
+              f"{fmt(r.get('err_dh'), '8.2e'):>8} {fmt(r.get('err_dw'), '8.2e'):>8}")
     return path
 
 

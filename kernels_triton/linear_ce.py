@@ -355,3 +355,109 @@ def linear_ce_bwd(hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, softca
                 BLOCK_K=bk,
                 num_warps=warps, num_stages=stages)
     return d_hidden, d_weight, d_bias()
+
+
+# ----------------------------------------------------------------------------------------------
+# Row kernels of the fast path (fusedops.linear_ce.chunked): the logits chunk z is materialised by
+# cuBLAS; one program per row streams it in BLOCK-column pieces. Modes as in chunked.py:
+# 1 MERGE (online log-sum-exp of this vocab chunk folded into m, s; zt, zsum accumulated),
+# 2 DZ (z -> dz in place from the final lse), 3 FULL_DZ (whole rows: lse, zt, zsum, then dz; the
+# second read of the row mostly hits L2), 4 FULL (whole rows, statistics only).
+# dz = w * ((1 + 2 zl lse) softmax(z) - (1 - eps) onehot(target) - eps / V), times the softcap
+# derivative 1 - (z / softcap)^2; w is the token's weight in the loss (0 when ignored).
+
+@triton.jit
+def _row_logits(Z, B, cols, mask, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
+    z = tl.load(Z + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        z += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    return _cap(z, softcap, SOFTCAP)
+
+
+@triton.jit
+def _ce_rows_kernel(Z, B, T, W, LSE, M, S, ZT, ZS, n_cols, col0, vocab, eps, zl, softcap,
+                    MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    row = tl.program_id(0)
+    z_row = Z + row.to(tl.int64) * n_cols
+    t = tl.load(T + row).to(tl.int64) - col0
+    t_in = (t >= 0) & (t < n_cols)
+    if MODE != 2:
+        m = tl.max(tl.full((BLOCK,), -float("inf"), tl.float32), axis=0)
+        s_vec = tl.zeros((BLOCK,), dtype=tl.float32)
+        zs_vec = tl.zeros((BLOCK,), dtype=tl.float32)
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            z = _row_logits(z_row, B, cols, mask, softcap, HAS_BIAS, SOFTCAP)
+            m_new = tl.maximum(m, tl.max(tl.where(mask, z, -float("inf")), axis=0))
+            s_vec = s_vec * tl.exp2((m - m_new) * LOG2E) + tl.where(
+                mask, tl.exp2((z - m_new) * LOG2E), 0.0)
+            zs_vec += tl.where(mask, z, 0.0)
+            m = m_new
+        s = tl.sum(s_vec, axis=0)
+        zs = tl.sum(zs_vec, axis=0)
+        t_safe = tl.where(t_in, t, 0)
+        zt = tl.where(t_in, tl.sum(_row_logits(z_row, B, t_safe + tl.arange(0, 1),
+                                               tl.full((1,), 1, tl.int1), softcap, HAS_BIAS,
+                                               SOFTCAP), axis=0), 0.0)
+        if MODE == 1:
+            m_old = tl.load(M + row)
+            m_tot = tl.maximum(m_old, m)
+            s_tot = (tl.load(S + row) * tl.exp2((m_old - m_tot) * LOG2E)
+                     + s * tl.exp2((m - m_tot) * LOG2E))
+            tl.store(M + row, m_tot)
+            tl.store(S + row, s_tot)
+            tl.store(ZT + row, tl.load(ZT + row) + zt)
+            tl.store(ZS + row, tl.load(ZS + row) + zs)
+        else:
+            lse = m + tl.log2(s) / LOG2E
+            tl.store(LSE + row, lse)
+            tl.store(ZT + row, zt)
+            tl.store(ZS + row, zs)
+    if MODE == 2 or MODE == 3:
+        lse = tl.load(LSE + row)
+        w = tl.load(W + row)
+        d_lse = w * (1.0 + 2.0 * zl * lse)
+        d_zt = -w * (1.0 - eps)
+        d_zs = -w * eps / vocab
+        for c0 in range(0, n_cols, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            z = _row_logits(z_row, B, cols, mask, softcap, HAS_BIAS, SOFTCAP)
+            dz = d_lse * tl.exp2((z - lse) * LOG2E) + d_zs + tl.where(cols == t, d_zt, 0.0)
+            if SOFTCAP:
+                zc = z / softcap
+                dz = dz * (1.0 - zc * zc)
+            tl.store(z_row + cols, dz.to(Z.dtype.element_ty), mask=mask)
+
+
+def ce_rows(z, bias, target, col0: int, vocab: int, w, lse, m, s, zt, zsum, eps: float,
+            zl: float, softcap: float, mode: int):
+    """Runs the row kernel on z (rows, cols), contiguous; per-token arrays float32."""
+    rows, n_cols = z.shape
+    if rows == 0:
+        return
+    block = 64 if _interpreting() else min(4096, triton.next_power_of_2(n_cols))
+    _ce_rows_kernel[(rows,)](
+        z, bias if bias is not None else z, target, w, lse, m, s, zt, zsum, n_cols, col0, vocab,
+        float(eps), float(zl), float(softcap), MODE=mode, HAS_BIAS=bias is not None,
+        SOFTCAP=bool(softcap), BLOCK=block, num_warps=1 if _interpreting() else 8)
+
+
+@triton.jit
+def _scale_kernel(X, G, n, BLOCK: tl.constexpr):
+    g = tl.load(G).to(tl.float32)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = (offs < n) & (g != 1.0)  # g == 1: every access masked off, no memory traffic
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=mask)
+
+
+def scale_if_not_one(x, g):
+    """x *= g in place (x contiguous); g a one-element tensor read on the device."""
+    n = x.numel()
+    block = 64 if _interpreting() else 4096
+    _scale_kernel[(triton.cdiv(n, block),)](x, g, n, BLOCK=block,
+                                            num_warps=1 if _interpreting() else 8)

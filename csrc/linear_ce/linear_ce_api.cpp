@@ -146,9 +146,98 @@ std::tuple<Tensor, Tensor, Tensor> linear_ce_bwd_cuda(
   return {d_hidden, d_weight, need_db ? d_bias32.to(hidden.scalar_type()) : empty()};
 }
 
+void check_f32_rows(const Tensor& t, int64_t rows, const char* name, const Tensor& z) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == z.device(), name, " is on another device than z");
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) >= rows && t.is_contiguous(), name,
+                    " must be a contiguous 1-D tensor of at least ", rows, " elements");
+}
+
+// The fast path's row kernel (see ce_rows_kernel.cuh for the modes); mutates z and the statistics.
+void ce_rows_cuda(const Tensor& z, const std::optional<Tensor>& bias, const Tensor& target,
+                  int64_t col0, int64_t vocab, const Tensor& w, const Tensor& lse, const Tensor& m,
+                  const Tensor& s, const Tensor& zt, const Tensor& zsum, double eps, double zl,
+                  double softcap, int64_t mode, int64_t arch) {
+  TORCH_CHECK_VALUE(z.is_cuda() && z.dim() == 2 && z.is_contiguous(),
+                    "z must be a contiguous 2-D CUDA tensor");
+  TORCH_CHECK_TYPE(z.scalar_type() == at::kHalf || z.scalar_type() == at::kBFloat16,
+                   "z must be float16 or bfloat16, got ", z.scalar_type());
+  TORCH_CHECK_VALUE(arch == 80 || arch == 90, "arch must be 80 or 90, got ", arch);
+  TORCH_CHECK_VALUE(mode >= 1 && mode <= 4, "mode must be 1..4, got ", mode);
+  const int64_t rows = z.size(0), n_cols = z.size(1);
+  TORCH_CHECK_VALUE(col0 >= 0 && col0 + n_cols <= vocab, "columns [", col0, ", ", col0 + n_cols,
+                    ") are outside the vocabulary of ", vocab);
+  TORCH_CHECK_VALUE(mode == 1 || mode == 2 || (col0 == 0 && n_cols == vocab),
+                    "modes 3 and 4 take whole rows (col0 = 0, n_cols = vocab)");
+  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "target must be int64");
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == rows && target.is_contiguous() &&
+                        target.device() == z.device(),
+                    "target must be a contiguous (rows,) tensor on z's device");
+  for (auto [t, name] : {std::pair{&w, "w"}, {&lse, "lse"}, {&m, "m"}, {&s, "s"}, {&zt, "zt"},
+                         {&zsum, "zsum"}}) {
+    check_f32_rows(*t, rows, name, z);
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK_TYPE(bias->scalar_type() == at::kFloat, "bias must be float32 here");
+    TORCH_CHECK_VALUE(bias->dim() == 1 && bias->size(0) == n_cols && bias->is_contiguous() &&
+                          bias->device() == z.device(),
+                      "bias must be a contiguous (n_cols,) tensor on z's device");
+  }
+  c10::cuda::CUDAGuard guard(z.device());
+  CeRowsParams p;
+  p.z = z.data_ptr();
+  p.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  p.target = target.data_ptr<int64_t>();
+  p.w = w.data_ptr<float>();
+  p.lse = lse.data_ptr<float>();
+  p.m = m.data_ptr<float>();
+  p.s = s.data_ptr<float>();
+  p.zt = zt.data_ptr<float>();
+  p.zsum = zsum.data_ptr<float>();
+  p.rows = rows;
+  p.n_cols = n_cols;
+  p.col0 = col0;
+  p.vocab_size = vocab;
+  p.eps = static_cast<float>(eps);
+  p.z_loss = static_cast<float>(zl);
+  p.softcap = static_cast<float>(softcap);
+  p.mode = static_cast<int>(mode);
+  p.is_bf16 = z.scalar_type() == at::kBFloat16;
+  p.stream = c10::cuda::getCurrentCUDAStream(z.get_device()).stream();
+  check_launch(arch == 90 ? ce_rows_sm90(p) : ce_rows_sm80(p), "ce_rows");
+}
+
+// x *= g in place unless g == 1, decided on the device (no host synchronisation).
+void scale_if_not_one_cuda(const Tensor& x, const Tensor& g) {
+  TORCH_CHECK_VALUE(x.is_cuda() && x.is_contiguous(), "x must be a contiguous CUDA tensor");
+  TORCH_CHECK_VALUE(g.numel() == 1 && g.device() == x.device(),
+                    "g must be a one-element tensor on x's device");
+  int dtype;
+  switch (x.scalar_type()) {
+    case at::kFloat: dtype = 0; break;
+    case at::kBFloat16: dtype = 1; break;
+    case at::kHalf: dtype = 2; break;
+    default: TORCH_CHECK_TYPE(false, "x must be float32, bfloat16 or float16");
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  Tensor g32 = g.to(at::kFloat).contiguous();
+  ScaleParams p;
+  p.x = x.data_ptr();
+  p.g = g32.data_ptr<float>();
+  p.n = x.numel();
+  p.dtype = dtype;
+  p.stream = c10::cuda::getCurrentCUDAStream(x.get_device()).stream();
+  check_launch(scale_if_not_one(p), "scale_if_not_one");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fusedops, m) {
+  m.def(
+      "ce_rows_cuda(Tensor(a!) z, Tensor? bias, Tensor target, int col0, int vocab, Tensor w, "
+      "Tensor(b!) lse, Tensor(c!) m, Tensor(d!) s, Tensor(e!) zt, Tensor(f!) zsum, float eps, "
+      "float zl, float softcap, int mode, int arch) -> ()");
+  m.def("scale_if_not_one_cuda(Tensor(a!) x, Tensor g) -> ()");
   m.def(
       "linear_ce_fwd_cuda(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
       "float softcap, int arch) -> (Tensor, Tensor, Tensor)");
@@ -161,6 +250,8 @@ TORCH_LIBRARY_FRAGMENT(fusedops, m) {
 TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
   m.impl("linear_ce_fwd_cuda", &linear_ce_fwd_cuda);
   m.impl("linear_ce_bwd_cuda", &linear_ce_bwd_cuda);
+  m.impl("ce_rows_cuda", &ce_rows_cuda);
+  m.impl("scale_if_not_one_cuda", &scale_if_not_one_cuda);
 }
 
 }  // namespace fusedops

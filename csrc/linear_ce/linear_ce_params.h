@@ -45,6 +45,40 @@ struct LinearCeParams {
   cudaStream_t stream = nullptr;
 };
 
+// The fast path's row kernels (ce_rows_kernel.cuh): one materialised logits chunk z [rows, n_cols]
+// (contiguous, fp16/bf16, vocab columns [col0, col0 + n_cols)) -> statistics and/or dz in place.
+// Modes (same numbers as python/fusedops/linear_ce/chunked.py): 1 MERGE, 2 DZ, 3 FULL_DZ, 4 FULL.
+struct CeRowsParams {
+  void* z = nullptr;
+  const float* bias = nullptr;  // [n_cols] float32 (already offset by col0) or null
+  const int64_t* target = nullptr;  // [rows] (int64; int32 converted by the binding)
+  const float* w = nullptr;     // [rows] weight of each token in the loss (0 = ignored)
+  float* lse = nullptr;         // [rows]: written by FULL modes, read by DZ modes
+  float* m = nullptr;           // [rows] running max (MERGE)
+  float* s = nullptr;           // [rows] running sum of exp(z - m) (MERGE)
+  float* zt = nullptr;          // [rows] target logit (accumulated by MERGE, written by FULL)
+  float* zsum = nullptr;        // [rows] sum of logits (likewise)
+  int64_t rows = 0;
+  int64_t n_cols = 0;
+  int64_t col0 = 0;
+  int64_t vocab_size = 0;
+  float eps = 0.f;      // label smoothing
+  float z_loss = 0.f;
+  float softcap = 0.f;  // 0 = none
+  int mode = 0;
+  bool is_bf16 = true;
+  cudaStream_t stream = nullptr;
+};
+
+// x[i] *= *g for i < n unless *g == 1 (checked on the device: no host synchronisation).
+struct ScaleParams {
+  void* x = nullptr;
+  const float* g = nullptr;
+  int64_t n = 0;
+  int dtype = 0;  // 0 float32, 1 bfloat16, 2 float16
+  cudaStream_t stream = nullptr;
+};
+
 // Token and vocab tile of every kernel (kBlockM = kBlockN in linear_ce_kernel_sm80.cuh).
 constexpr int64_t kLceTile = 128;
 // Bytes of dz one backward chunk may hold: 32 MiB keeps the Llama-3 shape (N=8192) under 1% of
@@ -82,5 +116,8 @@ cudaError_t linear_ce_fwd_sm80(LinearCeParams& p);
 cudaError_t linear_ce_bwd_sm80(LinearCeParams& p);
 cudaError_t linear_ce_fwd_sm90(LinearCeParams& p);
 cudaError_t linear_ce_bwd_sm90(LinearCeParams& p);
+cudaError_t ce_rows_sm80(CeRowsParams& p);
+cudaError_t ce_rows_sm90(CeRowsParams& p);
+cudaError_t scale_if_not_one(ScaleParams& p);
 
 }  // namespace fusedops

@@ -16,7 +16,8 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss):
+def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
+                  memory_budget_mib):
     if not isinstance(hidden, Tensor):
         raise TypeError(f"hidden must be a Tensor, got {type(hidden).__name__}")
     if not isinstance(weight, Tensor):
@@ -37,16 +38,18 @@ def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, soft
                          f"hidden's last dimension {hidden_size}")
     if weight.shape[0] == 0:
         raise ValueError("weight has 0 rows (vocabulary size 0)")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype}")
+    mixed = weight.dtype == torch.float32 and hidden.dtype in (torch.float16, torch.bfloat16)
+    if weight.dtype != hidden.dtype and not mixed:
+        raise TypeError(f"weight dtype {weight.dtype} differs from hidden dtype {hidden.dtype} "
+                        "(only float32 weights with float16/bfloat16 hidden may mix)")
     if bias is not None:
         if not isinstance(bias, Tensor):
             raise TypeError(f"bias must be a Tensor or None, got {type(bias).__name__}")
         if bias.shape != (weight.shape[0],):
             raise ValueError(f"bias must have shape ({weight.shape[0]},), got "
                              f"{tuple(bias.shape)}")
-        if bias.dtype != hidden.dtype:
-            raise TypeError(f"bias dtype {bias.dtype} differs from hidden dtype {hidden.dtype}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias dtype {bias.dtype} differs from weight dtype {weight.dtype}")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"target must be int64 or int32, got {target.dtype}")
     if target.shape != hidden.shape[:-1]:
@@ -63,13 +66,18 @@ def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, soft
         raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
     if not (float(z_loss) >= 0.0 and math.isfinite(float(z_loss))):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    if memory_budget_mib is not None and not (float(memory_budget_mib) > 0
+                                              and math.isfinite(float(memory_budget_mib))):
+        raise ValueError(f"memory_budget_mib must be a positive number or None, got "
+                         f"{memory_budget_mib}")
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
                          *, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, softcap: float | None = None,
                          z_loss: float = 0.0, return_lse: bool = False,
-                         backend: str | None = None, check_targets: bool | None = None):
+                         backend: str | None = None, check_targets: bool | None = None,
+                         memory_budget_mib: float | None = None):
     """Cross-entropy of `hidden @ weight.T + bias` against `target`, never materialising logits.
 
     Equals, within rounding, ``F.cross_entropy(z.float(), target, ignore_index=ignore_index,
@@ -89,8 +97,19 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
       then contributes its lse alone as loss (no memory outside the inputs is ever read).
     * backend: None (automatic), "cuda", "cuda-sm90", "cuda-sm80", "triton" or "torch"; see
       fusedops.dispatch.
+    * Mixed precision: float32 weight (and bias) with float16/bfloat16 hidden (what torch.autocast
+      training holds) runs the GEMMs in hidden's dtype and returns float32 d_weight, accumulated
+      in float32. Under torch.autocast, float32 hidden is cast to the autocast dtype first.
+    * memory_budget_mib (default 512, or FUSEDOPS_LCE_MEMORY_MIB): scratch the mean/sum path may
+      hold. That path (reduction "mean"/"sum", return_lse=False) computes the gradients during the
+      forward pass through a token chunk of materialised logits (three GEMMs); budgets too small
+      for a useful chunk of whole rows (e.g. 64) switch to vocab chunks (four GEMMs). Other calls
+      keep a recompute path with its own fixed ~N*H*2 + 32 MiB of scratch.
     """
-    _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss)
+    _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
+                  memory_budget_mib)
+    if hidden.is_cuda and hidden.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        hidden = hidden.to(torch.get_autocast_dtype("cuda"))
     hidden_size = hidden.shape[-1]
     vocab_size = weight.shape[0]
     lead_shape = hidden.shape[:-1]
@@ -105,6 +124,14 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     name = dispatch.select("linear_ce", h2, hidden_size, backend)
     if check_targets is None:
         check_targets = os.environ.get("FUSEDOPS_CHECK_TARGETS", "1") != "0"
+    if (reduction != "none" and not return_lse
+            and os.environ.get("FUSEDOPS_LCE_ALGO", "auto") != "recompute"):
+        return _ops.fused_loss(h2, w, b, t1, int(ignore_index), reduction, float(label_smoothing),
+                               float(softcap or 0.0), float(z_loss), memory_budget_mib,
+                               bool(check_targets), name)
+    if w.dtype != h2.dtype:  # mixed precision on the recompute path: cast (autograd casts back)
+        w = w.to(h2.dtype)
+        b = None if b is None else b.to(h2.dtype)
     lse, z_target, z_sum = torch.ops.fusedops.linear_ce_fwd(
         h2, w, b, t1, int(ignore_index), float(softcap or 0.0), bool(check_targets), name)
 
@@ -134,11 +161,12 @@ class LinearCrossEntropyLoss(nn.Module):
     def __init__(self, *, ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, softcap: float | None = None, z_loss: float = 0.0,
                  return_lse: bool = False, backend: str | None = None,
-                 check_targets: bool | None = None):
+                 check_targets: bool | None = None, memory_budget_mib: float | None = None):
         super().__init__()
         self.options = dict(ignore_index=ignore_index, reduction=reduction,
                             label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
-                            return_lse=return_lse, backend=backend, check_targets=check_targets)
+                            return_lse=return_lse, backend=backend, check_targets=check_targets,
+                            memory_budget_mib=memory_budget_mib)
 
     def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None):
         return linear_cross_entropy(hidden, weight, target, bias, **self.options)

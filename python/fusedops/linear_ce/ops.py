@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from fusedops import _ext  # noqa: F401  (loads torch.ops.fusedops.linear_ce_*_cuda when built)
-from fusedops.linear_ce import reference
+from fusedops.linear_ce import chunked, reference
 
 _CUDA_ARCH = {"cuda-sm90": 90, "cuda-sm80": 80}
 
@@ -125,3 +125,78 @@ if _ext.available():
     def _(hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, softcap, need_dh, need_dw,
           need_db, arch):
         return _grad_shapes(hidden, weight, bias, need_dh, need_dw, need_db)
+
+
+# ----------------------------------------------------------------------------------------------
+# The mean/sum fast path (fusedops.linear_ce.chunked): gradients computed in the forward op for
+# an upstream gradient of 1, scaled in the backward.
+
+_REDUCTION_NAMES = ("mean", "sum")
+
+
+@torch.library.custom_op("fusedops::linear_ce_fused", mutates_args=())
+def linear_ce_fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                    ignore_index: int, reduction: str, label_smoothing: float, softcap: float,
+                    z_loss: float, budget_bytes: int, check_targets: bool, need_dh: bool,
+                    need_dw: bool, need_db: bool,
+                    backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if check_targets:
+        check_targets_in_range(target, weight.shape[0], ignore_index)
+    if reduction not in _REDUCTION_NAMES:
+        raise ValueError(f"reduction must be one of {_REDUCTION_NAMES} here, got {reduction!r}")
+    if backend not in ("torch", "triton") + tuple(_CUDA_ARCH):
+        raise ValueError(f"unknown backend {backend!r}")
+    return chunked.fused_forward(hidden, weight, bias, target.long(), ignore_index, reduction,
+                                 label_smoothing, softcap, z_loss, budget_bytes, need_dh, need_dw,
+                                 need_db and bias is not None, backend)
+
+
+@linear_ce_fused.register_fake
+def _(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, z_loss,
+      budget_bytes, check_targets, need_dh, need_dw, need_db, backend):
+    dt = _stat_dtype(hidden)
+    return (hidden.new_empty((), dtype=dt), hidden.new_empty(hidden.shape[0], dtype=dt),
+            *_grad_shapes(hidden, weight, bias, need_dh, need_dw, need_db))
+
+
+@torch.library.custom_op("fusedops::scale_grad_", mutates_args=("grad",))
+def scale_grad_(grad: Tensor, g: Tensor, backend: str) -> None:
+    chunked.scale_grad_(grad, g, backend)
+
+
+@scale_grad_.register_fake
+def _(grad, g, backend):
+    return None
+
+
+def _fused_setup_context(ctx, inputs, output):
+    ctx.backend = inputs[-1]
+    ctx.need = inputs[-4:-1]
+    ctx.save_for_backward(*output[2:])
+    ctx.mark_non_differentiable(*output[1:])
+
+
+def _fused_backward(ctx, g_loss, *_unused):
+    grads = ctx.saved_tensors
+    out = []
+    for need, grad in zip(ctx.need, grads, strict=True):
+        if need and g_loss is not None:
+            scale_grad_(grad, g_loss, ctx.backend)
+            out.append(grad)
+        else:
+            out.append(None)
+    return (*out, None, None, None, None, None, None, None, None, None, None, None, None)
+
+
+linear_ce_fused.register_autograd(_fused_backward, setup_context=_fused_setup_context)
+
+
+def fused_loss(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap,
+               z_loss, memory_budget_mib, check_targets, backend):
+    """The loss through linear_ce_fused; gradients flow to hidden, weight and bias."""
+    grad_on = torch.is_grad_enabled()
+    need = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    loss, _lse, *_grads = linear_ce_fused(
+        hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, z_loss,
+        chunked.budget_bytes(memory_budget_mib), check_targets, *need, backend)
+    return loss

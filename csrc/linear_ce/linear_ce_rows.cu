@@ -1,0 +1,72 @@
+// Entry points of the fast path's row kernels (ce_rows_kernel.cuh), one per kernel family, and the
+// device-side gradient scaling. sm80 family: 512 threads per row (several rows per SM); sm90
+// family (built only into sm_90 code, traps below): 1024 threads per row, so fewer rows are in
+// flight and the FULL_DZ mode's second read of each 256 KB row stays in the 50 MB L2.
+#include "../static_switch.h"
+#include "ce_rows_kernel.cuh"
+
+namespace fusedops {
+
+cudaError_t ce_rows_sm80(CeRowsParams& p) {
+  return FP16_BF16_SWITCH(p.is_bf16, [&] { return rows::run_rows<512, 800, elem_t>(p); });
+}
+
+cudaError_t ce_rows_sm90(CeRowsParams& p) {
+  return FP16_BF16_SWITCH(p.is_bf16, [&] { return rows::run_rows<1024, 900, elem_t>(p); });
+}
+
+namespace {
+
+template <typename T>
+__device__ __forceinline__ float load_f(const T* x) { return static_cast<float>(*x); }
+template <>
+__device__ __forceinline__ float load_f<__nv_bfloat16>(const __nv_bfloat16* x) {
+  return __bfloat162float(*x);
+}
+template <>
+__device__ __forceinline__ float load_f<__half>(const __half* x) { return __half2float(*x); }
+
+template <typename T>
+__device__ __forceinline__ void store_f(T* x, float v) { *x = static_cast<T>(v); }
+template <>
+__device__ __forceinline__ void store_f<__nv_bfloat16>(__nv_bfloat16* x, float v) {
+  *x = __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ void store_f<__half>(__half* x, float v) { *x = __float2half_rn(v); }
+
+// Grid-stride x *= g; every CTA reads g first and leaves at once when g == 1 (the usual
+// loss.backward()), so the common case costs a launch and no memory traffic.
+template <typename T>
+__global__ void __launch_bounds__(256) scale_kernel(T* x, const float* g_ptr, int64_t n) {
+  const float g = *g_ptr;
+  if (g == 1.f) return;
+  for (int64_t i = blockIdx.x * int64_t(256) + threadIdx.x; i < n;
+       i += int64_t(gridDim.x) * 256) {
+    store_f(x + i, load_f(x + i) * g);
+  }
+}
+
+}  // namespace
+
+cudaError_t scale_if_not_one(ScaleParams& p) {
+  if (p.n == 0) return cudaSuccess;
+  int64_t blocks64 = (p.n + 255) / 256;
+  const unsigned blocks = static_cast<unsigned>(blocks64 < 65536 ? blocks64 : 65536);
+  switch (p.dtype) {
+    case 0:
+      scale_kernel<<<blocks, 256, 0, p.stream>>>(static_cast<float*>(p.x), p.g, p.n);
+      break;
+    case 1:
+      scale_kernel<<<blocks, 256, 0, p.stream>>>(static_cast<__nv_bfloat16*>(p.x), p.g, p.n);
+      break;
+    case 2:
+      scale_kernel<<<blocks, 256, 0, p.stream>>>(static_cast<__half*>(p.x), p.g, p.n);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace fusedops

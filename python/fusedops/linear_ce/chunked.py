@@ -1,0 +1,292 @@
+"""Linear cross-entropy with the gradients computed during the forward pass (the fast path).
+
+Used for the mean and sum reductions without gradients through lse: the upstream gradient of the
+loss is then one scalar g, so the forward can compute d_hidden, d_weight and d_bias for g = 1 and
+the backward only multiplies them by g (in place, skipped on the device when g == 1). Tokens and
+vocabulary go in chunks sized by a memory budget:
+
+* full rows (the default whenever a chunk of `rows` tokens x V logits fits the budget): three
+  GEMMs per token chunk, z = X_c W^T (cuBLAS, input dtype) -> one pass of our row kernel turns z
+  into dz in place (lse, target logit and logit sum first) -> d_hidden[c] = dz W (complete) ->
+  d_weight += dz^T X_c (cuBLAS, float32 accumulation, rounded into d_weight once per chunk);
+* vocab-chunked (small budgets): per token chunk, one sweep over vocab chunks for the statistics
+  (online log-sum-exp) and a second one that recomputes z, turns it into dz and accumulates
+  d_hidden in a float32 buffer (token chunk x H) and d_weight slices as above: four GEMMs.
+
+The row kernels (statistics, dz, both in one pass for full rows) exist per backend: CUDA
+(csrc/linear_ce/ce_rows*), Triton (kernels_triton/linear_ce.py) and plain torch (here); the GEMMs
+are torch.mm everywhere. Nothing here synchronises with the host, so the loss can be captured in a
+CUDA graph (target validation off).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fusedops import _ext  # noqa: F401  (loads torch.ops.fusedops.*_cuda when built)
+
+MIB = 1 << 20
+DEFAULT_BUDGET_MIB = 512.0
+# Row-kernel modes (same numbers in the CUDA and Triton kernels): MERGE folds a vocab chunk into
+# the running (m, s, zt, zsum); DZ turns z into dz given the final lse; FULL and FULL_DZ take
+# whole rows (cols == V), write lse, zt, zsum directly and, for FULL_DZ, then dz.
+MODE_MERGE, MODE_DZ, MODE_FULL_DZ, MODE_FULL = 1, 2, 3, 4
+_CUDA_ARCH = {"cuda-sm90": 90, "cuda-sm80": 80}
+# A full-row chunk must hold at least this many tokens (fewer and the d_weight GEMM, whose inner
+# dimension is the chunk, loses its efficiency and d_weight collects one rounding per chunk).
+MIN_FULL_ROWS = 1024
+
+
+def budget_bytes(memory_budget_mib: float | None) -> int:
+    if memory_budget_mib is None:
+        memory_budget_mib = float(os.environ.get("FUSEDOPS_LCE_MEMORY_MIB", DEFAULT_BUDGET_MIB))
+    return int(float(memory_budget_mib) * MIB)
+
+
+@dataclass(frozen=True)
+class Plan:
+    rows: int  # tokens per chunk
+    cols: int  # vocab columns per chunk
+    full_rows: bool  # cols == V, three GEMMs; else vocab chunks, four GEMMs and a float32
+    #                  d_hidden accumulator of rows x H (when d_hidden is needed)
+
+
+def _balanced(total: int, most: int) -> int:
+    """The smallest chunk size <= most that splits `total` into as few chunks as `most` does."""
+    most = max(1, min(most, total))
+    return -(-total // -(-total // most))
+
+
+def plan_chunks(n_tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,
+                budget: int, need_dh: bool) -> Plan:
+    """Chunk sizes whose scratch (logits chunk, accumulators, per-token arrays) fits `budget`."""
+    n = max(n_tokens, 1)
+    avail = budget - (64 << 10) - 64 * n  # per-token float32 arrays, int64 targets, slack
+    if avail <= 0:
+        raise ValueError(f"memory_budget_mib={budget / MIB:.3f} is too small for {n_tokens} "
+                         f"tokens (needs more than {(64 * n + (64 << 10)) / MIB:.3f})")
+    rows_full = avail // (vocab_size * elem_bytes)
+    if rows_full >= min(n, MIN_FULL_ROWS):
+        return Plan(_balanced(n, rows_full), vocab_size, True)
+    for rows in (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
+        rows = min(rows, n)
+        rest = avail - (rows * hidden_size * 4 if need_dh else 0)
+        cols = rest // (rows * elem_bytes)
+        if cols >= min(vocab_size, 1024) or rows == 1:
+            break
+    else:
+        cols = 0
+    if rows_full >= max(rows, 1) or (rows_full >= 1 and cols < 1):
+        return Plan(_balanced(n, rows_full), vocab_size, True)  # whole rows fit as many tokens
+    if cols < 1:
+        raise ValueError(f"memory_budget_mib={budget / MIB:.3f} is too small for "
+                         f"H={hidden_size}, V={vocab_size}")
+    cols = min(vocab_size, cols if cols < 128 else cols // 128 * 128)
+    return Plan(rows, _balanced(vocab_size, cols), False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Row kernels, plain torch version (the CPU path and the reference for the compiled ones).
+# z: (rows, cols) logits of vocab columns [col0, col0 + cols), transformed in place into dz.
+
+def _rows_torch(z, bias, target, col0: int, vocab: int, w, lse, m, s, zt, zsum,
+                eps: float, zl: float, softcap: float, mode: int):
+    cdt = torch.float64 if z.dtype == torch.float64 else torch.float32
+    rows, cols = z.shape
+    step = max(1, (1 << 22) // max(cols, 1))  # bounded float32 temporaries
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
+        zc = z[r0:r1].to(cdt)
+        if bias is not None:
+            zc = zc + bias.to(cdt)
+        if softcap:
+            zc = torch.tanh(zc / softcap) * softcap
+        t = target[r0:r1].long() - col0
+        inside = (t >= 0) & (t < cols)
+        col = torch.where(inside, t, 0)[:, None]
+        if mode != MODE_DZ:
+            zt_c = torch.where(inside, zc.gather(1, col)[:, 0], 0.0)
+            zs_c = zc.sum(1)
+            bm = zc.amax(1)
+            if mode in (MODE_FULL, MODE_FULL_DZ):
+                lse_c = bm + torch.log(torch.exp(zc - bm[:, None]).sum(1))
+                lse[r0:r1] = lse_c
+                zt[r0:r1] = zt_c
+                zsum[r0:r1] = zs_c
+            else:
+                m_new = torch.maximum(m[r0:r1], bm)
+                s[r0:r1] = (s[r0:r1] * torch.exp(m[r0:r1] - m_new)
+                            + torch.exp(zc - m_new[:, None]).sum(1))
+                m[r0:r1] = m_new
+                zt[r0:r1] += zt_c
+                zsum[r0:r1] += zs_c
+        if mode in (MODE_DZ, MODE_FULL_DZ):
+            wr = w[r0:r1].to(cdt)
+            lr = lse[r0:r1].to(cdt)
+            d_lse = wr * (1.0 + 2.0 * zl * lr)
+            dz = torch.exp(zc - lr[:, None]) * d_lse[:, None] - (wr * (eps / vocab))[:, None]
+            dz.scatter_add_(1, col, torch.where(inside, -wr * (1.0 - eps), 0.0)[:, None])
+            if softcap:
+                dz = dz * (1.0 - (zc / softcap) ** 2)
+            z[r0:r1] = dz.to(z.dtype)
+
+
+def _rows(backend: str, *args):
+    if backend == "triton":
+        from kernels_triton import linear_ce as tk
+        tk.ce_rows(*args)
+    elif backend in _CUDA_ARCH:
+        torch.ops.fusedops.ce_rows_cuda(*args, _CUDA_ARCH[backend])
+    else:
+        _rows_torch(*args)
+
+
+def scale_grad_(t: Tensor, g: Tensor, backend: str) -> None:
+    """t *= g in place; the GPU kernels read g on the device and return at once when g == 1."""
+    if t.numel() == 0:
+        return
+    if backend in _CUDA_ARCH and t.is_cuda:
+        torch.ops.fusedops.scale_if_not_one_cuda(t, g)
+    elif backend == "triton" and t.is_cuda:
+        from kernels_triton import linear_ce as tk
+        tk.scale_if_not_one(t, g)
+    else:
+        t.mul_(g.to(t.dtype))
+
+
+# ----------------------------------------------------------------------------------------------
+# GEMMs into (part of) an output, with float32 outputs for bf16/fp16 inputs where needed.
+
+def _mm(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
+    """out (+)= a @ b. out may be float32 while a and b are float16/bfloat16."""
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif out.is_cuda:  # bf16/fp16 x bf16/fp16 -> float32 in cuBLAS, no float32 copies of a, b
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    else:
+        prod = a.to(out.dtype) @ b.to(out.dtype)
+        if accumulate:
+            out.add_(prod)
+        else:
+            out.copy_(prod)
+
+
+def _flat_view(buf: Tensor, rows: int, cols: int) -> Tensor:
+    return buf.view(-1)[: rows * cols].view(rows, cols)
+
+
+def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                  ignore_index: int, reduction: str, label_smoothing: float, softcap: float,
+                  z_loss: float, budget: int, need_dh: bool, need_dw: bool, need_db: bool,
+                  backend: str):
+    """Returns (loss, lse, d_hidden, d_weight, d_bias) with the gradients for upstream g = 1.
+
+    hidden (N, H) contiguous; weight (V, H) contiguous, of hidden's dtype or float32 (mixed
+    precision: the GEMMs run in hidden's dtype, d_weight and d_bias come out float32).
+    Gradients not asked for are empty tensors.
+    """
+    n_tokens, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    dev = hidden.device
+    cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    w_mm = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+    b_in = None if bias is None else bias.to(cdt)
+    need_grads = need_dh or need_dw or need_db
+    d_hidden = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
+    d_weight = torch.empty_like(weight) if need_dw else hidden.new_empty(0)
+    d_bias32 = torch.zeros(vocab, dtype=cdt, device=dev) if need_db else None
+
+    valid = target != ignore_index
+    if reduction == "mean":
+        scale = 1.0 / valid.sum().clamp(min=1).to(cdt)
+    else:
+        scale = torch.ones((), dtype=cdt, device=dev)
+    w_tok = valid.to(cdt) * scale  # d loss / d (per-token loss), for g = 1
+    lse = torch.empty(n_tokens, dtype=cdt, device=dev)
+    zt = torch.zeros(n_tokens, dtype=cdt, device=dev)
+    zsum = torch.zeros(n_tokens, dtype=cdt, device=dev)
+    eps, zl, cap = float(label_smoothing), float(z_loss), float(softcap)
+
+    if n_tokens > 0:
+        plan = plan_chunks(n_tokens, hidden_size, vocab, hidden.element_size(), budget,
+                           need_dh)
+        buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
+        acc = (torch.empty(plan.rows, hidden_size, dtype=cdt, device=dev)
+               if need_dh and not plan.full_rows else None)
+        m = s = None
+        if not plan.full_rows:
+            m = torch.empty(n_tokens, dtype=cdt, device=dev)
+            s = torch.empty(n_tokens, dtype=cdt, device=dev)
+        first_dw = True
+        for n0 in range(0, n_tokens, plan.rows):
+            n1 = min(n0 + plan.rows, n_tokens)
+            x = hidden[n0:n1]
+            tc = target[n0:n1]
+            wc = w_tok[n0:n1]
+            if plan.full_rows:
+                z = _flat_view(buf, n1 - n0, vocab)
+                _mm(z, x, w_mm.T, False)
+                _rows(backend, z, b_in, tc, 0, vocab, wc, lse[n0:n1], lse[n0:n1], lse[n0:n1],
+                      zt[n0:n1], zsum[n0:n1], eps, zl, cap,
+                      MODE_FULL_DZ if need_grads else MODE_FULL)
+                if need_grads:
+                    _grads_from_dz(z, x, w_mm, 0, vocab, d_hidden[n0:n1] if need_dh else None,
+                                   d_weight if need_dw else None, d_bias32, first_dw)
+                    first_dw = False
+                continue
+            m[n0:n1] = -math.inf
+            s[n0:n1] = 0.0
+            for v0 in range(0, vocab, plan.cols):
+                v1 = min(v0 + plan.cols, vocab)
+                z = _flat_view(buf, n1 - n0, v1 - v0)
+                _mm(z, x, w_mm[v0:v1].T, False)
+                _rows(backend, z, None if b_in is None else b_in[v0:v1], tc, v0, vocab, wc,
+                      lse[n0:n1], m[n0:n1], s[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap,
+                      MODE_MERGE)
+            torch.add(m[n0:n1], torch.log(s[n0:n1]), out=lse[n0:n1])
+            if not need_grads:
+                continue
+            for v0 in range(0, vocab, plan.cols):
+                v1 = min(v0 + plan.cols, vocab)
+                z = _flat_view(buf, n1 - n0, v1 - v0)
+                _mm(z, x, w_mm[v0:v1].T, False)
+                _rows(backend, z, None if b_in is None else b_in[v0:v1], tc, v0, vocab, wc,
+                      lse[n0:n1], m[n0:n1], s[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap,
+                      MODE_DZ)
+                _grads_from_dz(z, x, w_mm, v0, v1, acc[: n1 - n0] if need_dh else None,
+                               d_weight if need_dw else None, d_bias32, first_dw,
+                               accumulate_dh=v0 > 0)
+            first_dw = False
+            if need_dh:
+                d_hidden[n0:n1] = acc[: n1 - n0]
+    elif need_dw:
+        d_weight.zero_()
+
+    per_tok = lse - (1.0 - eps) * zt - (eps / vocab) * zsum if eps else lse - zt
+    if zl:
+        per_tok = per_tok + zl * lse * lse
+    loss = (per_tok * w_tok).sum()
+    d_bias = hidden.new_empty(0)
+    if need_db:
+        d_bias = d_bias32.to(bias.dtype)
+    return loss.to(cdt), lse, d_hidden, d_weight, d_bias
+
+
+def _grads_from_dz(dz, x, w_mm, v0, v1, dh_out, dw_out, db32, first_dw, accumulate_dh=False):
+    if dh_out is not None:
+        _mm(dh_out, dz, w_mm[v0:v1], accumulate_dh)
+    if dw_out is not None:
+        _mm(dw_out[v0:v1], dz.T, x, not first_dw)
+    if db32 is not None:
+        db32[v0:v1] += dz.sum(0, dtype=db32.dtype)

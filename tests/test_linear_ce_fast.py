@@ -1,0 +1,254 @@
+"""The mean/sum fast path (gradients in the forward, chunked by a memory budget) on every backend:
+chunk plans, parity at budgets that force many chunks, mixed precision, the g == 1 scaling, CUDA
+graph capture, and the memory budget itself on the GPU."""
+
+import math
+import os
+
+import pytest
+import torch
+
+import lce_oracle as O
+from fusedops import dispatch
+from fusedops.linear_ce import chunked, linear_cross_entropy, ops
+
+HAS_GPU = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _backends():
+    out = [pytest.param("torch", "cpu", id="torch-cpu")]
+    if INTERPRET and not HAS_GPU:
+        try:
+            import triton  # noqa: F401
+            out.append(pytest.param("triton", "cpu", id="triton-cpu"))
+        except ImportError:
+            pass
+    if HAS_GPU:
+        sig = dispatch.InputSig("linear_ce", "cuda", 0, torch.bfloat16, 64)
+        for name in ("cuda-sm90", "cuda-sm80", "triton", "torch"):
+            if dispatch.why_not(name, sig) is None:
+                out.append(pytest.param(name, "cuda", id=f"{name}-cuda",
+                                        marks=pytest.mark.gpu))
+    return out
+
+
+BACKENDS = _backends()
+_ORACLE = {}
+
+
+def _dtype(backend, device):
+    if device == "cpu" and backend == "triton":
+        return torch.float32  # the interpreter has no bfloat16
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+# (N, H, V, budget MiB): whole rows in several token chunks; vocab chunks (four GEMMs) over
+# several token chunks; one chunk. The last three are small enough for the Triton interpreter.
+BUDGETS = [(300, 64, 1000, 1.0), (300, 64, 1000, 0.3), (1000, 64, 5003, 2.0),
+           (40, 16, 301, 0.08), (40, 16, 3001, 0.1), (37, 64, 123, None)]
+FAST_FEATURES = {
+    "plain": dict(ignore_frac=0.2),
+    "sum_all": dict(reduction="sum", bias=True, ignore_frac=0.2, label_smoothing=0.1,
+                    softcap=5.0, z_loss=1e-3, noncontig=True),
+}
+
+
+@pytest.mark.parametrize("n,h,v,budget", BUDGETS)
+def test_plan_respects_budget(n, h, v, budget):
+    b = chunked.budget_bytes(budget)
+    for elem, need_dh in ((2, True), (4, True), (2, False)):
+        plan = chunked.plan_chunks(n, h, v, elem, b, need_dh)
+        acc = not plan.full_rows and need_dh
+        used = plan.rows * plan.cols * elem + (plan.rows * h * 4 if acc else 0)
+        assert used + 64 * n + (64 << 10) <= b
+        assert 1 <= plan.rows <= n and 1 <= plan.cols <= v
+        assert plan.cols == v or not plan.full_rows
+
+
+def test_plan_llama3_default_and_lowmem():
+    """The two settings the benchmark reports: 4 chunks of 2048 whole rows; 64 MiB vocab chunks."""
+    full = chunked.plan_chunks(8192, 4096, 128256, 2, chunked.budget_bytes(None), True)
+    assert (full.rows, full.cols, full.full_rows) == (2048, 128256, True)
+    low = chunked.plan_chunks(8192, 4096, 128256, 2, chunked.budget_bytes(64), True)
+    assert not low.full_rows and low.rows * low.cols * 2 + low.rows * 4096 * 4 <= 64 << 20
+
+
+def test_plan_rejects_tiny_budget():
+    with pytest.raises(ValueError, match="memory_budget_mib"):
+        chunked.plan_chunks(10**6, 64, 1000, 2, 1 << 20, True)
+    with pytest.raises(ValueError, match="memory_budget_mib"):
+        linear_cross_entropy(torch.randn(4, 8), torch.randn(5, 8), torch.zeros(4, dtype=int),
+                             memory_budget_mib=-1)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("n,h,v,budget", BUDGETS)
+@pytest.mark.parametrize("feature", list(FAST_FEATURES))
+def test_fast_path_parity(backend, device, n, h, v, budget, feature):
+    if backend == "triton" and device == "cpu" and n * v > 150_000:
+        pytest.skip("too slow for the Triton interpreter")
+    case = O.Case((n,), h, v, _dtype(backend, device), device, **FAST_FEATURES[feature])
+
+    def impl(x, w, t, b, **kw):
+        return linear_cross_entropy(x, w, t, b, backend=backend, memory_budget_mib=budget, **kw)
+
+    O.check(case, impl, _ORACLE)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_upstream_gradient_scales_and_one_is_exact(backend, device):
+    dtype = _dtype(backend, device)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 32, generator=g).to(device, dtype)
+    w = (torch.randn(77, 32, generator=g) * 0.3).to(device, dtype)
+    t = torch.randint(0, 77, (40,), generator=g).to(device)
+    grads = []
+    for up in (1.0, 2.0, 0.0):
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = linear_cross_entropy(xa, wa, t, backend=backend, memory_budget_mib=0.07)
+        loss.backward(torch.tensor(up, device=device))
+        grads.append((xa.grad, wa.grad))
+    for a, b in zip(grads[0], grads[1], strict=True):
+        torch.testing.assert_close(b, 2 * a, rtol=1e-2, atol=0)  # one rounding of 2x: exact-ish
+        assert torch.count_nonzero(a) > 0
+    for a in grads[2]:
+        assert torch.count_nonzero(a) == 0
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_mixed_precision_float32_weight(backend, device):
+    """float32 weight and bias with low-precision hidden: float32 d_weight, within the oracle rule
+    against eager's mixed-precision recipe (weights cast to the hidden dtype)."""
+    low = torch.float16 if (backend == "triton" and device == "cpu") else torch.bfloat16
+    g = torch.Generator().manual_seed(5)
+    n, h, v = 300, 64, 1000
+    x = torch.randn(n, h, generator=g, dtype=torch.float64)
+    w = torch.randn(v, h, generator=g, dtype=torch.float64) * (3 / math.sqrt(h))
+    b = torch.randn(v, generator=g, dtype=torch.float64) * 0.5
+    t = torch.randint(0, v, (n,), generator=g)
+    t[::5] = -100
+
+    def grads(fn, xd, wd):
+        xx = x.to(device, xd).clone().requires_grad_()
+        ww = w.to(device, wd).clone().requires_grad_()
+        bb = b.to(device, wd).clone().requires_grad_()
+        loss = fn(xx, ww, bb)
+        loss.backward(torch.tensor(0.7, device=device, dtype=loss.dtype))
+        return loss.detach(), xx.grad, ww.grad, bb.grad
+
+    def eager(xx, ww, bb):
+        return O.eager_loss(xx, ww.to(xx.dtype), t.to(device), bb.to(xx.dtype), reduction="mean",
+                            label_smoothing=0.0, softcap=None, z_loss=0.0, return_lse=False)
+
+    ref = grads(lambda xx, ww, bb: linear_cross_entropy(xx, ww, t.to(device), bb,
+                                                        backend="torch"),
+                torch.float64, torch.float64)
+    base = grads(eager, low, torch.float32)
+    got = grads(lambda xx, ww, bb: linear_cross_entropy(xx, ww, t.to(device), bb, backend=backend,
+                                                        memory_budget_mib=0.3),
+                low, torch.float32)
+    assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
+    for name, r, e, o in zip(("loss", "d_hidden", "d_weight", "d_bias"), ref, base, got,
+                             strict=True):
+        e_got, e_eager = O.rel_err(o, r), O.rel_err(e, r)
+        assert e_got <= 2 * e_eager + O.SLACK[low], (name, e_got, e_eager)
+
+
+def test_opcheck_fused_op_torch_backend():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 16, generator=g, requires_grad=True)
+    w = torch.randn(37, 16, generator=g, requires_grad=True)
+    b = torch.randn(37, generator=g, requires_grad=True)
+    t = torch.randint(0, 37, (9,), generator=g)
+    for reduction in ("mean", "sum"):
+        torch.library.opcheck(
+            torch.ops.fusedops.linear_ce_fused.default,
+            (x, w, b, t, -100, reduction, 0.1, 4.0, 1e-3, 1 << 18, True, True, True, True,
+             "torch"), test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+
+
+def test_no_grad_forward_matches_and_returns_no_grads():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(40, 16, generator=g)
+    w = torch.randn(3001, 16, generator=g)
+    t = torch.randint(0, 3001, (40,), generator=g)
+    assert not chunked.plan_chunks(40, 16, 3001, 4, chunked.budget_bytes(0.1), False).full_rows
+    with torch.no_grad():
+        a = linear_cross_entropy(x, w, t, memory_budget_mib=0.1)  # vocab chunks
+        b = linear_cross_entropy(x, w, t)
+    ref = torch.nn.functional.cross_entropy(x @ w.T, t)
+    torch.testing.assert_close(a, ref)
+    torch.testing.assert_close(b, ref)
+    loss, _lse, dh, dw, db = ops.linear_ce_fused(x, w, None, t, -100, "mean", 0.0, 0.0, 0.0,
+                                                 1 << 20, True, False, False, False, "torch")
+    assert dh.numel() == dw.numel() == db.numel() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cuda-sm90", "cuda-sm80", "triton"])
+@pytest.mark.parametrize("budget", [None, 64])
+def test_cuda_graph_capture(backend, budget):
+    """Forward + backward of the fast path, targets unchecked, captured and replayed."""
+    sig = dispatch.InputSig("linear_ce", "cuda", 0, torch.bfloat16, 256)
+    if dispatch.why_not(backend, sig) is not None:
+        pytest.skip(dispatch.why_not(backend, sig))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1024, 256, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = (torch.randn(32003, 256, device="cuda", generator=g) / 8).bfloat16().requires_grad_()
+    t = torch.randint(0, 32003, (1024,), device="cuda", generator=g)
+    x.requires_grad_()
+
+    def step():
+        loss = linear_cross_entropy(x, w, t, backend=backend, check_targets=False,
+                                    memory_budget_mib=budget, label_smoothing=0.1)
+        loss.backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm-up outside the graph (Triton compilation, cuBLAS handles)
+            x.grad = w.grad = None
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    ref = (step().detach().clone(), x.grad.clone(), w.grad.clone())
+    x.grad = w.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step()
+    t.copy_(torch.randint(0, 32003, (1024,), device="cuda", generator=g))  # new data, same graph
+    graph.replay()
+    xf, wf = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    fresh = linear_cross_entropy(xf, wf, t, backend=backend, check_targets=False,
+                                 memory_budget_mib=budget, label_smoothing=0.1)
+    fresh.backward()
+    assert not torch.equal(loss, ref[0])
+    torch.testing.assert_close(loss, fresh)
+    torch.testing.assert_close(x.grad, xf.grad)
+    torch.testing.assert_close(w.grad, wf.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("budget", [None, 64])
+def test_extra_memory_within_budget(budget):
+    """Peak memory above inputs and returned gradients stays within the budget (default 512)."""
+    n, h, v = 4096, 1024, 128256
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
+    w = (torch.randn(v, h, device="cuda", generator=g) / 32).bfloat16().requires_grad_()
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+
+    def step():
+        x.grad = w.grad = None
+        linear_cross_entropy(x, w, t, check_targets=False, memory_budget_mib=budget).backward()
+
+    step()
+    x.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before - (x.numel() + w.numel()) * 2
+    assert extra <= chunked.budget_bytes(budget), extra / 2**20
