@@ -417,7 +417,8 @@ def _ce_rows_kernel(Z, B, T, W, LSE, M, S, ZT, ZS, n_cols, col0, vocab, eps, zl,
             tl.store(ZT + row, zt)
             tl.store(ZS + row, zs)
     if MODE == 2 or MODE == 3:
-        lse = tl.load(LSE + row)
+        if MODE == 2:  # MODE 3 keeps its own lse in registers (re-reading the store would race)
+            lse = tl.load(LSE + row)
         w = tl.load(W + row)
         d_lse = w * (1.0 + 2.0 * zl * lse)
         d_zt = -w * (1.0 - eps)
@@ -449,15 +450,18 @@ def ce_rows(z, bias, target, col0: int, vocab: int, w, lse, m, s, zt, zsum, eps:
 @triton.jit
 def _scale_kernel(X, G, n, BLOCK: tl.constexpr):
     g = tl.load(G).to(tl.float32)
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = (offs < n) & (g != 1.0)  # g == 1: every access masked off, no memory traffic
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=mask)
+    if g != 1.0:  # the usual loss.backward(): nothing to do, decided on the device
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for start in range(tl.program_id(0).to(tl.int64) * BLOCK, n, step):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < n
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            tl.store(X + offs, (x * g).to(X.dtype.element_ty), mask=mask)
 
 
 def scale_if_not_one(x, g):
     """x *= g in place (x contiguous); g a one-element tensor read on the device."""
     n = x.numel()
     block = 64 if _interpreting() else 4096
-    _scale_kernel[(triton.cdiv(n, block),)](x, g, n, BLOCK=block,
-                                            num_warps=1 if _interpreting() else 8)
+    grid = min(triton.cdiv(n, block), 1056)
+    _scale_kernel[(grid,)](x, g, n, BLOCK=block, num_warps=1 if _interpreting() else 8)

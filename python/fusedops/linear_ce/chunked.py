@@ -10,8 +10,9 @@ vocabulary go in chunks sized by a memory budget:
   into dz in place (lse, target logit and logit sum first) -> d_hidden[c] = dz W (complete) ->
   d_weight += dz^T X_c (cuBLAS, float32 accumulation, rounded into d_weight once per chunk);
 * vocab-chunked (small budgets): per token chunk, one sweep over vocab chunks for the statistics
-  (online log-sum-exp) and a second one that recomputes z, turns it into dz and accumulates
-  d_hidden in a float32 buffer (token chunk x H) and d_weight slices as above: four GEMMs.
+  (online log-sum-exp) and a second one that recomputes z, turns it into dz, adds each chunk's
+  d_hidden product into a float32 buffer (token chunk x H) and d_weight slices as above: four
+  GEMMs.
 
 The row kernels (statistics, dz, both in one pass for full rows) exist per backend: CUDA
 (csrc/linear_ce/ce_rows*), Triton (kernels_triton/linear_ce.py) and plain torch (here); the GEMMs
@@ -56,15 +57,20 @@ class Plan:
     #                  d_hidden accumulator of rows x H (when d_hidden is needed)
 
 
-def _balanced(total: int, most: int) -> int:
-    """The smallest chunk size <= most that splits `total` into as few chunks as `most` does."""
+def _balanced(total: int, most: int, align: int = 128) -> int:
+    """A chunk size <= most that splits `total` into as few chunks as `most` does, rounded up to
+    a multiple of `align` when that still fits (cuBLAS picks its fast Hopper kernels for
+    multiples of 128; the first profile ran 8016-wide chunks on slow sm75 kernels)."""
     most = max(1, min(most, total))
-    return -(-total // -(-total // most))
+    size = -(-total // -(-total // most))
+    up = -(-size // align) * align
+    return up if up <= most else size
 
 
 def plan_chunks(n_tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,
                 budget: int, need_dh: bool) -> Plan:
-    """Chunk sizes whose scratch (logits chunk, accumulators, per-token arrays) fits `budget`."""
+    """Chunk sizes whose scratch (logits chunk, d_hidden buffers, per-token arrays) fits
+    `budget` bytes."""
     n = max(n_tokens, 1)
     avail = budget - (64 << 10) - 64 * n  # per-token float32 arrays, int64 targets, slack
     if avail <= 0:
@@ -73,21 +79,20 @@ def plan_chunks(n_tokens: int, hidden_size: int, vocab_size: int, elem_bytes: in
     rows_full = avail // (vocab_size * elem_bytes)
     if rows_full >= min(n, MIN_FULL_ROWS):
         return Plan(_balanced(n, rows_full), vocab_size, True)
-    for rows in (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
+    # Vocab chunks: per token, a float32 d_hidden accumulator and a partial in the input dtype.
+    per_row_dh = hidden_size * (4 + elem_bytes) if need_dh else 0
+    for rows in (2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
         rows = min(rows, n)
-        rest = avail - (rows * hidden_size * 4 if need_dh else 0)
-        cols = rest // (rows * elem_bytes)
-        if cols >= min(vocab_size, 1024) or rows == 1:
+        cols = (avail - rows * per_row_dh) // (rows * elem_bytes)
+        if cols >= min(vocab_size, 2048) or rows == 1:
             break
-    else:
-        cols = 0
     if rows_full >= max(rows, 1) or (rows_full >= 1 and cols < 1):
         return Plan(_balanced(n, rows_full), vocab_size, True)  # whole rows fit as many tokens
     if cols < 1:
         raise ValueError(f"memory_budget_mib={budget / MIB:.3f} is too small for "
                          f"H={hidden_size}, V={vocab_size}")
-    cols = min(vocab_size, cols if cols < 128 else cols // 128 * 128)
-    return Plan(rows, _balanced(vocab_size, cols), False)
+    cols = min(vocab_size, cols if cols < 256 else cols // 256 * 256)
+    return Plan(rows, _balanced(vocab_size, cols, 256), False)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,8 +227,14 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
         plan = plan_chunks(n_tokens, hidden_size, vocab, hidden.element_size(), budget,
                            need_dh)
         buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
-        acc = (torch.empty(plan.rows, hidden_size, dtype=cdt, device=dev)
-               if need_dh and not plan.full_rows else None)
+        acc = part = None
+        if need_dh and not plan.full_rows:
+            # d_hidden over vocab chunks: each chunk's product (a GEMM in the input dtype, at
+            # cuBLAS's full speed; float32-output GEMMs run on slow kernels) is added into a
+            # float32 accumulator, so only the per-chunk partials are rounded.
+            acc = torch.empty(plan.rows, hidden_size, dtype=cdt, device=dev)
+            part = acc if hidden.dtype == cdt else torch.empty(plan.rows, hidden_size,
+                                                               dtype=hidden.dtype, device=dev)
         m = s = None
         if not plan.full_rows:
             m = torch.empty(n_tokens, dtype=cdt, device=dev)
@@ -264,9 +275,18 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
                 _rows(backend, z, None if b_in is None else b_in[v0:v1], tc, v0, vocab, wc,
                       lse[n0:n1], m[n0:n1], s[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap,
                       MODE_DZ)
-                _grads_from_dz(z, x, w_mm, v0, v1, acc[: n1 - n0] if need_dh else None,
-                               d_weight if need_dw else None, d_bias32, first_dw,
-                               accumulate_dh=v0 > 0)
+                _grads_from_dz(z, x, w_mm, v0, v1, None, d_weight if need_dw else None,
+                               d_bias32, first_dw)
+                if need_dh:
+                    rows_acc = acc[: n1 - n0]
+                    if part is acc:
+                        _mm(rows_acc, z, w_mm[v0:v1], v0 > 0)
+                    else:
+                        torch.mm(z, w_mm[v0:v1], out=part[: n1 - n0])
+                        if v0 == 0:
+                            rows_acc.copy_(part[: n1 - n0])
+                        else:
+                            rows_acc.add_(part[: n1 - n0])
             first_dw = False
             if need_dh:
                 d_hidden[n0:n1] = acc[: n1 - n0]
@@ -283,9 +303,9 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     return loss.to(cdt), lse, d_hidden, d_weight, d_bias
 
 
-def _grads_from_dz(dz, x, w_mm, v0, v1, dh_out, dw_out, db32, first_dw, accumulate_dh=False):
+def _grads_from_dz(dz, x, w_mm, v0, v1, dh_out, dw_out, db32, first_dw):
     if dh_out is not None:
-        _mm(dh_out, dz, w_mm[v0:v1], accumulate_dh)
+        _mm(dh_out, dz, w_mm[v0:v1], False)
     if dw_out is not None:
         _mm(dw_out[v0:v1], dz.T, x, not first_dw)
     if db32 is not None:

@@ -169,26 +169,45 @@ def _(grad, g, backend):
     return None
 
 
-def _fused_setup_context(ctx, inputs, output):
-    ctx.backend = inputs[-1]
-    ctx.need = inputs[-4:-1]
-    ctx.save_for_backward(*output[2:])
-    ctx.mark_non_differentiable(*output[1:])
+class _FusedLoss(torch.autograd.Function):
+    """loss = linear_ce_fused(...)[0]; backward = the forward's gradients times the upstream g.
 
+    Eager mode keeps the gradients as plain ctx attributes and drops them in the backward, so the
+    tensor handed to autograd has no other owner and AccumulateGrad adopts it as .grad without a
+    copy (saved tensors would still be referenced then: a 1 GiB d_weight copy at Llama-3 size).
+    Under torch.compile the saved-tensor form is used (the compiler manages that memory).
+    """
 
-def _fused_backward(ctx, g_loss, *_unused):
-    grads = ctx.saved_tensors
-    out = []
-    for need, grad in zip(ctx.need, grads, strict=True):
-        if need and g_loss is not None:
-            scale_grad_(grad, g_loss, ctx.backend)
-            out.append(grad)
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, label_smoothing,
+                softcap, z_loss, budget, check_targets, need_dh, need_dw, need_db, backend):
+        loss, _lse, dh, dw, db = linear_ce_fused(
+            hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap,
+            z_loss, budget, check_targets, need_dh, need_dw, need_db, backend)
+        ctx.backend = backend
+        ctx.need = (need_dh, need_dw, need_db)
+        ctx.compiled = torch.compiler.is_compiling()
+        if ctx.compiled:
+            ctx.save_for_backward(dh, dw, db)
         else:
-            out.append(None)
-    return (*out, None, None, None, None, None, None, None, None, None, None, None, None)
+            ctx.grads = [dh, dw, db]
+        return loss
 
-
-linear_ce_fused.register_autograd(_fused_backward, setup_context=_fused_setup_context)
+    @staticmethod
+    def backward(ctx, g_loss):
+        if ctx.compiled:
+            grads = list(ctx.saved_tensors)
+        else:
+            grads, ctx.grads = ctx.grads, None
+        out = []
+        for need, grad in zip(ctx.need, grads, strict=True):
+            if need:
+                scale_grad_(grad, g_loss, ctx.backend)
+                out.append(grad)
+            else:
+                out.append(None)
+        del grads
+        return (*out, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def fused_loss(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap,
@@ -196,7 +215,6 @@ def fused_loss(hidden, weight, bias, target, ignore_index, reduction, label_smoo
     """The loss through linear_ce_fused; gradients flow to hidden, weight and bias."""
     grad_on = torch.is_grad_enabled()
     need = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
-    loss, _lse, *_grads = linear_ce_fused(
-        hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, z_loss,
-        chunked.budget_bytes(memory_budget_mib), check_targets, *need, backend)
-    return loss
+    return _FusedLoss.apply(hidden, weight, bias, target, ignore_index, reduction,
+                            label_smoothing, softcap, z_loss,
+                            chunked.budget_bytes(memory_budget_mib), check_targets, *need, backend)
