@@ -72,10 +72,10 @@ def plan_chunks(n_tokens: int, hidden_size: int, vocab_size: int, elem_bytes: in
     """Chunk sizes whose scratch (logits chunk, d_hidden buffers, per-token arrays) fits
     `budget` bytes."""
     n = max(n_tokens, 1)
-    avail = budget - (64 << 10) - 64 * n  # per-token float32 arrays, int64 targets, slack
+    avail = budget - (2 << 20) - 64 * n  # per-token arrays, targets, small temporaries
     if avail <= 0:
         raise ValueError(f"memory_budget_mib={budget / MIB:.3f} is too small for {n_tokens} "
-                         f"tokens (needs more than {(64 * n + (64 << 10)) / MIB:.3f})")
+                         f"tokens (needs more than {(64 * n + (2 << 20)) / MIB:.3f})")
     rows_full = avail // (vocab_size * elem_bytes)
     if rows_full >= min(n, MIN_FULL_ROWS):
         return Plan(_balanced(n, rows_full), vocab_size, True)
