@@ -1,20 +1,19 @@
 // Entry points of the fast path's row kernels (ce_rows_kernel.cuh), one per kernel family, and the
-// device-side gradient scaling. Whole-row modes: sm80 family 512 threads per row and up to 96 KB
-// of the row cached in shared memory (A100: 164 KB per SM); sm90 family (built only into sm_90
-// code, traps below) 1024 threads and 200 KB of the H200's 227 KB, so a 256 KB Llama-3 row is
-// read from HBM once and 80% of its second read comes from shared memory (first H200 profile:
-// 458 us per 2048-row chunk without the cache, 3.4 TB/s over three passes).
+// device-side gradient scaling. Whole-row modes: sm80 family 512 threads per row, sm90 family
+// (built only into sm_90 code, traps below) 1024 threads, so fewer 256 KB rows are in flight and
+// more of the dz pass's second read hits L2. (Caching up to 200 KB of the row in shared memory
+// for the second read was tried and measured ~0.7 ms slower per Llama-3 step on the H200.)
 #include "../static_switch.h"
 #include "ce_rows_kernel.cuh"
 
 namespace fusedops {
 
 cudaError_t ce_rows_sm80(CeRowsParams& p) {
-  return FP16_BF16_SWITCH(p.is_bf16, [&] { return rows::run_rows<512, 96 * 1024, 800, elem_t>(p); });
+  return FP16_BF16_SWITCH(p.is_bf16, [&] { return rows::run_rows<512, 800, elem_t>(p); });
 }
 
 cudaError_t ce_rows_sm90(CeRowsParams& p) {
-  return FP16_BF16_SWITCH(p.is_bf16, [&] { return rows::run_rows<1024, 200 * 1024, 900, elem_t>(p); });
+  return FP16_BF16_SWITCH(p.is_bf16, [&] { return rows::run_rows<1024, 900, elem_t>(p); });
 }
 
 namespace {
