@@ -14,8 +14,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def main(path, out=None):
     rows = [json.loads(line) for line in open(path)]
+    curve = [r for r in rows if r["shape"] == "curve"]
+    rows = [r for r in rows if r["shape"] != "curve"]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    fig, axes = plt.subplots(2, len(shapes), figsize=(5.5 * len(shapes), 7.5), squeeze=False)
+    ncols = len(shapes) + (1 if curve else 0)
+    fig, axes = plt.subplots(2, ncols, figsize=(5.5 * ncols, 7.5), squeeze=False)
     for col, shape in enumerate(shapes):
         rs = [r for r in rows if r["shape"] == shape]
         names = [r["method"].replace("fusedops-", "fo-") for r in rs]
@@ -32,7 +35,19 @@ def main(path, out=None):
         ax.set_xscale("log")
         ax.set_xlabel("extra peak memory, MiB (log)")
         ax.invert_yaxis()
-    r0 = rows[0]
+    if curve:
+        ax = axes[0][-1]
+        for method in dict.fromkeys(r["method"] for r in curve):
+            pts = sorted((r["N"], r["extra_mib"]) for r in curve if r["method"] == method)
+            ax.plot([p[0] for p in pts], [max(p[1], 0.1) for p in pts], marker="o", label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens N (H=4096, V=128256)")
+        ax.set_ylabel("extra peak memory, MiB")
+        ax.set_title("extra memory vs N")
+        ax.legend(fontsize=8)
+        axes[1][-1].axis("off")
+    r0 = (rows or curve)[0]
     fig.suptitle(f"fused linear cross-entropy, bf16, {r0['gpu']}, torch {r0['torch']}, "
                  f"git {r0['git']}, {r0['date']}")
     fig.tight_layout()

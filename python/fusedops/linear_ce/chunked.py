@@ -103,7 +103,7 @@ def _rows_torch(z, bias, target, col0: int, vocab: int, w, lse, m, s, zt, zsum,
                 eps: float, zl: float, softcap: float, mode: int):
     cdt = torch.float64 if z.dtype == torch.float64 else torch.float32
     rows, cols = z.shape
-    step = max(1, (1 << 22) // max(cols, 1))  # bounded float32 temporaries
+    step = max(1, (1 << 20) // max(cols, 1))  # float32 temporaries of ~4 MiB each
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
         zc = z[r0:r1].to(cdt)
