@@ -239,18 +239,22 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
         if not plan.full_rows:
             m = torch.empty(n_tokens, dtype=cdt, device=dev)
             s = torch.empty(n_tokens, dtype=cdt, device=dev)
+        def logits_then_rows(n0, n1, v0, v1, mode):
+            """z = hidden[n0:n1] @ weight[v0:v1].T into the buffer, then the row kernel."""
+            z = _flat_view(buf, n1 - n0, v1 - v0)
+            _mm(z, hidden[n0:n1], w_mm[v0:v1].T, False)
+            state = lse if m is None else m, lse if s is None else s  # unused by whole rows
+            _rows(backend, z, None if b_in is None else b_in[v0:v1], target[n0:n1], v0, vocab,
+                  w_tok[n0:n1], lse[n0:n1], state[0][n0:n1], state[1][n0:n1], zt[n0:n1],
+                  zsum[n0:n1], eps, zl, cap, mode)
+            return z
+
         first_dw = True
         for n0 in range(0, n_tokens, plan.rows):
             n1 = min(n0 + plan.rows, n_tokens)
             x = hidden[n0:n1]
-            tc = target[n0:n1]
-            wc = w_tok[n0:n1]
             if plan.full_rows:
-                z = _flat_view(buf, n1 - n0, vocab)
-                _mm(z, x, w_mm.T, False)
-                _rows(backend, z, b_in, tc, 0, vocab, wc, lse[n0:n1], lse[n0:n1], lse[n0:n1],
-                      zt[n0:n1], zsum[n0:n1], eps, zl, cap,
-                      MODE_FULL_DZ if need_grads else MODE_FULL)
+                z = logits_then_rows(n0, n1, 0, vocab, MODE_FULL_DZ if need_grads else MODE_FULL)
                 if need_grads:
                     _grads_from_dz(z, x, w_mm, 0, vocab, d_hidden[n0:n1] if need_dh else None,
                                    d_weight if need_dw else None, d_bias32, first_dw)
@@ -259,22 +263,13 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
             m[n0:n1] = -math.inf
             s[n0:n1] = 0.0
             for v0 in range(0, vocab, plan.cols):
-                v1 = min(v0 + plan.cols, vocab)
-                z = _flat_view(buf, n1 - n0, v1 - v0)
-                _mm(z, x, w_mm[v0:v1].T, False)
-                _rows(backend, z, None if b_in is None else b_in[v0:v1], tc, v0, vocab, wc,
-                      lse[n0:n1], m[n0:n1], s[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap,
-                      MODE_MERGE)
+                logits_then_rows(n0, n1, v0, min(v0 + plan.cols, vocab), MODE_MERGE)
             torch.add(m[n0:n1], torch.log(s[n0:n1]), out=lse[n0:n1])
             if not need_grads:
                 continue
             for v0 in range(0, vocab, plan.cols):
                 v1 = min(v0 + plan.cols, vocab)
-                z = _flat_view(buf, n1 - n0, v1 - v0)
-                _mm(z, x, w_mm[v0:v1].T, False)
-                _rows(backend, z, None if b_in is None else b_in[v0:v1], tc, v0, vocab, wc,
-                      lse[n0:n1], m[n0:n1], s[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap,
-                      MODE_DZ)
+                z = logits_then_rows(n0, n1, v0, v1, MODE_DZ)
                 _grads_from_dz(z, x, w_mm, v0, v1, None, d_weight if need_dw else None,
                                d_bias32, first_dw)
                 if need_dh:
