@@ -5,12 +5,39 @@ in the same dtype (bf16/fp16 logits, float32 cross-entropy), plus a small slack.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
+import pytest
 import torch
 import torch.nn.functional as F
 
+from fusedops import dispatch
 from fusedops.linear_ce import linear_cross_entropy
+
+
+def available_backends():
+    """(backend, device) pairs that can run here."""
+    out = [("torch", "cpu")]
+    if os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available():
+        try:
+            import triton  # noqa: F401
+            out.append(("triton", "cpu"))
+        except ImportError:
+            pass
+    if torch.cuda.is_available():
+        sig = dispatch.InputSig("linear_ce", "cuda", 0, torch.bfloat16, 64)
+        for name in ("cuda-sm90", "cuda-sm80", "triton", "torch"):
+            if dispatch.why_not(name, sig) is None:
+                out.append((name, "cuda"))
+    return out
+
+
+def backend_params(backends):
+    """(backend, device) pairs as pytest params, the CUDA ones marked gpu."""
+    return [pytest.param(b, d, marks=[pytest.mark.gpu] if d == "cuda" else [], id=f"{b}-{d}")
+            for b, d in backends]
+
 
 SLACK = {torch.float32: 2e-6, torch.float16: 2e-5, torch.bfloat16: 2e-5, torch.float64: 1e-12}
 # Unit roundoff of the logits' dtype. Outputs computed from logits rounded to that dtype (as eager

@@ -1,39 +1,14 @@
 """Parity suite for fused linear cross-entropy: each backend here against the float64 oracle."""
 
-import os
-
 import pytest
 import torch
 
 import lce_oracle as O
-from fusedops import _ext, dispatch
+from fusedops import _ext
 from fusedops.linear_ce import linear_cross_entropy
 
-HAS_GPU = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _backends():
-    """(backend, device) pairs that can run here."""
-    out = [("torch", "cpu")]
-    if INTERPRET and not HAS_GPU:
-        try:
-            import triton  # noqa: F401
-            out.append(("triton", "cpu"))
-        except ImportError:
-            pass
-    if HAS_GPU:
-        sig = dispatch.InputSig("linear_ce", "cuda", 0, torch.bfloat16, 64)
-        for name in ("cuda-sm90", "cuda-sm80", "triton", "torch"):
-            if dispatch.why_not(name, sig) is None:
-                out.append((name, "cuda"))
-    return out
-
-
-BACKENDS = _backends()
-# (backend, device) as pytest params, CUDA ones marked gpu.
-BACKEND_PARAMS = [pytest.param(b, d, marks=[pytest.mark.gpu] if d == "cuda" else [],
-                               id=f"{b}-{d}") for b, d in BACKENDS]
+BACKENDS = O.available_backends()
+BACKEND_PARAMS = O.backend_params(BACKENDS)
 
 # (leading shape, H, V). Sizes that are not multiples of any tile, 3-D hidden, the large shapes.
 SHAPES_SMALL = [((1,), 64, 123), ((37,), 120, 123), ((2, 19), 64, 123)]

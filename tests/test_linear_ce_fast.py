@@ -3,7 +3,6 @@ chunk plans, parity at budgets that force many chunks, mixed precision, the g ==
 graph capture, and the memory budget itself on the GPU."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -12,28 +11,7 @@ import lce_oracle as O
 from fusedops import dispatch
 from fusedops.linear_ce import chunked, linear_cross_entropy, ops
 
-HAS_GPU = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _backends():
-    out = [pytest.param("torch", "cpu", id="torch-cpu")]
-    if INTERPRET and not HAS_GPU:
-        try:
-            import triton  # noqa: F401
-            out.append(pytest.param("triton", "cpu", id="triton-cpu"))
-        except ImportError:
-            pass
-    if HAS_GPU:
-        sig = dispatch.InputSig("linear_ce", "cuda", 0, torch.bfloat16, 64)
-        for name in ("cuda-sm90", "cuda-sm80", "triton", "torch"):
-            if dispatch.why_not(name, sig) is None:
-                out.append(pytest.param(name, "cuda", id=f"{name}-cuda",
-                                        marks=pytest.mark.gpu))
-    return out
-
-
-BACKENDS = _backends()
+BACKENDS = O.backend_params(O.available_backends())
 _ORACLE = {}
 
 
