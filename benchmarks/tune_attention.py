@@ -4,7 +4,7 @@ Each candidate's gradients are compared with the current default config's (relat
 below 1e-2, else the candidate is marked wrong); the backward is timed alone (do_bench on
 autograd.grad of a kept forward). Prints the best configs per (D, L, causal) and writes JSON
 lines under benchmarks/results/. Written for the D=64 backward (half of FlashAttention-2's speed
-with the configs set by analogy with D=128); not run yet.
+with configs set by analogy with D=128); its run 0102de83 chose the D<=64 configs in _configs.
 
     python benchmarks/tune_attention.py --dims 64 --lengths 4096
 """
@@ -22,9 +22,9 @@ import uuid
 import torch
 
 DKDV = [(bm, bn, w, s) for bm, bn, w, s in itertools.product((32, 64, 128), (64, 128), (4, 8),
-                                                              (1, 2, 3))]
+                                                              (2, 3, 4))]
 DQ = [(bm, bn, w, s) for bm, bn, w, s in itertools.product((64, 128), (32, 64, 128), (4, 8),
-                                                           (1, 2, 3))]
+                                                           (2, 3, 4))]
 
 
 def tune_shape(d, length, causal, rep_ms, path, run_id):
@@ -37,8 +37,8 @@ def tune_shape(d, length, causal, rep_ms, path, run_id):
     default_configs = ka._configs
 
     def use(dkdv=None, dq=None):
-        def configs(head_dim, dtype):
-            fwd, d1, d2 = default_configs(head_dim, dtype)
+        def configs(head_dim, dtype, causal_=False):
+            fwd, d1, d2 = default_configs(head_dim, dtype, causal_)
             return fwd, dkdv or d1, dq or d2
         ka._configs = configs
 
@@ -65,7 +65,7 @@ def tune_shape(d, length, causal, rep_ms, path, run_id):
             ms = triton.testing.do_bench(
                 lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), rep=rep_ms)
         except Exception as exc:  # a config that does not compile or fit
-            print(f"  {kind} {cfg}: failed ({type(exc).__name__})", file=sys.stderr)
+            print(f"  {kind} {cfg}: failed ({type(exc).__name__})", file=sys.stderr, flush=True)
             return None
         row = dict(op="attention_tune", kernel=kind, config=cfg, D=d, L=length, causal=causal,
                    bwd_ms=round(ms, 4), bwd_tflops=round(flops / ms / 1e9, 1),
@@ -73,6 +73,8 @@ def tune_shape(d, length, causal, rep_ms, path, run_id):
                    torch=torch.__version__, run=run_id)
         with open(path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        print(f"  {kind} {cfg}: {row['bwd_tflops']} TFLOP/s ok={row['ok']}", file=sys.stderr,
+              flush=True)
         return row
 
     try:
