@@ -6,6 +6,7 @@ import attn_oracle as A
 import pytest
 import torch
 
+from fusedops import _ext, dispatch
 from fusedops.attention import Attention, attention
 
 HAS_GPU = torch.cuda.is_available()
@@ -33,6 +34,8 @@ FEATURES = {
     "varlen_everything": dict(varlen=True, causal=True, window=(40, -1), softcap=15.0),
 }
 _CACHE = {}
+CUDA_DIMS = (64, 128)  # head dims with CUDA kernels; the others must be refused with a reason
+NEEDS_EXT = pytest.mark.skipif(not _ext.available(), reason="fusedops._C not built")
 
 
 def _params():
@@ -44,9 +47,12 @@ def _params():
             if INTERPRET and HAS_TRITON and not HAS_GPU:
                 out.append(pytest.param("triton", "cpu", torch.float32, lead, f,
                                         id=f"triton-cpu-{'x'.join(map(str, lead))}-{f}"))
-    for backend in ("triton", "torch"):
+    for backend in ("cuda-sm80", "triton", "torch"):
         for dtype in (torch.bfloat16, torch.float16):
             for lead in GPU_SHAPES:
+                if backend.startswith("cuda") and lead[-1] not in CUDA_DIMS:
+                    continue
+                marks = [pytest.mark.gpu] + ([NEEDS_EXT] if backend.startswith("cuda") else [])
                 for f in FEATURES:
                     # The torch backend is the oracle's own code (tested on the CPU too): on the GPU
                     # only bf16 and the smaller shapes.
@@ -54,7 +60,7 @@ def _params():
                     if backend == "torch" and (big or dtype != torch.bfloat16):
                         continue
                     out.append(pytest.param(
-                        backend, "cuda", dtype, lead, f, marks=pytest.mark.gpu,
+                        backend, "cuda", dtype, lead, f, marks=marks,
                         id=f"{backend}-cuda-{str(dtype)[6:]}-{'x'.join(map(str, lead))}-{f}"))
     return out
 
@@ -66,12 +72,13 @@ def test_parity(backend, device, dtype, shape, feature):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_EXT)])
 @pytest.mark.parametrize("feature", ["plain", "causal_window", "varlen_everything"])
-def test_default_backward_is_bitwise_repeatable(feature):
+def test_default_backward_is_bitwise_repeatable(feature, backend):
     case = A.Case(2, 1025, 1025, 8, 2, 128, torch.bfloat16, "cuda", **FEATURES[feature])
     inp = A.make_inputs(case)
-    A.check(case, "triton", _CACHE)
-    runs = [A.run(lambda *a, **k: attention(*a, **k, return_lse=True, backend="triton"), inp,
+    A.check(case, backend, _CACHE)
+    runs = [A.run(lambda *a, **k: attention(*a, **k, return_lse=True, backend=backend), inp,
                   case, case.dtype) for _ in range(2)]
     for name in ("dq", "dk", "dv"):
         assert torch.equal(runs[0][name], runs[1][name]), name
@@ -202,9 +209,10 @@ def test_opcheck_and_compile():
 
 
 @pytest.mark.gpu
-def test_compile_gpu_triton():
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_EXT)])
+def test_compile_gpu(backend):
     def f(q, k, v):
-        return attention(q, k, v, causal=True).float().square().sum()
+        return attention(q, k, v, causal=True, backend=backend).float().square().sum()
 
     q, k, v = (t.cuda().bfloat16().requires_grad_() for t in _qkv(b=2, s=300, d=64))
     eager = torch.autograd.grad(f(q, k, v), (q, k, v))
@@ -216,4 +224,35 @@ def test_compile_gpu_triton():
                           (q.reshape(600, 4, 64), k.reshape(600, 2, 64), v.reshape(600, 2, 64),
                            torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda"),
                            torch.tensor([0, 300, 600], dtype=torch.int32, device="cuda"),
-                           300, 300, 0.125, True, -1, -1, 0.0, False, "triton"))
+                           300, 300, 0.125, True, -1, -1, 0.0, False, backend))
+
+
+@NEEDS_EXT
+@pytest.mark.parametrize("head_dim", [32, 96, 256])
+def test_cuda_refuses_other_head_dims_with_a_reason(head_dim):
+    """Head dims without CUDA kernels: dispatch names the reason; auto falls back to Triton."""
+    sig = dispatch.InputSig("attention", "cuda", 0, torch.bfloat16, head_dim)
+    assert f"head dim {head_dim}" in dispatch.why_not("cuda-sm80", sig)
+    if HAS_GPU:
+        q = torch.randn(1, 8, 2, head_dim, device="cuda", dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match=f"head dim {head_dim}"):
+            attention(q, q, q, backend="cuda-sm80")
+        assert dispatch.select("attention", q, head_dim) == "triton"
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
+def test_cuda_op_checks_its_inputs():
+    """The C++ op names the argument it refuses (callers going around the Python API)."""
+    q = torch.randn(16, 4, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 16], dtype=torch.int32, device="cuda")
+    op = torch.ops.fusedops.attention_fwd_cuda
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        op(q, q[:, :3], q[:, :3], cu, cu, 16, 16, 0.125, False, -1, -1, 0.0)
+    with pytest.raises(ValueError, match="k must have contiguous heads"):
+        op(q, q.transpose(0, 1).contiguous().transpose(0, 1), q, cu, cu, 16, 16, 0.125, False,
+           -1, -1, 0.0)
+    with pytest.raises(TypeError, match="cu_seqlens must be int32"):
+        op(q, q, q, cu.long(), cu.long(), 16, 16, 0.125, False, -1, -1, 0.0)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        op(q.float(), q.float(), q.float(), cu, cu, 16, 16, 0.125, False, -1, -1, 0.0)

@@ -52,7 +52,7 @@ def _interpreting() -> bool:
 
 
 def _why_not_cuda(sig: InputSig, arch: int) -> str | None:
-    if sig.op not in ("linear_ce",):
+    if sig.op not in ("linear_ce", "attention"):
         return f"no CUDA kernels for {sig.op} yet"
     if not _ext.available():
         return (f"the extension fusedops._C is not built ({_ext.EXT_ERROR}); reinstall with nvcc "
@@ -61,7 +61,14 @@ def _why_not_cuda(sig: InputSig, arch: int) -> str | None:
         return f"inputs are on {sig.device_type}, the CUDA kernels need CUDA tensors"
     if sig.dtype not in _GPU_DTYPES:
         return f"dtype {sig.dtype} (the CUDA kernels take float16 and bfloat16)"
-    if sig.inner_dim % 8 != 0:
+    if sig.op == "attention":
+        if sig.inner_dim not in (64, 128):
+            return (f"head dim {sig.inner_dim}: the CUDA attention kernels are built for 64 and "
+                    "128 (Triton runs the others)")
+        if arch == 90:
+            return ("no Hopper (wgmma/TMA) attention kernel yet; cuda-sm80 runs the mma.sync "
+                    "kernels on this GPU")
+    elif sig.inner_dim % 8 != 0:
         return f"hidden size {sig.inner_dim} is not a multiple of 8 (16-byte rows needed)"
     cap = _capability(sig)
     archs = _ext.built_archs()

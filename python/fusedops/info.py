@@ -50,6 +50,9 @@ def report() -> str:
                      "mean/sum losses; the recompute path (reduction='none', return_lse) uses the "
                      "mma.sync kernels (no wgmma). FUSEDOPS_CUDA_ARCH=sm80 selects the Ampere "
                      "family.")
+        lines.append("note: attention has no Hopper kernel yet: on this GPU the CUDA backend is "
+                     "cuda-sm80 (mma.sync + cp.async, FlashAttention-2-class), head dims 64 and "
+                     "128; other head dims and float32 go to Triton.")
     return "\n".join(lines)
 
 

@@ -52,6 +52,10 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
         from kernels_triton import attention as ta
         return ta.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 scale, causal, window_left, window_right, softcap)
+    if backend in ("cuda-sm80", "cuda-sm90"):  # dispatch sends sm90 here only if that exists
+        return torch.ops.fusedops.attention_fwd_cuda(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+            window_left, window_right, softcap)
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
@@ -75,6 +79,10 @@ def attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dou
         return ta.attention_bwd(q, k, v, out, lse, dout.contiguous(), cu_seqlens_q,
                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                                 window_left, window_right, softcap, deterministic)
+    if backend in ("cuda-sm80", "cuda-sm90"):  # always deterministic (separate dQ kernel)
+        return torch.ops.fusedops.attention_bwd_cuda(
+            q, k, v, out, lse, dout.contiguous(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            max_seqlen_k, scale, causal, window_left, window_right, softcap)
     raise ValueError(f"unknown attention backend {backend!r}")
 
 

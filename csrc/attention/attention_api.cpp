@@ -1,0 +1,161 @@
+// Torch binding for the CUDA attention: ATen tensors -> AttnParams, input checks, allocation,
+// and the op registrations torch.ops.fusedops.attention_{fwd,bwd}_cuda (packed layout, as the
+// Python ops in python/fusedops/attention/ops.py).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "attention_params.h"
+
+namespace fusedops {
+namespace {
+
+using at::Tensor;
+
+void check_rows(const Tensor& t, const char* name, const Tensor& q) {
+  TORCH_CHECK_VALUE(t.is_cuda() && t.device() == q.device(), name,
+                    " must be a CUDA tensor on q's device");
+  TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), name, " dtype ", t.scalar_type(),
+                   " differs from q dtype ", q.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 3 && t.size(2) == q.size(2), name,
+                    " must be (total, heads, head_dim) with q's head_dim");
+  TORCH_CHECK_VALUE(t.stride(2) == 1 && t.stride(1) == t.size(2) && t.stride(0) % 8 == 0, name,
+                    " must have contiguous heads and rows of a multiple of 8 elements");
+  TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+                    " must be 16-byte aligned");
+}
+
+AttnParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
+                       const Tensor& cu_k, int64_t max_q, int64_t max_k, double scale,
+                       bool causal, int64_t left, int64_t right, double softcap) {
+  TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
+                   "q must be float16 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK_VALUE(q.dim() == 3, "q must be (total_q, Hq, D)");
+  TORCH_CHECK_VALUE(q.size(2) == 64 || q.size(2) == 128,
+                    "the CUDA attention kernels take head dim 64 or 128, got ", q.size(2));
+  check_rows(q, "q", q);
+  check_rows(k, "k", q);
+  check_rows(v, "v", q);
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have one shape");
+  TORCH_CHECK_VALUE(k.size(1) >= 1 && q.size(1) % k.size(1) == 0,
+                    "Hq must be a multiple of Hkv, got ", q.size(1), " and ", k.size(1));
+  for (const Tensor* cu : {&cu_q, &cu_k}) {
+    TORCH_CHECK_VALUE(cu->is_cuda() && cu->device() == q.device(),
+                      "cu_seqlens must be on q's device");
+    TORCH_CHECK_TYPE(cu->scalar_type() == at::kInt, "cu_seqlens must be int32");
+    TORCH_CHECK_VALUE(cu->dim() == 1 && cu->size(0) >= 1 && cu->is_contiguous(),
+                      "cu_seqlens must be 1-D contiguous of length batch + 1");
+  }
+  TORCH_CHECK_VALUE(cu_q.size(0) == cu_k.size(0), "cu_seqlens_q and cu_seqlens_k lengths differ");
+  TORCH_CHECK_VALUE(cu_q.size(0) - 1 <= 65535 && q.size(1) <= 65535,
+                    "batch and heads must be at most 65535");
+  TORCH_CHECK_VALUE(q.size(0) < (int64_t{1} << 31) && k.size(0) < (int64_t{1} << 31) &&
+                        max_q >= 0 && max_k >= 0 && max_q < (int64_t{1} << 31) &&
+                        max_k < (int64_t{1} << 31),
+                    "sequence lengths must fit in int32");
+  AttnParams p;
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.cu_q = cu_q.data_ptr<int>();
+  p.cu_k = cu_k.data_ptr<int>();
+  p.q_row = q.stride(0);
+  p.k_row = k.stride(0);
+  p.v_row = v.stride(0);
+  p.total_q = static_cast<int>(q.size(0));
+  p.total_k = static_cast<int>(k.size(0));
+  p.hq = static_cast<int>(q.size(1));
+  p.hkv = static_cast<int>(k.size(1));
+  p.head_dim = static_cast<int>(q.size(2));
+  p.batch = static_cast<int>(cu_q.size(0) - 1);
+  p.max_q = static_cast<int>(max_q);
+  p.max_k = static_cast<int>(max_k);
+  p.scale = static_cast<float>(scale);
+  p.softcap = static_cast<float>(softcap);
+  p.left = left < 0 ? -1 : static_cast<int>(std::min<int64_t>(left, INT32_MAX / 2));
+  p.right = causal ? 0 : (right < 0 ? -1 : static_cast<int>(std::min<int64_t>(right, INT32_MAX / 2)));
+  p.is_bf16 = q.scalar_type() == at::kBFloat16;
+  p.stream = c10::cuda::getCurrentCUDAStream(q.get_device()).stream();
+  return p;
+}
+
+void check_launch(cudaError_t err, const char* what) {
+  TORCH_CHECK(err == cudaSuccess, "fusedops ", what, " launch failed: ", cudaGetErrorString(err));
+}
+
+std::tuple<Tensor, Tensor> attention_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
+                                              const Tensor& cu_q, const Tensor& cu_k,
+                                              int64_t max_q, int64_t max_k, double scale,
+                                              bool causal, int64_t left, int64_t right,
+                                              double softcap) {
+  c10::cuda::CUDAGuard guard(q.device());
+  AttnParams p = make_params(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right,
+                             softcap);
+  Tensor out = at::empty(q.sizes(), q.options());
+  Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  if (p.total_q == 0 || p.batch == 0 || p.max_q == 0) return {out, lse.fill_(-INFINITY)};
+  p.out = out.data_ptr();
+  p.o_row = out.stride(0);
+  p.lse = lse.data_ptr<float>();
+  check_launch(attention_fwd_sm80(p), "attention forward");
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
+    const Tensor& dout, const Tensor& cu_q, const Tensor& cu_k, int64_t max_q, int64_t max_k,
+    double scale, bool causal, int64_t left, int64_t right, double softcap) {
+  c10::cuda::CUDAGuard guard(q.device());
+  AttnParams p = make_params(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right,
+                             softcap);
+  check_rows(out, "out", q);
+  check_rows(dout, "dout", q);
+  TORCH_CHECK_VALUE(out.sizes() == q.sizes() && dout.sizes() == q.sizes(),
+                    "out and dout must have q's shape");
+  TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 &&
+                        lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
+                    "lse must be contiguous float32 (Hq, total_q)");
+  Tensor dq = at::empty(q.sizes(), q.options());
+  Tensor dk = at::empty(k.sizes(), k.options());
+  Tensor dv = at::empty(v.sizes(), v.options());
+  if (p.total_q == 0 || p.batch == 0 || p.max_q == 0 || p.total_k == 0)
+    return {dq.zero_(), dk.zero_(), dv.zero_()};
+  Tensor delta = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  p.out = const_cast<void*>(out.data_ptr());
+  p.o_row = out.stride(0);
+  p.dout = dout.data_ptr();
+  p.do_row = dout.stride(0);
+  p.lse = const_cast<float*>(lse.data_ptr<float>());
+  p.delta = delta.data_ptr<float>();
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dq_row = dq.stride(0);
+  p.dk_row = dk.stride(0);
+  p.dv_row = dv.stride(0);
+  // Every row is written by the kernels (cu_seqlens cover the packed tensors, checked in Python
+  // for user-given ones); keys that no query sees get zero gradients.
+  check_launch(attention_bwd_sm80(p), "attention backward");
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fusedops, m) {
+  m.def(
+      "attention_fwd_cuda(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, float scale, bool causal, int window_left, "
+      "int window_right, float softcap) -> (Tensor, Tensor)");
+  m.def(
+      "attention_bwd_cuda(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, "
+      "bool causal, int window_left, int window_right, float softcap) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
+  m.impl("attention_fwd_cuda", &attention_fwd_cuda);
+  m.impl("attention_bwd_cuda", &attention_bwd_cuda);
+}
+
+}  // namespace fusedops

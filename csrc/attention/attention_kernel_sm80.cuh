@@ -1,0 +1,544 @@
+// Device code for exact tiled attention on the Ampere tensor-core path (mma.sync m16n8k16,
+// ldmatrix, cp.async double buffering); also compiled for sm_90a and run there when forced.
+//
+// Layout and visibility rule: attention_params.h. Every warp owns 16 rows of its CTA's block
+// (queries in the forward and dQ kernels, keys in the dK/dV kernel), so softmax statistics never
+// leave the warp: a row lives in the 4 lanes of a quad. Shared tiles hold R rows of D elements in
+// 16-byte chunks XOR-swizzled by (row & 7), so the 8 row addresses of an ldmatrix hit 32 banks.
+// Scores are kept in log2 units (x = s * scale * log2(e), or softcap * log2(e) * tanh(s * scale /
+// softcap)), so every exponential is one ex2.
+//
+// Forward: Q fragments stay in registers; K/V tiles stream through two shared-memory stages;
+// online softmax with the rescale folded into the output accumulator; output normalised once;
+// lse (natural log) written, -inf with a zero row for queries that see no key.
+// Backward: delta = rowsum(dO * O); dK/dV per key block (looping over the GQA group's query heads
+// and their visible query blocks, accumulators in registers); dQ per query block by a separate
+// kernel. No atomics: gradients are bit-identical run to run.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#include "../mma_sm80.cuh"
+#include "attention_params.h"
+
+namespace fusedops {
+namespace attn {
+
+using namespace fusedops::sm80;
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+template <int D>
+__device__ __forceinline__ int swz(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+// R rows [row0, row0 + R) of a global matrix (row stride `stride`) into a swizzled tile; rows at
+// or past n_rows are zero-filled without being read.
+template <typename T, int R, int D, int NT>
+__device__ __forceinline__ void load_rows(T* tile, const T* base, int64_t stride, int row0,
+                                          int n_rows) {
+  constexpr int C = D / 8;
+#pragma unroll
+  for (int j = 0; j < (R * C + NT - 1) / NT; ++j) {
+    const int id = threadIdx.x + j * NT;
+    if ((R * C) % NT == 0 || id < R * C) {
+      const int r = id / C, c = id % C;
+      const bool valid = row0 + r < n_rows;
+      const T* src = valid ? base + static_cast<int64_t>(row0 + r) * stride + c * 8 : base;
+      cp_async_16(smem_u32(tile + swz<D>(r, c)), src, valid);
+    }
+  }
+}
+
+// A fragment: rows [row0, row0 + 16) x columns [16 ks, 16 ks + 16) of a tile.
+template <int D, typename T>
+__device__ __forceinline__ void ld_a(uint32_t (&a)[4], const T* tile, int row0, int ks) {
+  const int lane = threadIdx.x & 31;
+  ldmatrix_x4(a, smem_u32(tile + swz<D>(row0 + (lane & 15), ks * 2 + (lane >> 4))));
+}
+// B fragments of two n8 tiles whose n index is the tile row: rows [n0, n0 + 16), columns (the k
+// index) [16 ks, 16 ks + 16). b[0], b[1]: rows n0..n0+7; b[2], b[3]: rows n0+8..n0+15.
+template <int D, typename T>
+__device__ __forceinline__ void ld_b(uint32_t (&b)[4], const T* tile, int n0, int ks) {
+  const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+  ldmatrix_x4(b, smem_u32(tile + swz<D>(n0 + (i >> 1) * 8 + r, ks * 2 + (i & 1))));
+}
+// B fragments of two n8 tiles whose k index is the tile row: rows [k0, k0 + 16), columns (the n
+// index) [c0, c0 + 16).
+template <int D, typename T>
+__device__ __forceinline__ void ld_b_trans(uint32_t (&b)[4], const T* tile, int k0, int c0) {
+  const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
+  ldmatrix_x4_trans(b, smem_u32(tile + swz<D>(k0 + (i & 1) * 8 + r, (c0 >> 3) + (i >> 1))));
+}
+// Two accumulator tiles (16 x 8 each, adjacent along n) as one 16 x 16 A fragment.
+template <typename T>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c0)[4],
+                                         const float (&c1)[4]) {
+  a[0] = pack2<T>(c0[0], c0[1]);
+  a[1] = pack2<T>(c0[2], c0[3]);
+  a[2] = pack2<T>(c1[0], c1[1]);
+  a[3] = pack2<T>(c1[2], c1[3]);
+}
+// acc[2p], acc[2p + 1] += A x B for the 16 rows of `a` and all NB / 8 n8 tiles of a tile whose n
+// index is its row.
+template <int D, int NB, typename T>
+__device__ __forceinline__ void mma_rows(float (&acc)[NB / 8][4], const uint32_t (&a)[4],
+                                         const T* tile, int ks) {
+#pragma unroll
+  for (int pp = 0; pp < NB / 16; ++pp) {
+    uint32_t b[4];
+    ld_b<D>(b, tile, pp * 16, ks);
+    mma_16816<T>(acc[2 * pp], a, b[0], b[1]);
+    mma_16816<T>(acc[2 * pp + 1], a, b[2], b[3]);
+  }
+}
+// acc (16 x D) += P (16 x KB, accumulator layout) x tile (KB rows x D columns).
+template <int D, int KB, typename T>
+__device__ __forceinline__ void mma_acc_tile(float (&acc)[D / 8][4], const float (&pm)[KB / 8][4],
+                                             const T* tile) {
+#pragma unroll
+  for (int kk = 0; kk < KB / 16; ++kk) {
+    uint32_t a[4];
+    acc_to_a<T>(a, pm[2 * kk], pm[2 * kk + 1]);
+#pragma unroll
+    for (int dd = 0; dd < D / 16; ++dd) {
+      uint32_t b[4];
+      ld_b_trans<D>(b, tile, kk * 16, dd * 16);
+      mma_16816<T>(acc[2 * dd], a, b[0], b[1]);
+      mma_16816<T>(acc[2 * dd + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+template <int N>
+__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+}
+
+// Stores 16 rows x D of an accumulator (scaled by `mul`) to rows `row` (lane's first row) and
+// row + 8 of a global matrix, skipping rows at or past n_rows.
+template <int D, typename T>
+__device__ __forceinline__ void store_rows(T* base, int64_t stride, int row, int n_rows,
+                                           const float (&acc)[D / 8][4], float mul0, float mul1) {
+  const int tq = threadIdx.x & 3;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int i = row + r * 8;
+    if (i >= n_rows) continue;
+    const float mul = r ? mul1 : mul0;
+    T* dst = base + static_cast<int64_t>(i) * stride + 2 * tq;
+#pragma unroll
+    for (int d8 = 0; d8 < D / 8; ++d8)
+      *reinterpret_cast<uint32_t*>(dst + d8 * 8) =
+          pack2<T>(acc[d8][2 * r] * mul, acc[d8][2 * r + 1] * mul);
+  }
+}
+
+struct Seq {
+  int q_start, k_start, lq, lk, off;
+  __device__ __forceinline__ Seq(const AttnParams& p, int b) {
+    q_start = p.cu_q[b];
+    k_start = p.cu_k[b];
+    lq = p.cu_q[b + 1] - q_start;
+    lk = p.cu_k[b + 1] - k_start;
+    off = lk - lq;
+  }
+  __device__ __forceinline__ bool visible(int i, int j, const AttnParams& p) const {
+    return j < lk && (p.right < 0 || j <= i + off + p.right) &&
+           (p.left < 0 || j >= i + off - p.left);
+  }
+  // Every (i, j) in [m0, m1) x [n0, n1) visible (keys past lk are not).
+  __device__ __forceinline__ bool all_visible(int m0, int m1, int n0, int n1,
+                                              const AttnParams& p) const {
+    return n1 <= lk && (p.right < 0 || n1 - 1 <= m0 + off + p.right) &&
+           (p.left < 0 || n0 >= m1 - 1 + off - p.left);
+  }
+  // Key range [lo, hi) that queries [m0, m_end) can see.
+  __device__ __forceinline__ void keys_of(int m0, int m_end, const AttnParams& p, int& lo,
+                                          int& hi) const {
+    lo = p.left >= 0 ? max(0, m0 + off - p.left) : 0;
+    hi = p.right >= 0 ? min(lk, m_end - 1 + off + p.right + 1) : lk;
+  }
+  // Query range [lo, hi) that keys [n0, n_end) are seen by.
+  __device__ __forceinline__ void queries_of(int n0, int n_end, const AttnParams& p, int& lo,
+                                             int& hi) const {
+    lo = p.right >= 0 ? max(0, n0 - off - p.right) : 0;
+    hi = p.left >= 0 ? min(lq, n_end - 1 - off + p.left + 1) : lq;
+  }
+};
+
+// Score of a raw dot product in log2 units; `t` gets tanh(s * scale / softcap) when capped.
+struct Score {
+  float scale_log2, cap_in, cap_out;
+  bool capped;
+  __device__ __forceinline__ explicit Score(const AttnParams& p)
+      : scale_log2(p.scale * kLog2e),
+        cap_in(p.softcap > 0.f ? p.scale / p.softcap : 0.f),
+        cap_out(p.softcap * kLog2e),
+        capped(p.softcap > 0.f) {}
+  __device__ __forceinline__ float operator()(float s, float& t) const {
+    if (!capped) return s * scale_log2;
+    // tanh(a) = 1 - 2 / (e^{2a} + 1): exact at both ends (e^{2a} -> inf gives 1, -> 0 gives -1).
+    t = 1.f - __fdividef(2.f, ex2(2.f * kLog2e * cap_in * s) + 1.f);
+    return cap_out * t;
+  }
+};
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward. Grid (ceil(max_q / BM), hq, batch); BM = 16 * NW query rows, BN keys per tile.
+// Shared memory: Q (BM x D), then K and V in two stages each (BN x D).
+template <typename T, int D, int BM, int BN, int NW>
+__global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static_assert(BM == 16 * NW && BN % 16 == 0 && D % 64 == 0);
+  constexpr int NT = NW * 32;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + BM * D;
+  T* sV = sK + 2 * BN * D;
+  const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
+  const Seq sq(p, b);
+  if (m0 >= sq.lq) return;
+  const int hk = h / (p.hq / p.hkv);
+  const T* Q = static_cast<const T*>(p.q) + sq.q_start * p.q_row + static_cast<int64_t>(h) * D;
+  const T* K = static_cast<const T*>(p.k) + sq.k_start * p.k_row + static_cast<int64_t>(hk) * D;
+  const T* V = static_cast<const T*>(p.v) + sq.k_start * p.v_row + static_cast<int64_t>(hk) * D;
+  int n_lo, n_hi;
+  sq.keys_of(m0, min(m0 + BM, sq.lq), p, n_lo, n_hi);
+  const int t_lo = n_lo / BN, t_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : t_lo;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int row0 = warp * 16;
+
+  load_rows<T, BM, D, NT>(sQ, Q, p.q_row, m0, sq.lq);
+  if (t_lo < t_hi) {
+    load_rows<T, BN, D, NT>(sK, K, p.k_row, t_lo * BN, sq.lk);
+    load_rows<T, BN, D, NT>(sV, V, p.v_row, t_lo * BN, sq.lk);
+  }
+  cp_async_commit();
+
+  const Score score(p);
+  float o[D / 8][4];
+  zero(o);
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
+  uint32_t qf[D / 16][4];
+  for (int t = t_lo; t < t_hi; ++t) {
+    const int st = (t - t_lo) & 1;
+    if (t + 1 < t_hi) {
+      load_rows<T, BN, D, NT>(sK + (st ^ 1) * BN * D, K, p.k_row, (t + 1) * BN, sq.lk);
+      load_rows<T, BN, D, NT>(sV + (st ^ 1) * BN * D, V, p.v_row, (t + 1) * BN, sq.lk);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    if (t == t_lo) {
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) ld_a<D>(qf[ks], sQ, row0, ks);
+    }
+    const T* k_s = sK + st * BN * D;
+    float s[BN / 8][4];
+    zero(s);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) mma_rows<D, BN>(s, qf[ks], k_s, ks);
+
+    const int n0 = t * BN, i0 = m0 + row0 + g;
+    const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16, n0, n0 + BN, p);
+    float mx[2] = {m_run[0], m_run[1]};
+#pragma unroll
+    for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float unused;
+        float x = score(s[ni][e], unused);
+        if (!full && !sq.visible(i0 + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p))
+          x = -INFINITY;
+        s[ni][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+    float mu[2], alpha[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = quad_max(mx[r]);
+      mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // a row with nothing visible yet stays at 0
+      alpha[r] = ex2(m_run[r] - mu[r]);
+      m_run[r] = mx[r];
+      l_run[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float pv = ex2(s[ni][e] - mu[e >> 1]);
+        s[ni][e] = pv;
+        l_run[e >> 1] += pv;
+      }
+#pragma unroll
+    for (int d8 = 0; d8 < D / 8; ++d8)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[d8][e] *= alpha[e >> 1];
+    mma_acc_tile<D, BN>(o, s, sV + st * BN * D);
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  float inv[2];
+  const int i0 = m0 + row0 + g;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float l = quad_sum(l_run[r]);
+    inv[r] = l > 0.f ? 1.f / l : 0.f;
+    const int i = i0 + r * 8;
+    if (tq == 0 && i < sq.lq)
+      p.lse[static_cast<int64_t>(h) * p.total_q + sq.q_start + i] =
+          l > 0.f ? (m_run[r] + __log2f(l)) * kLn2 : -INFINITY;
+  }
+  T* O = static_cast<T*>(p.out) + sq.q_start * p.o_row + static_cast<int64_t>(h) * D;
+  store_rows<D>(O, p.o_row, i0, sq.lq, o, inv[0], inv[1]);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward preprocess: delta[h, i] = sum_d dO[i, h, d] * O[i, h, d] (float32). One thread per
+// (row, head).
+template <typename T, int D>
+__global__ void __launch_bounds__(256) delta_kernel(const AttnParams p) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  if (idx >= static_cast<int64_t>(p.total_q) * p.hq) return;
+  const int64_t i = idx / p.hq;
+  const int h = static_cast<int>(idx % p.hq);
+  const T* o = static_cast<const T*>(p.out) + i * p.o_row + h * D;
+  const T* d = static_cast<const T*>(p.dout) + i * p.do_row + h * D;
+  float acc = 0.f;
+#pragma unroll
+  for (int c = 0; c < D / 8; ++c) {
+    const uint4 ov = *reinterpret_cast<const uint4*>(o + c * 8);
+    const uint4 dv = *reinterpret_cast<const uint4*>(d + c * 8);
+    const T* oe = reinterpret_cast<const T*>(&ov);
+    const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc += to_float(oe[e]) * to_float(de[e]);
+  }
+  p.delta[static_cast<int64_t>(h) * p.total_q + i] = acc;
+}
+
+// Per-row backward statistics: lse in log2 units (+inf for rows past the sequence or seeing no
+// key, so that their probabilities are 0) and delta.
+__device__ __forceinline__ void row_stats(const AttnParams& p, int h, int q_start, int i, int lq,
+                                          float& lse2, float& dl) {
+  lse2 = INFINITY;
+  dl = 0.f;
+  if (i < lq) {
+    const int64_t at = static_cast<int64_t>(h) * p.total_q + q_start + i;
+    const float l = p.lse[at];
+    lse2 = l == -INFINITY ? INFINITY : l * kLog2e;
+    dl = p.delta[at];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// dK/dV. Grid (ceil(max_k / BN), hkv, batch); BN = 16 * NW keys, BM queries per step.
+// Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); lse2, delta in two stages (BM).
+template <typename T, int D, int BM, int BN, int NW>
+__global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static_assert(BN == 16 * NW && BM % 16 == 0 && D % 64 == 0);
+  constexpr int NT = NW * 32;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + BN * D;
+  T* sQ = sV + BN * D;
+  T* sO = sQ + 2 * BM * D;  // dO
+  float* sL = reinterpret_cast<float*>(sO + 2 * BM * D);
+  float* sD = sL + 2 * BM;
+  const int b = blockIdx.z, hk = blockIdx.y, n0 = blockIdx.x * BN;
+  const Seq sq(p, b);
+  if (n0 >= sq.lk) return;
+  const int group = p.hq / p.hkv;
+  int i_lo, i_hi;
+  sq.queries_of(n0, min(n0 + BN, sq.lk), p, i_lo, i_hi);
+  const int t_lo = i_lo / BM, n_tiles = i_hi > i_lo ? (i_hi + BM - 1) / BM - t_lo : 0;
+  const int n_it = group * n_tiles;
+  const T* Qb = static_cast<const T*>(p.q) + sq.q_start * p.q_row;
+  const T* Ob = static_cast<const T*>(p.dout) + sq.q_start * p.do_row;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int row0 = warp * 16;
+
+  auto load_step = [&](int it, int st) {
+    const int h = hk * group + it / n_tiles, m0 = (t_lo + it % n_tiles) * BM;
+    load_rows<T, BM, D, NT>(sQ + st * BM * D, Qb + static_cast<int64_t>(h) * D, p.q_row, m0,
+                            sq.lq);
+    load_rows<T, BM, D, NT>(sO + st * BM * D, Ob + static_cast<int64_t>(h) * D, p.do_row, m0,
+                            sq.lq);
+    for (int r = threadIdx.x; r < BM; r += NT)
+      row_stats(p, h, sq.q_start, m0 + r, sq.lq, sL[st * BM + r], sD[st * BM + r]);
+  };
+  load_rows<T, BN, D, NT>(sK, static_cast<const T*>(p.k) + sq.k_start * p.k_row + hk * D,
+                          p.k_row, n0, sq.lk);
+  load_rows<T, BN, D, NT>(sV, static_cast<const T*>(p.v) + sq.k_start * p.v_row + hk * D,
+                          p.v_row, n0, sq.lk);
+  if (n_it > 0) load_step(0, 0);
+  cp_async_commit();
+
+  const Score score(p);
+  float dk[D / 8][4], dv[D / 8][4];
+  zero(dk);
+  zero(dv);
+  for (int it = 0; it < n_it; ++it) {
+    const int st = it & 1;
+    if (it + 1 < n_it) load_step(it + 1, st ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const T* q_s = sQ + st * BM * D;
+    const T* o_s = sO + st * BM * D;
+    const float* l_s = sL + st * BM;
+    const float* d_s = sD + st * BM;
+    // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x BM queries.
+    float s[BM / 8][4], dp[BM / 8][4];
+    zero(s);
+    zero(dp);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t a[4];
+      ld_a<D>(a, sK, row0, ks);
+      mma_rows<D, BM>(s, a, q_s, ks);
+      ld_a<D>(a, sV, row0, ks);
+      mma_rows<D, BM>(dp, a, o_s, ks);
+    }
+    const int m0 = (t_lo + it % n_tiles) * BM, j0 = n0 + row0 + g;
+    const bool full = sq.all_visible(m0, m0 + BM, n0 + row0, n0 + row0 + 16, p);
+#pragma unroll
+    for (int ni = 0; ni < BM / 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = ni * 8 + 2 * tq + (e & 1);
+        float t = 0.f;
+        const float x = score(s[ni][e], t);
+        const bool vis = full || sq.visible(m0 + c, j0 + (e >> 1) * 8, p);
+        const float pv = vis ? ex2(x - l_s[c]) : 0.f;
+        float ds = pv * (dp[ni][e] - d_s[c]);
+        if (score.capped) ds *= 1.f - t * t;
+        s[ni][e] = pv;
+        dp[ni][e] = ds;
+      }
+    mma_acc_tile<D, BM>(dv, s, o_s);   // dV += P^T dO
+    mma_acc_tile<D, BM>(dk, dp, q_s);  // dK += dS^T Q
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  const int j0 = n0 + row0 + g;
+  store_rows<D>(static_cast<T*>(p.dk) + sq.k_start * p.dk_row + hk * D, p.dk_row, j0, sq.lk, dk,
+                p.scale, p.scale);
+  store_rows<D>(static_cast<T*>(p.dv) + sq.k_start * p.dv_row + hk * D, p.dv_row, j0, sq.lk, dv,
+                1.f, 1.f);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
+// dQ. Grid (ceil(max_q / BM), hq, batch); BM = 16 * NW queries, BN keys per tile.
+// Shared memory: Q, dO (BM x D); K, V in two stages (BN x D).
+template <typename T, int D, int BM, int BN, int NW>
+__global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  static_assert(BM == 16 * NW && BN % 16 == 0 && D % 64 == 0);
+  constexpr int NT = NW * 32;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sO = sQ + BM * D;  // dO
+  T* sK = sO + BM * D;
+  T* sV = sK + 2 * BN * D;
+  const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
+  const Seq sq(p, b);
+  if (m0 >= sq.lq) return;
+  const int hk = h / (p.hq / p.hkv);
+  const T* K = static_cast<const T*>(p.k) + sq.k_start * p.k_row + static_cast<int64_t>(hk) * D;
+  const T* V = static_cast<const T*>(p.v) + sq.k_start * p.v_row + static_cast<int64_t>(hk) * D;
+  int n_lo, n_hi;
+  sq.keys_of(m0, min(m0 + BM, sq.lq), p, n_lo, n_hi);
+  const int t_lo = n_lo / BN, t_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : t_lo;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int row0 = warp * 16, i0 = m0 + row0 + g;
+
+  load_rows<T, BM, D, NT>(sQ, static_cast<const T*>(p.q) + sq.q_start * p.q_row + h * D, p.q_row,
+                          m0, sq.lq);
+  load_rows<T, BM, D, NT>(sO, static_cast<const T*>(p.dout) + sq.q_start * p.do_row + h * D,
+                          p.do_row, m0, sq.lq);
+  if (t_lo < t_hi) {
+    load_rows<T, BN, D, NT>(sK, K, p.k_row, t_lo * BN, sq.lk);
+    load_rows<T, BN, D, NT>(sV, V, p.v_row, t_lo * BN, sq.lk);
+  }
+  cp_async_commit();
+  float lse2[2], dl[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) row_stats(p, h, sq.q_start, i0 + r * 8, sq.lq, lse2[r], dl[r]);
+
+  const Score score(p);
+  float dq[D / 8][4];
+  zero(dq);
+  uint32_t qf[D / 16][4], of[D / 16][4];
+  for (int t = t_lo; t < t_hi; ++t) {
+    const int st = (t - t_lo) & 1;
+    if (t + 1 < t_hi) {
+      load_rows<T, BN, D, NT>(sK + (st ^ 1) * BN * D, K, p.k_row, (t + 1) * BN, sq.lk);
+      load_rows<T, BN, D, NT>(sV + (st ^ 1) * BN * D, V, p.v_row, (t + 1) * BN, sq.lk);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    if (t == t_lo) {
+#pragma unroll
+      for (int ks = 0; ks < D / 16; ++ks) {
+        ld_a<D>(qf[ks], sQ, row0, ks);
+        ld_a<D>(of[ks], sO, row0, ks);
+      }
+    }
+    const T* k_s = sK + st * BN * D;
+    float s[BN / 8][4], dp[BN / 8][4];
+    zero(s);
+    zero(dp);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      mma_rows<D, BN>(s, qf[ks], k_s, ks);
+      mma_rows<D, BN>(dp, of[ks], sV + st * BN * D, ks);
+    }
+    const int n0 = t * BN;
+    const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16, n0, n0 + BN, p);
+#pragma unroll
+    for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e >> 1;
+        float t = 0.f;
+        const float x = score(s[ni][e], t);
+        const bool vis = full || sq.visible(i0 + r * 8, n0 + ni * 8 + 2 * tq + (e & 1), p);
+        const float pv = vis ? ex2(x - lse2[r]) : 0.f;
+        float ds = pv * (dp[ni][e] - dl[r]);
+        if (score.capped) ds *= 1.f - t * t;
+        dp[ni][e] = ds;
+      }
+    mma_acc_tile<D, BN>(dq, dp, k_s);  // dQ += dS K
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  store_rows<D>(static_cast<T*>(p.dq) + sq.q_start * p.dq_row + h * D, p.dq_row, i0, sq.lq, dq,
+                p.scale, p.scale);
+#endif
+}
+
+}  // namespace attn
+}  // namespace fusedops

@@ -1,0 +1,60 @@
+// Host-side launch of the attention kernels: tile configurations, grids, shared memory.
+#pragma once
+
+#include "attention_kernel_sm80.cuh"
+
+namespace fusedops {
+namespace attn {
+
+// Tile configurations per head dim: {BM, BN, warps}. Forward and dQ: BM = 16 * warps queries;
+// dK/dV: BN = 16 * warps keys.
+template <int D>
+struct Tiles {
+  static constexpr int kFwdN = 64, kFwdWarps = 8;
+  static constexpr int kDkdvM = D == 128 ? 32 : 64, kDkdvWarps = 4;  // 64 spills at D=128
+  static constexpr int kDqN = D == 128 ? 32 : 64, kDqWarps = 8;
+};
+
+template <typename Kernel>
+cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, const AttnParams& p) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
+  if (smem > 48 * 1024) {
+    const cudaError_t err = cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err != cudaSuccess) return err;
+  }
+  kernel<<<grid, threads, smem, p.stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t run_fwd(const AttnParams& p) {
+  using C = Tiles<D>;
+  constexpr int BM = 16 * C::kFwdWarps, BN = C::kFwdN;
+  const size_t smem = (BM + 4 * BN) * D * sizeof(T);
+  return launch(fwd_kernel<T, D, BM, BN, C::kFwdWarps>,
+                dim3((p.max_q + BM - 1) / BM, p.hq, p.batch), C::kFwdWarps * 32, smem, p);
+}
+
+template <typename T, int D>
+cudaError_t run_bwd(const AttnParams& p) {
+  using C = Tiles<D>;
+  const int64_t rows = static_cast<int64_t>(p.total_q) * p.hq;
+  cudaError_t err = launch(delta_kernel<T, D>, dim3(static_cast<unsigned>((rows + 255) / 256)),
+                           256, 0, p);
+  if (err != cudaSuccess) return err;
+  {
+    constexpr int BM = C::kDkdvM, BN = 16 * C::kDkdvWarps;
+    const size_t smem = (2 * BN + 4 * BM) * D * sizeof(T) + 4 * BM * sizeof(float);
+    err = launch(dkdv_kernel<T, D, BM, BN, C::kDkdvWarps>,
+                 dim3((p.max_k + BN - 1) / BN, p.hkv, p.batch), C::kDkdvWarps * 32, smem, p);
+    if (err != cudaSuccess) return err;
+  }
+  constexpr int BM = 16 * C::kDqWarps, BN = C::kDqN;
+  const size_t smem = (2 * BM + 4 * BN) * D * sizeof(T);
+  return launch(dq_kernel<T, D, BM, BN, C::kDqWarps>,
+                dim3((p.max_q + BM - 1) / BM, p.hq, p.batch), C::kDqWarps * 32, smem, p);
+}
+
+}  // namespace attn
+}  // namespace fusedops

@@ -1,0 +1,40 @@
+// The plain parameter struct shared by the attention torch binding and the device code.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace fusedops {
+
+// Packed ("varlen") layout: q/out/dout/dq (total_q, hq, D), k/v/dk/dv (total_k, hkv, D), the
+// last dimension contiguous, every row 16-byte aligned; cu_q / cu_k int32 (batch + 1).
+// lse and delta are float32 (hq, total_q). Query i of a sequence sees key j when
+// j <= i + (lk - lq) + right (right >= 0) and j >= i + (lk - lq) - left (left >= 0).
+struct AttnParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  const void* dout = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  float* lse = nullptr;
+  float* delta = nullptr;
+  const int* cu_q = nullptr;
+  const int* cu_k = nullptr;
+  // Row strides (elements) of each tensor; the head stride is head_dim everywhere.
+  int64_t q_row = 0, k_row = 0, v_row = 0, o_row = 0, do_row = 0, dq_row = 0, dk_row = 0,
+          dv_row = 0;
+  int total_q = 0, total_k = 0, hq = 1, hkv = 1, head_dim = 0, batch = 0, max_q = 0, max_k = 0;
+  float scale = 1.f;
+  float softcap = 0.f;  // 0 = none
+  int left = -1, right = -1;  // -1 = unlimited
+  bool is_bf16 = true;
+  cudaStream_t stream = nullptr;
+};
+
+cudaError_t attention_fwd_sm80(AttnParams& p);
+cudaError_t attention_bwd_sm80(AttnParams& p);
+
+}  // namespace fusedops

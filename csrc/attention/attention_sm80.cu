@@ -1,0 +1,30 @@
+// The Ampere (sm_80) attention kernels, instantiated for fp16/bf16 x head dim 64/128. Also run
+// on Hopper (the sm_90a build of the same code) until the wgmma path exists.
+#include "../static_switch.h"
+#include "attention_launch.cuh"
+
+namespace fusedops {
+
+#define HEADDIM_SWITCH(D_VALUE, ...) \
+  [&] {                              \
+    if ((D_VALUE) == 64) {           \
+      constexpr static int kD = 64;  \
+      return __VA_ARGS__();          \
+    } else {                         \
+      constexpr static int kD = 128; \
+      return __VA_ARGS__();          \
+    }                                \
+  }()
+
+cudaError_t attention_fwd_sm80(AttnParams& p) {
+  return FP16_BF16_SWITCH(p.is_bf16, [&] {
+    return HEADDIM_SWITCH(p.head_dim, [&] { return attn::run_fwd<elem_t, kD>(p); });
+  });
+}
+cudaError_t attention_bwd_sm80(AttnParams& p) {
+  return FP16_BF16_SWITCH(p.is_bf16, [&] {
+    return HEADDIM_SWITCH(p.head_dim, [&] { return attn::run_bwd<elem_t, kD>(p); });
+  });
+}
+
+}  // namespace fusedops
