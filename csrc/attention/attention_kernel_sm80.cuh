@@ -83,62 +83,80 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c0)[4],
   a[2] = pack2<T>(c1[0], c1[1]);
   a[3] = pack2<T>(c1[2], c1[3]);
 }
-// acc[2p], acc[2p + 1] += A x B for the 16 rows of `a` and all NB / 8 n8 tiles of a tile whose n
-// index is its row.
-template <int D, int NB, typename T>
-__device__ __forceinline__ void mma_rows(float (&acc)[NB / 8][4], const uint32_t (&a)[4],
-                                         const T* tile, int ks) {
+// acc[mt] (16 x NB each) += A[mt] B^T over k = 0..D: A rows a_row0 + 16 mt + [0, 16) of a_tile,
+// B the NB rows of b_tile (its row is the n index). Each B fragment feeds MT row tiles.
+template <int D, int MT, int NB, typename T>
+__device__ __forceinline__ void gemm_nt(float (&acc)[MT][NB / 8][4], const T* a_tile, int a_row0,
+                                        const T* b_tile) {
 #pragma unroll
-  for (int pp = 0; pp < NB / 16; ++pp) {
-    uint32_t b[4];
-    ld_b<D>(b, tile, pp * 16, ks);
-    mma_16816<T>(acc[2 * pp], a, b[0], b[1]);
-    mma_16816<T>(acc[2 * pp + 1], a, b[2], b[3]);
+  for (int ks = 0; ks < D / 16; ++ks) {
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) ld_a<D>(a[mt], a_tile, a_row0 + 16 * mt, ks);
+#pragma unroll
+    for (int pp = 0; pp < NB / 16; ++pp) {
+      uint32_t b[4];
+      ld_b<D>(b, b_tile, pp * 16, ks);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_16816<T>(acc[mt][2 * pp], a[mt], b[0], b[1]);
+        mma_16816<T>(acc[mt][2 * pp + 1], a[mt], b[2], b[3]);
+      }
+    }
   }
 }
-// acc (16 x D) += P (16 x KB, accumulator layout) x tile (KB rows x D columns).
-template <int D, int KB, typename T>
-__device__ __forceinline__ void mma_acc_tile(float (&acc)[D / 8][4], const float (&pm)[KB / 8][4],
-                                             const T* tile) {
+// acc[mt] (16 x D) += P[mt] (16 x KB, accumulator layout) x tile (KB rows x D columns).
+template <int D, int MT, int KB, typename T>
+__device__ __forceinline__ void gemm_pv(float (&acc)[MT][D / 8][4],
+                                        const float (&pm)[MT][KB / 8][4], const T* tile) {
 #pragma unroll
   for (int kk = 0; kk < KB / 16; ++kk) {
-    uint32_t a[4];
-    acc_to_a<T>(a, pm[2 * kk], pm[2 * kk + 1]);
+    uint32_t a[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc_to_a<T>(a[mt], pm[mt][2 * kk], pm[mt][2 * kk + 1]);
 #pragma unroll
     for (int dd = 0; dd < D / 16; ++dd) {
       uint32_t b[4];
       ld_b_trans<D>(b, tile, kk * 16, dd * 16);
-      mma_16816<T>(acc[2 * dd], a, b[0], b[1]);
-      mma_16816<T>(acc[2 * dd + 1], a, b[2], b[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_16816<T>(acc[mt][2 * dd], a[mt], b[0], b[1]);
+        mma_16816<T>(acc[mt][2 * dd + 1], a[mt], b[2], b[3]);
+      }
     }
   }
 }
 
-template <int N>
-__device__ __forceinline__ void zero(float (&acc)[N][4]) {
+template <int MT, int N>
+__device__ __forceinline__ void zero(float (&acc)[MT][N][4]) {
 #pragma unroll
-  for (int i = 0; i < N; ++i)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][i][e] = 0.f;
 }
 
-// Stores 16 rows x D of an accumulator (scaled by `mul`) to rows `row` (lane's first row) and
-// row + 8 of a global matrix, skipping rows at or past n_rows.
-template <int D, typename T>
+// Stores MT x 16 rows x D of an accumulator, scaled per row by mul[mt][r], to a global matrix:
+// row tile mt holds rows row + 16 mt (+ 8 for r = 1), where `row` is the lane's first row; rows at
+// or past n_rows are skipped.
+template <int D, int MT, typename T>
 __device__ __forceinline__ void store_rows(T* base, int64_t stride, int row, int n_rows,
-                                           const float (&acc)[D / 8][4], float mul0, float mul1) {
+                                           const float (&acc)[MT][D / 8][4],
+                                           const float (&mul)[MT][2]) {
   const int tq = threadIdx.x & 3;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int i = row + r * 8;
-    if (i >= n_rows) continue;
-    const float mul = r ? mul1 : mul0;
-    T* dst = base + static_cast<int64_t>(i) * stride + 2 * tq;
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int d8 = 0; d8 < D / 8; ++d8)
-      *reinterpret_cast<uint32_t*>(dst + d8 * 8) =
-          pack2<T>(acc[d8][2 * r] * mul, acc[d8][2 * r + 1] * mul);
-  }
+    for (int r = 0; r < 2; ++r) {
+      const int i = row + 16 * mt + r * 8;
+      if (i >= n_rows) continue;
+      T* dst = base + static_cast<int64_t>(i) * stride + 2 * tq;
+#pragma unroll
+      for (int d8 = 0; d8 < D / 8; ++d8)
+        *reinterpret_cast<uint32_t*>(dst + d8 * 8) =
+            pack2<T>(acc[mt][d8][2 * r] * mul[mt][r], acc[mt][d8][2 * r + 1] * mul[mt][r]);
+    }
 }
 
 struct Seq {
@@ -201,13 +219,15 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Forward. Grid (ceil(max_q / BM), hq, batch); BM = 16 * NW query rows, BN keys per tile.
-// Shared memory: Q (BM x D), then K and V in two stages each (BN x D).
-template <typename T, int D, int BM, int BN, int NW>
+// Forward. Grid (ceil(max_q / BM), hq, batch); each of the NW warps owns MT row tiles of 16
+// queries (BM = 16 MT NW); BN keys per tile. Shared memory: Q (BM x D), then K and V in two stages
+// each (BN x D). Fragments of Q are re-read from shared memory at every tile (registers go to
+// the MT x D output rows instead).
+template <typename T, int D, int MT, int BN, int NW>
 __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  static_assert(BM == 16 * NW && BN % 16 == 0 && D % 64 == 0);
-  constexpr int NT = NW * 32;
+  constexpr int BM = 16 * MT * NW, NT = NW * 32;
+  static_assert(BN % 16 == 0 && D % 64 == 0);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + BM * D;
@@ -223,7 +243,8 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
   sq.keys_of(m0, min(m0 + BM, sq.lq), p, n_lo, n_hi);
   const int t_lo = n_lo / BN, t_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : t_lo;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int row0 = warp * 16;
+  const int row0 = warp * 16 * MT;  // the warp's first row in the block
+  const int i0 = m0 + row0 + g;     // the lane's first query (row tile mt adds 16 mt, r adds 8)
 
   load_rows<T, BM, D, NT>(sQ, Q, p.q_row, m0, sq.lq);
   if (t_lo < t_hi) {
@@ -233,10 +254,13 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
   cp_async_commit();
 
   const Score score(p);
-  float o[D / 8][4];
+  float o[MT][D / 8][4];
   zero(o);
-  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f};
-  uint32_t qf[D / 16][4];
+  float m_run[MT][2], l_run[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) m_run[mt][r] = -INFINITY, l_run[mt][r] = 0.f;
   for (int t = t_lo; t < t_hi; ++t) {
     const int st = (t - t_lo) & 1;
     if (t + 1 < t_hi) {
@@ -246,69 +270,68 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-    if (t == t_lo) {
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) ld_a<D>(qf[ks], sQ, row0, ks);
-    }
-    const T* k_s = sK + st * BN * D;
-    float s[BN / 8][4];
+    float s[MT][BN / 8][4];
     zero(s);
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) mma_rows<D, BN>(s, qf[ks], k_s, ks);
+    gemm_nt<D, MT, BN>(s, sQ, row0, sK + st * BN * D);
 
-    const int n0 = t * BN, i0 = m0 + row0 + g;
-    const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16, n0, n0 + BN, p);
-    float mx[2] = {m_run[0], m_run[1]};
+    const int n0 = t * BN;
+    const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16 * MT, n0, n0 + BN, p);
 #pragma unroll
-    for (int ni = 0; ni < BN / 8; ++ni)
+    for (int mt = 0; mt < MT; ++mt) {
+      float mx[2] = {m_run[mt][0], m_run[mt][1]};
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float unused;
-        float x = score(s[ni][e], unused);
-        if (!full && !sq.visible(i0 + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p))
-          x = -INFINITY;
-        s[ni][e] = x;
-        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float unused;
+          float x = score(s[mt][ni][e], unused);
+          if (!full &&
+              !sq.visible(i0 + 16 * mt + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p))
+            x = -INFINITY;
+          s[mt][ni][e] = x;
+          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+        }
+      float mu[2], alpha[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = quad_max(mx[r]);
+        mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // a row with nothing visible yet stays at 0
+        alpha[r] = ex2(m_run[mt][r] - mu[r]);
+        m_run[mt][r] = mx[r];
+        l_run[mt][r] *= alpha[r];
       }
-    float mu[2], alpha[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = quad_max(mx[r]);
-      mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // a row with nothing visible yet stays at 0
-      alpha[r] = ex2(m_run[r] - mu[r]);
-      m_run[r] = mx[r];
-      l_run[r] *= alpha[r];
+      for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float pv = ex2(s[mt][ni][e] - mu[e >> 1]);
+          s[mt][ni][e] = pv;
+          l_run[mt][e >> 1] += pv;
+        }
+#pragma unroll
+      for (int d8 = 0; d8 < D / 8; ++d8)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[mt][d8][e] *= alpha[e >> 1];
     }
-#pragma unroll
-    for (int ni = 0; ni < BN / 8; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float pv = ex2(s[ni][e] - mu[e >> 1]);
-        s[ni][e] = pv;
-        l_run[e >> 1] += pv;
-      }
-#pragma unroll
-    for (int d8 = 0; d8 < D / 8; ++d8)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[d8][e] *= alpha[e >> 1];
-    mma_acc_tile<D, BN>(o, s, sV + st * BN * D);
+    gemm_pv<D, MT, BN>(o, s, sV + st * BN * D);
     __syncthreads();
   }
   cp_async_wait<0>();
 
-  float inv[2];
-  const int i0 = m0 + row0 + g;
+  float inv[MT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float l = quad_sum(l_run[r]);
-    inv[r] = l > 0.f ? 1.f / l : 0.f;
-    const int i = i0 + r * 8;
-    if (tq == 0 && i < sq.lq)
-      p.lse[static_cast<int64_t>(h) * p.total_q + sq.q_start + i] =
-          l > 0.f ? (m_run[r] + __log2f(l)) * kLn2 : -INFINITY;
-  }
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(l_run[mt][r]);
+      inv[mt][r] = l > 0.f ? 1.f / l : 0.f;
+      const int i = i0 + 16 * mt + r * 8;
+      if (tq == 0 && i < sq.lq)
+        p.lse[static_cast<int64_t>(h) * p.total_q + sq.q_start + i] =
+            l > 0.f ? (m_run[mt][r] + __log2f(l)) * kLn2 : -INFINITY;
+    }
   T* O = static_cast<T*>(p.out) + sq.q_start * p.o_row + static_cast<int64_t>(h) * D;
-  store_rows<D>(O, p.o_row, i0, sq.lq, o, inv[0], inv[1]);
+  store_rows<D, MT>(O, p.o_row, i0, sq.lq, o, inv);
 #endif
 }
 
@@ -351,8 +374,9 @@ __device__ __forceinline__ void row_stats(const AttnParams& p, int h, int q_star
 }
 
 // ---------------------------------------------------------------------------------------------
-// dK/dV. Grid (ceil(max_k / BN), hkv, batch); BN = 16 * NW keys, BM queries per step.
-// Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); lse2, delta in two stages (BM).
+// dK/dV. Grid (ceil(max_k / BN), hkv, batch); each warp owns 16 keys (BN = 16 NW), BM queries
+// per step. Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); lse2, delta in two
+// stages (BM).
 template <typename T, int D, int BM, int BN, int NW>
 __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -376,7 +400,7 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
   const T* Qb = static_cast<const T*>(p.q) + sq.q_start * p.q_row;
   const T* Ob = static_cast<const T*>(p.dout) + sq.q_start * p.do_row;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int row0 = warp * 16;
+  const int row0 = warp * 16, j0 = n0 + row0 + g;
 
   auto load_step = [&](int it, int st) {
     const int h = hk * group + it / n_tiles, m0 = (t_lo + it % n_tiles) * BM;
@@ -395,7 +419,7 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
   cp_async_commit();
 
   const Score score(p);
-  float dk[D / 8][4], dv[D / 8][4];
+  float dk[1][D / 8][4], dv[1][D / 8][4];
   zero(dk);
   zero(dv);
   for (int it = 0; it < n_it; ++it) {
@@ -409,18 +433,12 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
     const float* l_s = sL + st * BM;
     const float* d_s = sD + st * BM;
     // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x BM queries.
-    float s[BM / 8][4], dp[BM / 8][4];
+    float s[1][BM / 8][4], dp[1][BM / 8][4];
     zero(s);
     zero(dp);
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      uint32_t a[4];
-      ld_a<D>(a, sK, row0, ks);
-      mma_rows<D, BM>(s, a, q_s, ks);
-      ld_a<D>(a, sV, row0, ks);
-      mma_rows<D, BM>(dp, a, o_s, ks);
-    }
-    const int m0 = (t_lo + it % n_tiles) * BM, j0 = n0 + row0 + g;
+    gemm_nt<D, 1, BM>(s, sK, row0, q_s);
+    gemm_nt<D, 1, BM>(dp, sV, row0, o_s);
+    const int m0 = (t_lo + it % n_tiles) * BM;
     const bool full = sq.all_visible(m0, m0 + BM, n0 + row0, n0 + row0 + 16, p);
 #pragma unroll
     for (int ni = 0; ni < BM / 8; ++ni)
@@ -428,35 +446,35 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
       for (int e = 0; e < 4; ++e) {
         const int c = ni * 8 + 2 * tq + (e & 1);
         float t = 0.f;
-        const float x = score(s[ni][e], t);
+        const float x = score(s[0][ni][e], t);
         const bool vis = full || sq.visible(m0 + c, j0 + (e >> 1) * 8, p);
         const float pv = vis ? ex2(x - l_s[c]) : 0.f;
-        float ds = pv * (dp[ni][e] - d_s[c]);
+        float ds = pv * (dp[0][ni][e] - d_s[c]);
         if (score.capped) ds *= 1.f - t * t;
-        s[ni][e] = pv;
-        dp[ni][e] = ds;
+        s[0][ni][e] = pv;
+        dp[0][ni][e] = ds;
       }
-    mma_acc_tile<D, BM>(dv, s, o_s);   // dV += P^T dO
-    mma_acc_tile<D, BM>(dk, dp, q_s);  // dK += dS^T Q
+    gemm_pv<D, 1, BM>(dv, s, o_s);   // dV += P^T dO
+    gemm_pv<D, 1, BM>(dk, dp, q_s);  // dK += dS^T Q
     __syncthreads();
   }
   cp_async_wait<0>();
-  const int j0 = n0 + row0 + g;
-  store_rows<D>(static_cast<T*>(p.dk) + sq.k_start * p.dk_row + hk * D, p.dk_row, j0, sq.lk, dk,
-                p.scale, p.scale);
-  store_rows<D>(static_cast<T*>(p.dv) + sq.k_start * p.dv_row + hk * D, p.dv_row, j0, sq.lk, dv,
-                1.f, 1.f);
+  const float scale[1][2] = {{p.scale, p.scale}}, one[1][2] = {{1.f, 1.f}};
+  store_rows<D, 1>(static_cast<T*>(p.dk) + sq.k_start * p.dk_row + hk * D, p.dk_row, j0, sq.lk,
+                   dk, scale);
+  store_rows<D, 1>(static_cast<T*>(p.dv) + sq.k_start * p.dv_row + hk * D, p.dv_row, j0, sq.lk,
+                   dv, one);
 #endif
 }
 
 // ---------------------------------------------------------------------------------------------
-// dQ. Grid (ceil(max_q / BM), hq, batch); BM = 16 * NW queries, BN keys per tile.
-// Shared memory: Q, dO (BM x D); K, V in two stages (BN x D).
-template <typename T, int D, int BM, int BN, int NW>
+// dQ. Grid (ceil(max_q / BM), hq, batch); each warp owns MT row tiles of 16 queries
+// (BM = 16 MT NW), BN keys per tile. Shared memory: Q, dO (BM x D); K, V in two stages (BN x D).
+template <typename T, int D, int MT, int BN, int NW>
 __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  static_assert(BM == 16 * NW && BN % 16 == 0 && D % 64 == 0);
-  constexpr int NT = NW * 32;
+  constexpr int BM = 16 * MT * NW, NT = NW * 32;
+  static_assert(BN % 16 == 0 && D % 64 == 0);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sO = sQ + BM * D;  // dO
@@ -472,7 +490,7 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
   sq.keys_of(m0, min(m0 + BM, sq.lq), p, n_lo, n_hi);
   const int t_lo = n_lo / BN, t_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : t_lo;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-  const int row0 = warp * 16, i0 = m0 + row0 + g;
+  const int row0 = warp * 16 * MT, i0 = m0 + row0 + g;
 
   load_rows<T, BM, D, NT>(sQ, static_cast<const T*>(p.q) + sq.q_start * p.q_row + h * D, p.q_row,
                           m0, sq.lq);
@@ -483,14 +501,16 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
     load_rows<T, BN, D, NT>(sV, V, p.v_row, t_lo * BN, sq.lk);
   }
   cp_async_commit();
-  float lse2[2], dl[2];
+  float lse2[MT][2], dl[MT][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) row_stats(p, h, sq.q_start, i0 + r * 8, sq.lq, lse2[r], dl[r]);
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      row_stats(p, h, sq.q_start, i0 + 16 * mt + r * 8, sq.lq, lse2[mt][r], dl[mt][r]);
 
   const Score score(p);
-  float dq[D / 8][4];
+  float dq[MT][D / 8][4];
   zero(dq);
-  uint32_t qf[D / 16][4], of[D / 16][4];
   for (int t = t_lo; t < t_hi; ++t) {
     const int st = (t - t_lo) & 1;
     if (t + 1 < t_hi) {
@@ -500,43 +520,39 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-    if (t == t_lo) {
-#pragma unroll
-      for (int ks = 0; ks < D / 16; ++ks) {
-        ld_a<D>(qf[ks], sQ, row0, ks);
-        ld_a<D>(of[ks], sO, row0, ks);
-      }
-    }
     const T* k_s = sK + st * BN * D;
-    float s[BN / 8][4], dp[BN / 8][4];
+    float s[MT][BN / 8][4], dp[MT][BN / 8][4];
     zero(s);
     zero(dp);
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks) {
-      mma_rows<D, BN>(s, qf[ks], k_s, ks);
-      mma_rows<D, BN>(dp, of[ks], sV + st * BN * D, ks);
-    }
+    gemm_nt<D, MT, BN>(s, sQ, row0, k_s);
+    gemm_nt<D, MT, BN>(dp, sO, row0, sV + st * BN * D);
     const int n0 = t * BN;
-    const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16, n0, n0 + BN, p);
+    const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16 * MT, n0, n0 + BN, p);
 #pragma unroll
-    for (int ni = 0; ni < BN / 8; ++ni)
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e >> 1;
-        float t = 0.f;
-        const float x = score(s[ni][e], t);
-        const bool vis = full || sq.visible(i0 + r * 8, n0 + ni * 8 + 2 * tq + (e & 1), p);
-        const float pv = vis ? ex2(x - lse2[r]) : 0.f;
-        float ds = pv * (dp[ni][e] - dl[r]);
-        if (score.capped) ds *= 1.f - t * t;
-        dp[ni][e] = ds;
-      }
-    mma_acc_tile<D, BN>(dq, dp, k_s);  // dQ += dS K
+      for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = e >> 1;
+          float t = 0.f;
+          const float x = score(s[mt][ni][e], t);
+          const bool vis =
+              full || sq.visible(i0 + 16 * mt + r * 8, n0 + ni * 8 + 2 * tq + (e & 1), p);
+          const float pv = vis ? ex2(x - lse2[mt][r]) : 0.f;
+          float ds = pv * (dp[mt][ni][e] - dl[mt][r]);
+          if (score.capped) ds *= 1.f - t * t;
+          dp[mt][ni][e] = ds;
+        }
+    gemm_pv<D, MT, BN>(dq, dp, k_s);  // dQ += dS K
     __syncthreads();
   }
   cp_async_wait<0>();
-  store_rows<D>(static_cast<T*>(p.dq) + sq.q_start * p.dq_row + h * D, p.dq_row, i0, sq.lq, dq,
-                p.scale, p.scale);
+  float scale[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) scale[mt][0] = scale[mt][1] = p.scale;
+  store_rows<D, MT>(static_cast<T*>(p.dq) + sq.q_start * p.dq_row + h * D, p.dq_row, i0, sq.lq,
+                    dq, scale);
 #endif
 }
 

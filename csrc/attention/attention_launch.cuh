@@ -6,13 +6,14 @@
 namespace fusedops {
 namespace attn {
 
-// Tile configurations per head dim: {BM, BN, warps}. Forward and dQ: BM = 16 * warps queries;
-// dK/dV: BN = 16 * warps keys.
+// Tile configurations per head dim. Forward and dQ: NW warps of MT row tiles (BM = 16 MT NW
+// queries), BN keys per step. dK/dV: BN = 16 NW keys, BM queries per step. Chosen so that two
+// CTAs fit on an SM (registers <= 255 per thread, shared memory <= ~110 KB) and nothing spills.
 template <int D>
 struct Tiles {
-  static constexpr int kFwdN = 64, kFwdWarps = 8;
+  static constexpr int kFwdMT = 2, kFwdN = D == 128 ? 32 : 64, kFwdWarps = 4;
   static constexpr int kDkdvM = D == 128 ? 32 : 64, kDkdvWarps = 4;  // 64 spills at D=128
-  static constexpr int kDqN = D == 128 ? 32 : 64, kDqWarps = 8;
+  static constexpr int kDqMT = D == 128 ? 1 : 2, kDqN = D == 128 ? 64 : 32, kDqWarps = 4;
 };
 
 template <typename Kernel>
@@ -30,9 +31,9 @@ cudaError_t launch(Kernel kernel, dim3 grid, int threads, size_t smem, const Att
 template <typename T, int D>
 cudaError_t run_fwd(const AttnParams& p) {
   using C = Tiles<D>;
-  constexpr int BM = 16 * C::kFwdWarps, BN = C::kFwdN;
+  constexpr int BM = 16 * C::kFwdMT * C::kFwdWarps, BN = C::kFwdN;
   const size_t smem = (BM + 4 * BN) * D * sizeof(T);
-  return launch(fwd_kernel<T, D, BM, BN, C::kFwdWarps>,
+  return launch(fwd_kernel<T, D, C::kFwdMT, BN, C::kFwdWarps>,
                 dim3((p.max_q + BM - 1) / BM, p.hq, p.batch), C::kFwdWarps * 32, smem, p);
 }
 
@@ -50,9 +51,9 @@ cudaError_t run_bwd(const AttnParams& p) {
                  dim3((p.max_k + BN - 1) / BN, p.hkv, p.batch), C::kDkdvWarps * 32, smem, p);
     if (err != cudaSuccess) return err;
   }
-  constexpr int BM = 16 * C::kDqWarps, BN = C::kDqN;
+  constexpr int BM = 16 * C::kDqMT * C::kDqWarps, BN = C::kDqN;
   const size_t smem = (2 * BM + 4 * BN) * D * sizeof(T);
-  return launch(dq_kernel<T, D, BM, BN, C::kDqWarps>,
+  return launch(dq_kernel<T, D, C::kDqMT, BN, C::kDqWarps>,
                 dim3((p.max_q + BM - 1) / BM, p.hq, p.batch), C::kDqWarps * 32, smem, p);
 }
 
