@@ -240,19 +240,35 @@ def test_cuda_refuses_other_head_dims_with_a_reason(head_dim):
         assert dispatch.select("attention", q, head_dim) == "triton"
 
 
+def _bad_op_call(case):
+    q = torch.randn(16, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k = v = q
+    cu = torch.tensor([0, 16], dtype=torch.int32, device="cuda")
+    cu_q = cu_k = cu
+    if case == "dtype":
+        q = k = v = q.float()
+    elif case == "cu_dtype":
+        cu_q = cu_k = cu.long()
+    elif case == "k_strides":
+        k = q.transpose(0, 1).contiguous().transpose(0, 1)
+    elif case == "head_dim":
+        q = k = v = torch.randn(16, 4, 96, device="cuda", dtype=torch.bfloat16)
+    elif case == "gqa":
+        k = v = q[:, :3]
+    return torch.ops.fusedops.attention_fwd_cuda(q, k, v, cu_q, cu_k, 16, 16, 0.125, False, -1,
+                                                 -1, 0.0)
+
+
 @pytest.mark.gpu
 @NEEDS_EXT
-def test_cuda_op_checks_its_inputs():
+@pytest.mark.parametrize("case,exc,match", [
+    ("dtype", TypeError, "float16 or bfloat16"),
+    ("cu_dtype", TypeError, "cu_seqlens must be int32"),
+    ("k_strides", ValueError, "k must have contiguous heads"),
+    ("head_dim", ValueError, "head dim 64 or 128"),
+    ("gqa", ValueError, "multiple of Hkv"),
+])
+def test_cuda_op_checks_its_inputs(case, exc, match):
     """The C++ op names the argument it refuses (callers going around the Python API)."""
-    q = torch.randn(16, 4, 64, device="cuda", dtype=torch.bfloat16)
-    cu = torch.tensor([0, 16], dtype=torch.int32, device="cuda")
-    op = torch.ops.fusedops.attention_fwd_cuda
-    with pytest.raises(ValueError, match="multiple of Hkv"):
-        op(q, q[:, :3], q[:, :3], cu, cu, 16, 16, 0.125, False, -1, -1, 0.0)
-    with pytest.raises(ValueError, match="k must have contiguous heads"):
-        op(q, q.transpose(0, 1).contiguous().transpose(0, 1), q, cu, cu, 16, 16, 0.125, False,
-           -1, -1, 0.0)
-    with pytest.raises(TypeError, match="cu_seqlens must be int32"):
-        op(q, q, q, cu.long(), cu.long(), 16, 16, 0.125, False, -1, -1, 0.0)
-    with pytest.raises(TypeError, match="float16 or bfloat16"):
-        op(q.float(), q.float(), q.float(), cu, cu, 16, 16, 0.125, False, -1, -1, 0.0)
+    with pytest.raises(exc, match=match):
+        _bad_op_call(case)

@@ -19,6 +19,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "../mma_sm80.cuh"
 #include "attention_params.h"
@@ -276,43 +277,54 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
 
     const int n0 = t * BN;
     const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16 * MT, n0, n0 + BN, p);
+    // The element-wise pass comes in two copies, so that the common one (no mask, no softcap)
+    // has no branch inside the unrolled loops.
+    auto softmax_tile = [&](auto general) {
+      constexpr bool kGeneral = decltype(general)::value;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-      float mx[2] = {m_run[mt][0], m_run[mt][1]};
+      for (int mt = 0; mt < MT; ++mt) {
+        float mx[2] = {m_run[mt][0], m_run[mt][1]};
 #pragma unroll
-      for (int ni = 0; ni < BN / 8; ++ni)
+        for (int ni = 0; ni < BN / 8; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float unused;
-          float x = score(s[mt][ni][e], unused);
-          if (!full &&
-              !sq.visible(i0 + 16 * mt + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p))
-            x = -INFINITY;
-          s[mt][ni][e] = x;
-          mx[e >> 1] = fmaxf(mx[e >> 1], x);
+          for (int e = 0; e < 4; ++e) {
+            float x = s[mt][ni][e] * score.scale_log2;
+            if constexpr (kGeneral) {
+              float unused;
+              x = score(s[mt][ni][e], unused);
+              if (!sq.visible(i0 + 16 * mt + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p))
+                x = -INFINITY;
+            }
+            s[mt][ni][e] = x;
+            mx[e >> 1] = fmaxf(mx[e >> 1], x);
+          }
+        float mu[2], alpha[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          mx[r] = quad_max(mx[r]);
+          mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // a row with nothing visible yet stays at 0
+          alpha[r] = ex2(m_run[mt][r] - mu[r]);
+          m_run[mt][r] = mx[r];
+          l_run[mt][r] *= alpha[r];
         }
-      float mu[2], alpha[2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = quad_max(mx[r]);
-        mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // a row with nothing visible yet stays at 0
-        alpha[r] = ex2(m_run[mt][r] - mu[r]);
-        m_run[mt][r] = mx[r];
-        l_run[mt][r] *= alpha[r];
+        for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float pv = ex2(s[mt][ni][e] - mu[e >> 1]);
+            s[mt][ni][e] = pv;
+            l_run[mt][e >> 1] += pv;
+          }
+#pragma unroll
+        for (int d8 = 0; d8 < D / 8; ++d8)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[mt][d8][e] *= alpha[e >> 1];
       }
-#pragma unroll
-      for (int ni = 0; ni < BN / 8; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float pv = ex2(s[mt][ni][e] - mu[e >> 1]);
-          s[mt][ni][e] = pv;
-          l_run[mt][e >> 1] += pv;
-        }
-#pragma unroll
-      for (int d8 = 0; d8 < D / 8; ++d8)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[mt][d8][e] *= alpha[e >> 1];
-    }
+    };
+    if (full && !score.capped)
+      softmax_tile(std::false_type{});
+    else
+      softmax_tile(std::true_type{});
     gemm_pv<D, MT, BN>(o, s, sV + st * BN * D);
     __syncthreads();
   }
@@ -440,20 +452,32 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
     gemm_nt<D, 1, BM>(dp, sV, row0, o_s);
     const int m0 = (t_lo + it % n_tiles) * BM;
     const bool full = sq.all_visible(m0, m0 + BM, n0 + row0, n0 + row0 + 16, p);
+    auto grad_tile = [&](auto general) {  // two copies: see the forward's softmax_tile
+      constexpr bool kGeneral = decltype(general)::value;
 #pragma unroll
-    for (int ni = 0; ni < BM / 8; ++ni)
+      for (int ni = 0; ni < BM / 8; ++ni)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int c = ni * 8 + 2 * tq + (e & 1);
-        float t = 0.f;
-        const float x = score(s[0][ni][e], t);
-        const bool vis = full || sq.visible(m0 + c, j0 + (e >> 1) * 8, p);
-        const float pv = vis ? ex2(x - l_s[c]) : 0.f;
-        float ds = pv * (dp[0][ni][e] - d_s[c]);
-        if (score.capped) ds *= 1.f - t * t;
-        s[0][ni][e] = pv;
-        dp[0][ni][e] = ds;
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int c = ni * 8 + 2 * tq + (e & 1);
+          float pv, ds;
+          if constexpr (kGeneral) {
+            float t = 0.f;
+            const float x = score(s[0][ni][e], t);
+            pv = sq.visible(m0 + c, j0 + (e >> 1) * 8, p) ? ex2(x - l_s[c]) : 0.f;
+            ds = pv * (dp[0][ni][e] - d_s[c]);
+            if (score.capped) ds *= 1.f - t * t;
+          } else {
+            pv = ex2(s[0][ni][e] * score.scale_log2 - l_s[c]);
+            ds = pv * (dp[0][ni][e] - d_s[c]);
+          }
+          s[0][ni][e] = pv;
+          dp[0][ni][e] = ds;
+        }
+    };
+    if (full && !score.capped)
+      grad_tile(std::false_type{});
+    else
+      grad_tile(std::true_type{});
     gemm_pv<D, 1, BM>(dv, s, o_s);   // dV += P^T dO
     gemm_pv<D, 1, BM>(dk, dp, q_s);  // dK += dS^T Q
     __syncthreads();
@@ -528,22 +552,35 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
     gemm_nt<D, MT, BN>(dp, sO, row0, sV + st * BN * D);
     const int n0 = t * BN;
     const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16 * MT, n0, n0 + BN, p);
+    auto grad_tile = [&](auto general) {  // two copies: see the forward's softmax_tile
+      constexpr bool kGeneral = decltype(general)::value;
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int ni = 0; ni < BN / 8; ++ni)
+        for (int ni = 0; ni < BN / 8; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e >> 1;
-          float t = 0.f;
-          const float x = score(s[mt][ni][e], t);
-          const bool vis =
-              full || sq.visible(i0 + 16 * mt + r * 8, n0 + ni * 8 + 2 * tq + (e & 1), p);
-          const float pv = vis ? ex2(x - lse2[mt][r]) : 0.f;
-          float ds = pv * (dp[mt][ni][e] - dl[mt][r]);
-          if (score.capped) ds *= 1.f - t * t;
-          dp[mt][ni][e] = ds;
-        }
+          for (int e = 0; e < 4; ++e) {
+            const int r = e >> 1;
+            float ds;
+            if constexpr (kGeneral) {
+              float t = 0.f;
+              const float x = score(s[mt][ni][e], t);
+              const bool vis =
+                  sq.visible(i0 + 16 * mt + r * 8, n0 + ni * 8 + 2 * tq + (e & 1), p);
+              const float pv = vis ? ex2(x - lse2[mt][r]) : 0.f;
+              ds = pv * (dp[mt][ni][e] - dl[mt][r]);
+              if (score.capped) ds *= 1.f - t * t;
+            } else {
+              ds = ex2(s[mt][ni][e] * score.scale_log2 - lse2[mt][r]) *
+                   (dp[mt][ni][e] - dl[mt][r]);
+            }
+            dp[mt][ni][e] = ds;
+          }
+    };
+    if (full && !score.capped)
+      grad_tile(std::false_type{});
+    else
+      grad_tile(std::true_type{});
     gemm_pv<D, MT, BN>(dq, dp, k_s);  // dQ += dS K
     __syncthreads();
   }
