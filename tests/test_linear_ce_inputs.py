@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from fusedops import _ext
 from fusedops.linear_ce import linear_cross_entropy
 
 
@@ -101,3 +102,22 @@ def test_triton_on_cpu_without_interpreter_says_why(monkeypatch):
     h, w, t = _inputs()
     with pytest.raises(RuntimeError, match="triton: .*(CPU|not importable)"):
         linear_cross_entropy(h, w, t, backend="triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ext.available(), reason="fusedops._C not built")
+@pytest.mark.parametrize("case,exc,match", [
+    ("dtype", TypeError, "hidden must be float16 or bfloat16"),
+    ("hidden_size", ValueError, "hidden size must be a multiple of 8, got 12"),
+    ("arch", ValueError, "arch must be 80 or 90, got 70"),
+])
+def test_cuda_op_checks_its_inputs(case, exc, match):
+    """The C++ op raises (never crashes) on bad input, integers in the message included."""
+    h = 12 if case == "hidden_size" else 16
+    dtype = torch.float32 if case == "dtype" else torch.bfloat16
+    hidden = torch.randn(4, h, device="cuda", dtype=dtype)
+    weight = torch.randn(10, h, device="cuda", dtype=dtype)
+    target = torch.zeros(4, dtype=torch.long, device="cuda")
+    with pytest.raises(exc, match=match):
+        torch.ops.fusedops.linear_ce_fwd_cuda(hidden, weight, None, target, 0.0,
+                                              70 if case == "arch" else 90)

@@ -6,7 +6,13 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "attention_params.h"
+
+// Integers in check messages go through std::to_string: on the H200 machine (torch 2.11) a
+// TORCH_CHECK message holding an int64_t argument crashed the process instead of raising (strings,
+// dtypes and literals raised as they should).
 
 namespace fusedops {
 namespace {
@@ -33,13 +39,15 @@ AttnParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, const 
                    "q must be float16 or bfloat16, got ", q.scalar_type());
   TORCH_CHECK_VALUE(q.dim() == 3, "q must be (total_q, Hq, D)");
   TORCH_CHECK_VALUE(q.size(2) == 64 || q.size(2) == 128,
-                    "the CUDA attention kernels take head dim 64 or 128, got ", q.size(2));
+                    "the CUDA attention kernels take head dim 64 or 128, got ",
+                    std::to_string(q.size(2)));
   check_rows(q, "q", q);
   check_rows(k, "k", q);
   check_rows(v, "v", q);
   TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "k and v must have one shape");
   TORCH_CHECK_VALUE(k.size(1) >= 1 && q.size(1) % k.size(1) == 0,
-                    "Hq must be a multiple of Hkv, got ", q.size(1), " and ", k.size(1));
+                    "Hq must be a multiple of Hkv, got ", std::to_string(q.size(1)), " and ",
+                    std::to_string(k.size(1)));
   for (const Tensor* cu : {&cu_q, &cu_k}) {
     TORCH_CHECK_VALUE(cu->is_cuda() && cu->device() == q.device(),
                       "cu_seqlens must be on q's device");

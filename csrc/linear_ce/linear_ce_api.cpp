@@ -7,6 +7,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "build_info.h"
 #include "linear_ce_params.h"
 
@@ -29,7 +31,7 @@ void check_inputs(const Tensor& hidden, const Tensor& weight, const std::optiona
   TORCH_CHECK_VALUE(hidden.is_contiguous() && weight.is_contiguous(),
                     "hidden and weight must be contiguous");
   TORCH_CHECK_VALUE(hidden.size(1) % 8 == 0, "hidden size must be a multiple of 8, got ",
-                    hidden.size(1));
+                    std::to_string(hidden.size(1)));
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(hidden.data_ptr()) % 16 == 0 &&
                         reinterpret_cast<uintptr_t>(weight.data_ptr()) % 16 == 0,
                     "hidden and weight must be 16-byte aligned");
@@ -75,7 +77,8 @@ std::tuple<Tensor, Tensor, Tensor> linear_ce_fwd_cuda(const Tensor& hidden, cons
                                                       const Tensor& target, double softcap,
                                                       int64_t arch) {
   check_inputs(hidden, weight, bias_in, target);
-  TORCH_CHECK_VALUE(arch == 80 || arch == 90, "arch must be 80 or 90, got ", arch);
+  TORCH_CHECK_VALUE(arch == 80 || arch == 90, "arch must be 80 or 90, got ",
+                    std::to_string(arch));
   c10::cuda::CUDAGuard guard(hidden.device());
   std::optional<Tensor> bias =
       bias_in.has_value() ? std::optional<Tensor>(bias_in->contiguous()) : std::nullopt;
@@ -100,7 +103,8 @@ std::tuple<Tensor, Tensor, Tensor> linear_ce_bwd_cuda(
     const Tensor& target, const Tensor& lse, const Tensor& d_lse, const Tensor& d_zt,
     const Tensor& d_zsum, double softcap, bool need_dh, bool need_dw, bool need_db, int64_t arch) {
   check_inputs(hidden, weight, bias_in, target);
-  TORCH_CHECK_VALUE(arch == 80 || arch == 90, "arch must be 80 or 90, got ", arch);
+  TORCH_CHECK_VALUE(arch == 80 || arch == 90, "arch must be 80 or 90, got ",
+                    std::to_string(arch));
   c10::cuda::CUDAGuard guard(hidden.device());
   const int64_t n = hidden.size(0), vocab = weight.size(0);
   for (const Tensor* t : {&lse, &d_lse, &d_zt, &d_zsum}) {
@@ -162,11 +166,13 @@ void ce_rows_cuda(const Tensor& z, const std::optional<Tensor>& bias, const Tens
                     "z must be a contiguous 2-D CUDA tensor");
   TORCH_CHECK_TYPE(z.scalar_type() == at::kHalf || z.scalar_type() == at::kBFloat16,
                    "z must be float16 or bfloat16, got ", z.scalar_type());
-  TORCH_CHECK_VALUE(arch == 80 || arch == 90, "arch must be 80 or 90, got ", arch);
-  TORCH_CHECK_VALUE(mode >= 1 && mode <= 4, "mode must be 1..4, got ", mode);
+  TORCH_CHECK_VALUE(arch == 80 || arch == 90, "arch must be 80 or 90, got ",
+                    std::to_string(arch));
+  TORCH_CHECK_VALUE(mode >= 1 && mode <= 4, "mode must be 1..4, got ", std::to_string(mode));
   const int64_t rows = z.size(0), n_cols = z.size(1);
-  TORCH_CHECK_VALUE(col0 >= 0 && col0 + n_cols <= vocab, "columns [", col0, ", ", col0 + n_cols,
-                    ") are outside the vocabulary of ", vocab);
+  TORCH_CHECK_VALUE(col0 >= 0 && col0 + n_cols <= vocab, "columns [", std::to_string(col0), ", ",
+                    std::to_string(col0 + n_cols), ") are outside the vocabulary of ",
+                    std::to_string(vocab));
   TORCH_CHECK_VALUE(mode == 1 || mode == 2 || (col0 == 0 && n_cols == vocab),
                     "modes 3 and 4 take whole rows (col0 = 0, n_cols = vocab)");
   TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "target must be int64");
