@@ -272,3 +272,20 @@ def test_cuda_op_checks_its_inputs(case, exc, match):
     """The C++ op names the argument it refuses (callers going around the Python API)."""
     with pytest.raises(exc, match=match):
         _bad_op_call(case)
+
+
+@pytest.mark.parametrize("cap,forced,first", [
+    ((9, 0), False, "triton"), ((9, 0), True, "cuda-sm80"), ((8, 0), False, "cuda-sm90")])
+def test_auto_dispatch_order_for_attention(cap, forced, first, monkeypatch):
+    """On Hopper, auto tries Triton before the (slower there) Ampere CUDA kernels, unless the
+    Ampere path is forced; elsewhere the CUDA backends come first."""
+    monkeypatch.setattr(dispatch, "_capability", lambda sig: cap)
+    if forced:
+        monkeypatch.setenv("FUSEDOPS_CUDA_ARCH", "sm80")
+    else:
+        monkeypatch.delenv("FUSEDOPS_CUDA_ARCH", raising=False)
+    sig = dispatch.InputSig("attention", "cuda", 0, torch.bfloat16, 128)
+    order = dispatch.candidates("auto", sig)
+    assert order[0] == first and order[-1] == "torch" and "cuda-sm80" in order
+    lce = dispatch.candidates("auto", dispatch.InputSig("linear_ce", "cuda", 0, torch.bfloat16, 64))
+    assert lce[0].startswith("cuda")

@@ -128,7 +128,14 @@ def _forced_sm80() -> bool:
 def candidates(request: str, sig: InputSig) -> list[str]:
     cuda = ["cuda-sm80"] if _forced_sm80() else ["cuda-sm90", "cuda-sm80"]
     if request == "auto":
-        return cuda + (["triton"] if sig.device_type == "cuda" else []) + ["torch"]
+        triton = ["triton"] if sig.device_type == "cuda" else []
+        if (sig.op == "attention" and triton and not _forced_sm80()
+                and _capability(sig) >= (9, 0)):
+            # Attention has no Hopper CUDA kernel yet and the Ampere one is slower than Triton on
+            # the H200 (77-86% of its forward, 63-70% of its backward: NOTES_attention.md), so
+            # auto takes Triton there; FUSEDOPS_CUDA_ARCH=sm80 or backend="cuda" pick the CUDA one.
+            return triton + cuda + ["torch"]
+        return cuda + triton + ["torch"]
     if request == "cuda":
         return cuda
     if request == "cuda-sm90" and _forced_sm80():
