@@ -132,7 +132,7 @@ def candidates(request: str, sig: InputSig) -> list[str]:
         if (sig.op == "attention" and triton and not _forced_sm80()
                 and _capability(sig) >= (9, 0)):
             # Attention has no Hopper CUDA kernel yet and the Ampere one is slower than Triton on
-            # the H200 (77-86% of its forward, 63-70% of its backward: NOTES_attention.md), so
+            # the H200 (78-84% of its forward, 66-72% of its backward at L=4096), so
             # auto takes Triton there; FUSEDOPS_CUDA_ARCH=sm80 or backend="cuda" pick the CUDA one.
             return triton + cuda + ["torch"]
         return cuda + triton + ["torch"]
