@@ -26,3 +26,15 @@
       return __VA_ARGS__();              \
     }                                    \
   }()
+
+// Attention head dim: 64 -> kD = 64, anything else (the caller checks) -> kD = 128.
+#define HEADDIM_SWITCH(D_VALUE, ...) \
+  [&] {                              \
+    if ((D_VALUE) == 64) {           \
+      constexpr static int kD = 64;  \
+      return __VA_ARGS__();          \
+    } else {                         \
+      constexpr static int kD = 128; \
+      return __VA_ARGS__();          \
+    }                                \
+  }()

@@ -5,17 +5,6 @@
 
 namespace fusedops {
 
-#define HEADDIM_SWITCH(D_VALUE, ...) \
-  [&] {                              \
-    if ((D_VALUE) == 64) {           \
-      constexpr static int kD = 64;  \
-      return __VA_ARGS__();          \
-    } else {                         \
-      constexpr static int kD = 128; \
-      return __VA_ARGS__();          \
-    }                                \
-  }()
-
 cudaError_t attention_fwd_sm80(AttnParams& p) {
   return FP16_BF16_SWITCH(p.is_bf16, [&] {
     return HEADDIM_SWITCH(p.head_dim, [&] { return attn::run_fwd<elem_t, kD>(p); });
