@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 
+#include "../mma_sm80.cuh"
 #include "linear_ce_params.h"
 
 namespace fusedops {
@@ -25,14 +26,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kVec = 8;     // elements per 16-byte access
 constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
 
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+using sm80::ex2;  // the shared PTX wrappers (mma_sm80.cuh)
+using sm80::to_float;
 template <typename T>
 __device__ __forceinline__ T from_float(float v);
 template <>
