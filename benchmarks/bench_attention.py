@@ -83,8 +83,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="1024,4096,16384")
     ap.add_argument("--dims", default="64,128")
-    ap.add_argument("--methods", default="cuda-sm80,triton,triton-atomic-dq,torch,sdpa_flash,"
-                                          "sdpa_cudnn,sdpa_efficient,flex")
+    ap.add_argument("--methods", default="cuda-sm80,cuda-sm80-atomic-dq,triton,triton-atomic-dq,"
+                                          "torch,sdpa_flash,sdpa_cudnn,sdpa_efficient,flex")
     ap.add_argument("--flex-lengths", default="4096", help="FlexAttention compiles per shape")
     ap.add_argument("--torch-max-length", type=int, default=1024)
     ap.add_argument("--rep-ms", type=int, default=100)
@@ -95,6 +95,7 @@ def main():
     stamp = datetime.datetime.now(datetime.timezone.utc)
     path = os.path.join(args.out, f"attention_{stamp:%Y%m%d_%H%M%S}_{run_id}.jsonl")
     makers = {"cuda-sm80": lambda: fused("cuda-sm80"),
+              "cuda-sm80-atomic-dq": lambda: fused("cuda-sm80"),
               "triton": lambda: fused("triton"), "torch": lambda: fused("torch"),
               "triton-atomic-dq": lambda: fused("triton"),
               "sdpa_flash": lambda: sdpa("sdpa_flash"), "sdpa_cudnn": lambda: sdpa("sdpa_cudnn"),

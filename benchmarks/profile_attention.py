@@ -27,7 +27,7 @@ def main():
         for t in (q, k, v):
             t.requires_grad_()
 
-        def step():
+        def step(q=q, k=k, v=v, do=do):
             attention(q, k, v, causal=args.causal, backend=args.backend).backward(do)
 
         for _ in range(3):

@@ -84,13 +84,27 @@ def test_default_backward_is_bitwise_repeatable(feature, backend):
         assert torch.equal(runs[0][name], runs[1][name]), name
 
 
+def _atomic_params():
+    out = []
+    for feature in ("plain", "causal", "causal_window", "varlen_everything", "softcap"):
+        out.append(pytest.param("triton", torch.bfloat16, (2, 1025, 1025, 8, 2, 128), feature,
+                                id=f"triton-bfloat16-D128-{feature}"))
+        for dtype in (torch.bfloat16, torch.float16):
+            for shape in ((2, 1025, 1025, 8, 2, 128), (2, 97, 211, 4, 2, 64),
+                          (2, 211, 97, 4, 1, 64)):
+                out.append(pytest.param(
+                    "cuda-sm80", dtype, shape, feature, marks=NEEDS_EXT,
+                    id=f"cuda-sm80-{str(dtype)[6:]}-{'x'.join(map(str, shape))}-{feature}"))
+    return out
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("feature", ["plain", "causal_window", "varlen_everything", "softcap"])
-def test_atomic_dq_variant(feature, monkeypatch):
+@pytest.mark.parametrize("backend,dtype,shape,feature", _atomic_params())
+def test_atomic_dq_variant(backend, dtype, shape, feature, monkeypatch):
     """FUSEDOPS_ATTN_DQ=atomic (dQ by float32 atomics, not the default) stays correct."""
     monkeypatch.setenv("FUSEDOPS_ATTN_DQ", "atomic")
-    case = A.Case(2, 1025, 1025, 8, 2, 128, torch.bfloat16, "cuda", **FEATURES[feature])
-    A.check(case, "triton", _CACHE)
+    case = A.Case(*shape, dtype, "cuda", **FEATURES[feature])
+    A.check(case, backend, _CACHE)
 
 
 def test_reference_matches_materialised_float64():

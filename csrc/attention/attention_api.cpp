@@ -113,7 +113,8 @@ std::tuple<Tensor, Tensor> attention_fwd_cuda(const Tensor& q, const Tensor& k, 
 std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
     const Tensor& dout, const Tensor& cu_q, const Tensor& cu_k, int64_t max_q, int64_t max_k,
-    double scale, bool causal, int64_t left, int64_t right, double softcap) {
+    double scale, bool causal, int64_t left, int64_t right, double softcap,
+    bool deterministic) {
   c10::cuda::CUDAGuard guard(q.device());
   AttnParams p = make_params(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right,
                              softcap);
@@ -142,6 +143,13 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   p.dq_row = dq.stride(0);
   p.dk_row = dk.stride(0);
   p.dv_row = dv.stride(0);
+  // Not deterministic: dQ accumulates in float32 by atomics from the dK/dV kernel; otherwise a
+  // separate dQ kernel recomputes the scores (bit-identical run to run).
+  Tensor dq_acc;
+  if (!deterministic) {
+    dq_acc = at::zeros({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+    p.dq_acc = dq_acc.data_ptr<float>();
+  }
   // Every row is written by the kernels (cu_seqlens cover the packed tensors, checked in Python
   // for user-given ones); keys that no query sees get zero gradients.
   check_launch(attention_bwd_sm80(p), "attention backward");
@@ -158,7 +166,8 @@ TORCH_LIBRARY_FRAGMENT(fusedops, m) {
   m.def(
       "attention_bwd_cuda(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, "
-      "bool causal, int window_left, int window_right, float softcap) -> (Tensor, Tensor, Tensor)");
+      "bool causal, int window_left, int window_right, float softcap, bool deterministic) -> "
+      "(Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {

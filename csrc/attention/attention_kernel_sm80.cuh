@@ -31,6 +31,8 @@ using namespace fusedops::sm80;
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+// Forward: how far (log2 units) a tile maximum may exceed the running one before rescaling.
+constexpr float kSlack = 8.f;
 
 template <int D>
 __device__ __forceinline__ int swz(int row, int chunk) {
@@ -43,15 +45,18 @@ template <typename T, int R, int D, int NT>
 __device__ __forceinline__ void load_rows(T* tile, const T* base, int64_t stride, int row0,
                                           int n_rows) {
   constexpr int C = D / 8;
+  static_assert((R * C) % NT == 0 && NT % C == 0);
+  constexpr int RS = NT / C;  // rows per pass (a multiple of 8: the swizzle repeats)
+  static_assert(RS % 8 == 0);
+  const int r = threadIdx.x / C, c = threadIdx.x % C;
+  const T* src = base + static_cast<int64_t>(row0 + r) * stride + c * 8;
+  const int64_t step = RS * stride;
+  const uint32_t dst = smem_u32(tile + swz<D>(r, c));
 #pragma unroll
-  for (int j = 0; j < (R * C + NT - 1) / NT; ++j) {
-    const int id = threadIdx.x + j * NT;
-    if ((R * C) % NT == 0 || id < R * C) {
-      const int r = id / C, c = id % C;
-      const bool valid = row0 + r < n_rows;
-      const T* src = valid ? base + static_cast<int64_t>(row0 + r) * stride + c * 8 : base;
-      cp_async_16(smem_u32(tile + swz<D>(r, c)), src, valid);
-    }
+  for (int j = 0; j < R * C / NT; ++j) {
+    const bool valid = row0 + r + j * RS < n_rows;
+    cp_async_16(dst + j * RS * D * sizeof(T), valid ? src : base, valid);
+    src += step;
   }
 }
 
@@ -257,11 +262,11 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
   const Score score(p);
   float o[MT][D / 8][4];
   zero(o);
-  float m_run[MT][2], l_run[MT][2];
+  float m_run[MT][2], l_run[MT][2], alpha_run[MT][2];  // alpha: pending output rescale
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) m_run[mt][r] = -INFINITY, l_run[mt][r] = 0.f;
+    for (int r = 0; r < 2; ++r) m_run[mt][r] = -INFINITY, l_run[mt][r] = 0.f, alpha_run[mt][r] = 1.f;
   for (int t = t_lo; t < t_hi; ++t) {
     const int st = (t - t_lo) & 1;
     if (t + 1 < t_hi) {
@@ -277,54 +282,72 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
 
     const int n0 = t * BN;
     const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16 * MT, n0, n0 + BN, p);
-    // The element-wise pass comes in two copies, so that the common one (no mask, no softcap)
-    // has no branch inside the unrolled loops.
+    // The element-wise pass comes in two copies, so that the common one (no mask, no softcap,
+    // positive scale) has no branch inside the unrolled loops; it takes the row maximum of the
+    // raw scores and folds the scale into one FFMA per exponential.
+    bool rescale = false;
     auto softmax_tile = [&](auto general) {
       constexpr bool kGeneral = decltype(general)::value;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        float mx[2] = {m_run[mt][0], m_run[mt][1]};
+        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int ni = 0; ni < BN / 8; ++ni)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float x = s[mt][ni][e] * score.scale_log2;
             if constexpr (kGeneral) {
               float unused;
-              x = score(s[mt][ni][e], unused);
+              float x = score(s[mt][ni][e], unused);
               if (!sq.visible(i0 + 16 * mt + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p))
                 x = -INFINITY;
+              s[mt][ni][e] = x;
             }
-            s[mt][ni][e] = x;
-            mx[e >> 1] = fmaxf(mx[e >> 1], x);
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][ni][e]);
           }
-        float mu[2], alpha[2];
+        float mu[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           mx[r] = quad_max(mx[r]);
-          mu[r] = mx[r] == -INFINITY ? 0.f : mx[r];  // a row with nothing visible yet stays at 0
-          alpha[r] = ex2(m_run[mt][r] - mu[r]);
-          m_run[mt][r] = mx[r];
-          l_run[mt][r] *= alpha[r];
+          if constexpr (!kGeneral) mx[r] *= score.scale_log2;
+          // The running maximum only moves when the tile's exceeds it by more than kSlack, so
+          // most tiles skip rescaling the output; p = 2^(x - m) then stays below 2^kSlack.
+          if (mx[r] > m_run[mt][r] + kSlack) {
+            const float alpha = ex2(m_run[mt][r] - mx[r]);
+            m_run[mt][r] = mx[r];
+            l_run[mt][r] *= alpha;
+            alpha_run[mt][r] = alpha;
+            rescale = true;
+          }
+          mu[r] = m_run[mt][r] == -INFINITY ? 0.f : m_run[mt][r];  // nothing visible yet: p = 0
         }
 #pragma unroll
         for (int ni = 0; ni < BN / 8; ++ni)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float pv = ex2(s[mt][ni][e] - mu[e >> 1]);
+            const float pv = kGeneral ? ex2(s[mt][ni][e] - mu[e >> 1])
+                                      : ex2(fmaf(s[mt][ni][e], score.scale_log2, -mu[e >> 1]));
             s[mt][ni][e] = pv;
             l_run[mt][e >> 1] += pv;
           }
-#pragma unroll
-        for (int d8 = 0; d8 < D / 8; ++d8)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) o[mt][d8][e] *= alpha[e >> 1];
       }
     };
-    if (full && !score.capped)
+    if (full && !score.capped && score.scale_log2 > 0.f)
       softmax_tile(std::false_type{});
     else
       softmax_tile(std::true_type{});
+    if (__any_sync(0xffffffffu, rescale)) {  // warp-uniform
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+#pragma unroll
+          for (int d8 = 0; d8 < D / 8; ++d8) {
+            o[mt][d8][2 * r] *= alpha_run[mt][r];
+            o[mt][d8][2 * r + 1] *= alpha_run[mt][r];
+          }
+          alpha_run[mt][r] = 1.f;
+        }
+    }
     gemm_pv<D, MT, BN>(o, s, sV + st * BN * D);
     __syncthreads();
   }
@@ -385,15 +408,28 @@ __device__ __forceinline__ void row_stats(const AttnParams& p, int h, int q_star
   }
 }
 
+// dQ accumulation by float32 reductions: (row, row + 8) x (col, col + 1) of an accumulator tile.
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------
 // dK/dV. Grid (ceil(max_k / BN), hkv, batch); each warp owns 16 keys (BN = 16 NW), BM queries
 // per step. Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); lse2, delta in two
-// stages (BM).
-template <typename T, int D, int BM, int BN, int NW>
+// stages (BM); with kAtomicDq, dS^T (BN x BM, rows padded to BM + 8 elements).
+// kAtomicDq: the kernel also adds dS K for its keys into the float32 dQ accumulator (each warp
+// a D / NW column slice of the BM x D product), so no dQ pass is needed; the sum order then
+// depends on scheduling (not bit-reproducible).
+template <typename T, int D, int BM, int BN, int NW, bool kAtomicDq>
 __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  static_assert(BN == 16 * NW && BM % 16 == 0 && D % 64 == 0);
-  constexpr int NT = NW * 32;
+  static_assert(BN == 16 * NW && BM % 16 == 0 && D % 64 == 0 && (D / NW) % 16 == 0);
+  constexpr int NT = NW * 32, LDS = BM + 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + BN * D;
@@ -401,6 +437,7 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
   T* sO = sQ + 2 * BM * D;  // dO
   float* sL = reinterpret_cast<float*>(sO + 2 * BM * D);
   float* sD = sL + 2 * BM;
+  T* sS = reinterpret_cast<T*>(sD + 2 * BM);  // dS^T (kAtomicDq)
   const int b = blockIdx.z, hk = blockIdx.y, n0 = blockIdx.x * BN;
   const Seq sq(p, b);
   if (n0 >= sq.lk) return;
@@ -478,8 +515,54 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
       grad_tile(std::false_type{});
     else
       grad_tile(std::true_type{});
+    if constexpr (kAtomicDq) {
+#pragma unroll
+      for (int ni = 0; ni < BM / 8; ++ni)
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+          *reinterpret_cast<uint32_t*>(sS + (row0 + g + 8 * r) * LDS + ni * 8 + 2 * tq) =
+              pack2<T>(dp[0][ni][2 * r], dp[0][ni][2 * r + 1]);
+    }
     gemm_pv<D, 1, BM>(dv, s, o_s);   // dV += P^T dO
     gemm_pv<D, 1, BM>(dk, dp, q_s);  // dK += dS^T Q
+    if constexpr (kAtomicDq) {
+      __syncthreads();
+      // dQ[BM x D / NW] = dS (BM x BN, from dS^T by ldmatrix.trans) K[:, warp's columns].
+      constexpr int DW = D / NW;
+      float acc[BM / 16][DW / 8][4];
+      zero(acc);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[BM / 16][4];
+#pragma unroll
+        for (int mt = 0; mt < BM / 16; ++mt)
+          ldmatrix_x4_trans(a[mt], smem_u32(sS + (kk * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS +
+                                            mt * 16 + ((lane >> 3) & 1) * 8));
+#pragma unroll
+        for (int j = 0; j < DW / 16; ++j) {
+          uint32_t bf[4];
+          ld_b_trans<D>(bf, sK, kk * 16, warp * DW + j * 16);
+#pragma unroll
+          for (int mt = 0; mt < BM / 16; ++mt) {
+            mma_16816<T>(acc[mt][2 * j], a[mt], bf[0], bf[1]);
+            mma_16816<T>(acc[mt][2 * j + 1], a[mt], bf[2], bf[3]);
+          }
+        }
+      }
+      const int h = hk * group + it / n_tiles;
+#pragma unroll
+      for (int mt = 0; mt < BM / 16; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int i = m0 + mt * 16 + g + 8 * r;
+          if (i >= sq.lq) continue;
+          float* dst = p.dq_acc + (static_cast<int64_t>(sq.q_start + i) * p.hq + h) * D +
+                       warp * DW + 2 * tq;
+#pragma unroll
+          for (int n8 = 0; n8 < DW / 8; ++n8)
+            red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
+        }
+    }
     __syncthreads();
   }
   cp_async_wait<0>();
@@ -489,6 +572,23 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
   store_rows<D, 1>(static_cast<T*>(p.dv) + sq.k_start * p.dv_row + hk * D, p.dv_row, j0, sq.lk,
                    dv, one);
 #endif
+}
+
+// dQ = scale * the float32 accumulator, one thread per 8 elements of a (row, head).
+template <typename T, int D>
+__global__ void __launch_bounds__(256) dq_convert_kernel(const AttnParams p) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  if (idx >= static_cast<int64_t>(p.total_q) * p.hq * (D / 8)) return;
+  const int64_t row = idx / (p.hq * (D / 8));
+  const int c = static_cast<int>(idx % (p.hq * (D / 8)));  // head * D / 8 + chunk
+  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + row * p.hq * D + c * 8);
+  const float4 x = src[0], y = src[1];
+  uint4 out;
+  out.x = pack2<T>(x.x * p.scale, x.y * p.scale);
+  out.y = pack2<T>(x.z * p.scale, x.w * p.scale);
+  out.z = pack2<T>(y.x * p.scale, y.y * p.scale);
+  out.w = pack2<T>(y.z * p.scale, y.w * p.scale);
+  *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + row * p.dq_row + c * 8) = out;
 }
 
 // ---------------------------------------------------------------------------------------------

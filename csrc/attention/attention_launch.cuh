@@ -44,13 +44,20 @@ cudaError_t run_bwd(const AttnParams& p) {
   cudaError_t err = launch(delta_kernel<T, D>, dim3(static_cast<unsigned>((rows + 255) / 256)),
                            256, 0, p);
   if (err != cudaSuccess) return err;
-  {
-    constexpr int BM = C::kDkdvM, BN = 16 * C::kDkdvWarps;
-    const size_t smem = (2 * BN + 4 * BM) * D * sizeof(T) + 4 * BM * sizeof(float);
-    err = launch(dkdv_kernel<T, D, BM, BN, C::kDkdvWarps>,
-                 dim3((p.max_k + BN - 1) / BN, p.hkv, p.batch), C::kDkdvWarps * 32, smem, p);
+  constexpr int BMk = C::kDkdvM, BNk = 16 * C::kDkdvWarps;
+  const size_t smem_kv = (2 * BNk + 4 * BMk) * D * sizeof(T) + 4 * BMk * sizeof(float);
+  if (p.dq_acc != nullptr) {  // dQ by float32 atomics from the dK/dV kernel, then scaled
+    err = launch(dkdv_kernel<T, D, BMk, BNk, C::kDkdvWarps, true>,
+                 dim3((p.max_k + BNk - 1) / BNk, p.hkv, p.batch), C::kDkdvWarps * 32,
+                 smem_kv + BNk * (BMk + 8) * sizeof(T), p);
     if (err != cudaSuccess) return err;
+    const int64_t n = static_cast<int64_t>(p.total_q) * p.hq * (D / 8);
+    return launch(dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((n + 255) / 256)), 256, 0,
+                  p);
   }
+  err = launch(dkdv_kernel<T, D, BMk, BNk, C::kDkdvWarps, false>,
+               dim3((p.max_k + BNk - 1) / BNk, p.hkv, p.batch), C::kDkdvWarps * 32, smem_kv, p);
+  if (err != cudaSuccess) return err;
   constexpr int BM = 16 * C::kDqMT * C::kDqWarps, BN = C::kDqN;
   const size_t smem = (2 * BM + 4 * BN) * D * sizeof(T);
   return launch(dq_kernel<T, D, C::kDqMT, BN, C::kDqWarps>,

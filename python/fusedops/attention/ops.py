@@ -79,10 +79,10 @@ def attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dou
         return ta.attention_bwd(q, k, v, out, lse, dout.contiguous(), cu_seqlens_q,
                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                                 window_left, window_right, softcap, deterministic)
-    if backend in ("cuda-sm80", "cuda-sm90"):  # always deterministic (separate dQ kernel)
+    if backend in ("cuda-sm80", "cuda-sm90"):
         return torch.ops.fusedops.attention_bwd_cuda(
             q, k, v, out, lse, dout.contiguous(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-            max_seqlen_k, scale, causal, window_left, window_right, softcap)
+            max_seqlen_k, scale, causal, window_left, window_right, softcap, deterministic)
     raise ValueError(f"unknown attention backend {backend!r}")
 
 

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One device call for the CUDA attention work: build, parity (both dQ modes), optional Triton
+# parity subset, then a bench of cuda-sm80 against SDPA flash at L=4096. Everything goes to
+# $OUT/log.txt; the bench's jsonl to $OUT.
+# Env: FUSEDOPS_GIT (sha for the bench rows), TRITON_K (pytest -k for a Triton subset, run in
+# the background while the CUDA tests run), VARIANT_SED (a sed script applied to a copy of the
+# tree, built alongside into /tmp/variant_site and benched as cuda-sm80 too,
+# its rows kept in the log only), BENCH_DIMS, BENCH_LENGTHS, EXTRA (a command run at the end).
+set -uo pipefail
+OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
+export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEDOPS_CUDA_ARCHS=${FUSEDOPS_CUDA_ARCHS:-8.0;9.0a}
+say() { echo "== $* ($(date +%T))" | tee -a "$LOG"; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee -a "$LOG"
+say build
+if [ -n "${VARIANT_SED:-}" ]; then
+  rm -rf /tmp/variant_src && cp -r . /tmp/variant_src && rm -rf /tmp/variant_src/build
+  (cd /tmp/variant_src && for f in csrc/attention/*; do sed -i "$VARIANT_SED" "$f"; done &&
+   python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/variant_site . \
+     > "$OUT/variant_build.log" 2>&1 || echo "variant build FAILED" >> "$LOG") &
+fi
+python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1 \
+  || { tail -40 "$OUT/build.log" | tee -a "$LOG"; exit 1; }
+wait
+say tests
+if [ -n "${TRITON_K:-}" ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/test_attention.py -k "$TRITON_K" \
+    > "$OUT/triton_tests.log" 2>&1 &
+  tpid=$!
+fi
+python3 -m pytest -q -p no:cacheprovider tests/test_attention.py -k "cuda" 2>&1 | tail -5 | tee -a "$LOG"
+FUSEDOPS_ATTN_DQ=atomic python3 -m pytest -q -p no:cacheprovider tests/test_attention.py \
+  -k "test_parity and cuda" 2>&1 | tail -3 | sed 's/^/[atomic dQ parity] /' | tee -a "$LOG"
+if [ -n "${TRITON_K:-}" ]; then
+  wait $tpid; tail -3 "$OUT/triton_tests.log" | sed 's/^/[triton subset] /' | tee -a "$LOG"
+fi
+say bench
+python3 benchmarks/bench_attention.py --out "$OUT" --lengths "${BENCH_LENGTHS:-4096}" \
+  --dims "${BENCH_DIMS:-64,128}" --methods cuda-sm80,cuda-sm80-atomic-dq,sdpa_flash --rep-ms 50 \
+  2>>"$LOG" | tee -a "$LOG"
+if [ -n "${VARIANT_SED:-}" ] && [ -d /tmp/variant_site/fusedops ]; then
+  say "bench variant ($VARIANT_SED)"
+  PYTHONPATH=/tmp/variant_site python3 benchmarks/bench_attention.py --out /tmp/variant_res \
+    --lengths "${BENCH_LENGTHS:-4096}" --dims "${BENCH_DIMS:-64,128}" \
+    --methods cuda-sm80,cuda-sm80-atomic-dq --rep-ms 50 2>>"$LOG" | tee -a "$LOG"
+fi
+if [ -n "${EXTRA:-}" ]; then say extra; bash -c "$EXTRA" 2>&1 | tee -a "$LOG"; fi
+say done
