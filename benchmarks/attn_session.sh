@@ -5,7 +5,7 @@
 # Env: FUSEDOPS_GIT (sha for the bench rows), TRITON_K (pytest -k for a Triton subset, run in
 # the background while the CUDA tests run), VARIANT_SED (a sed script applied to a copy of the
 # tree, built alongside into /tmp/variant_site and benched as cuda-sm80 too,
-# its rows kept in the log only), BENCH_DIMS, BENCH_LENGTHS, EXTRA (a command run at the end).
+# its rows kept in the log only), VARIANT_DIMS, BENCH_DIMS, BENCH_LENGTHS, EXTRA (a command run at the end).
 set -uo pipefail
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEDOPS_CUDA_ARCHS=${FUSEDOPS_CUDA_ARCHS:-8.0;9.0a}
@@ -40,8 +40,8 @@ python3 benchmarks/bench_attention.py --out "$OUT" --lengths "${BENCH_LENGTHS:-4
 if [ -n "${VARIANT_SED:-}" ] && [ -d /tmp/variant_site/fusedops ]; then
   say "bench variant ($VARIANT_SED)"
   PYTHONPATH=/tmp/variant_site python3 benchmarks/bench_attention.py --out /tmp/variant_res \
-    --lengths "${BENCH_LENGTHS:-4096}" --dims "${BENCH_DIMS:-64,128}" \
-    --methods cuda-sm80,cuda-sm80-atomic-dq --rep-ms 50 2>>"$LOG" | tee -a "$LOG"
+    --lengths "${BENCH_LENGTHS:-4096}" --dims "${VARIANT_DIMS:-64,128}" \
+    --methods cuda-sm80 --rep-ms 50 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ -n "${EXTRA:-}" ]; then say extra; bash -c "$EXTRA" 2>&1 | tee -a "$LOG"; fi
 say done
