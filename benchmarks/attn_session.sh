@@ -5,7 +5,7 @@
 # Env: FUSEDOPS_GIT (sha for the bench rows), TRITON_K (pytest -k for a Triton subset, run in
 # the background while the CUDA tests run), VARIANT_SED (a sed script applied to a copy of the
 # tree, built alongside into /tmp/variant_site and benched as cuda-sm80 too,
-# its rows kept in the log only), VARIANT_DIMS, BENCH_DIMS, BENCH_LENGTHS, EXTRA (a command run at the end).
+# its rows kept in the log only), VARIANT_DIMS, VARIANT_METHODS, BENCH_DIMS, BENCH_LENGTHS, EXTRA (a command run at the end).
 set -uo pipefail
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEDOPS_CUDA_ARCHS=${FUSEDOPS_CUDA_ARCHS:-8.0;9.0a}
@@ -27,9 +27,10 @@ if [ -n "${TRITON_K:-}" ]; then
     > "$OUT/triton_tests.log" 2>&1 &
   tpid=$!
 fi
-python3 -m pytest -q -p no:cacheprovider tests/test_attention.py -k "cuda" 2>&1 | tail -5 | tee -a "$LOG"
+python3 -m pytest -q -p no:cacheprovider tests/test_attention.py \
+  -k "cuda-sm80 or test_cuda or auto_dispatch" 2>&1 | tail -5 | tee -a "$LOG"
 FUSEDOPS_ATTN_DQ=atomic python3 -m pytest -q -p no:cacheprovider tests/test_attention.py \
-  -k "test_parity and cuda" 2>&1 | tail -3 | sed 's/^/[atomic dQ parity] /' | tee -a "$LOG"
+  -k "test_parity and cuda-sm80" 2>&1 | tail -3 | sed 's/^/[atomic dQ parity] /' | tee -a "$LOG"
 if [ -n "${TRITON_K:-}" ]; then
   wait $tpid; tail -3 "$OUT/triton_tests.log" | sed 's/^/[triton subset] /' | tee -a "$LOG"
 fi
@@ -41,7 +42,7 @@ if [ -n "${VARIANT_SED:-}" ] && [ -d /tmp/variant_site/fusedops ]; then
   say "bench variant ($VARIANT_SED)"
   PYTHONPATH=/tmp/variant_site python3 benchmarks/bench_attention.py --out /tmp/variant_res \
     --lengths "${BENCH_LENGTHS:-4096}" --dims "${VARIANT_DIMS:-64,128}" \
-    --methods cuda-sm80 --rep-ms 50 2>>"$LOG" | tee -a "$LOG"
+    --methods "${VARIANT_METHODS:-cuda-sm80}" --rep-ms 50 2>>"$LOG" | tee -a "$LOG"
 fi
 if [ -n "${EXTRA:-}" ]; then say extra; bash -c "$EXTRA" 2>&1 | tee -a "$LOG"; fi
 say done

@@ -5,10 +5,13 @@
     compute-sanitizer --tool racecheck python benchmarks/sanitize_attention.py
 
 Cases: head dims 64 and 128; dense (lengths not multiples of the tiles, Sq != Sk, GQA 2),
-packed varlen with causal + window + softcap, and an empty-key sequence.
+packed varlen with causal + window + softcap, and an empty-key sequence; each with dQ by the
+separate kernel and by atomics (FUSEDOPS_ATTN_DQ=atomic).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -17,6 +20,14 @@ from fusedops.attention import attention
 
 def main():
     torch.manual_seed(0)
+    for mode in ("separate", "atomic"):
+        os.environ["FUSEDOPS_ATTN_DQ"] = mode
+        run_cases()
+    torch.cuda.synchronize()
+    print("sanitize_attention: all cases ran")
+
+
+def run_cases():
     dev, dt = "cuda", torch.bfloat16
     for d in (64, 128):
         q = torch.randn(2, 77, 4, d, device=dev, dtype=dt, requires_grad=True)
@@ -35,8 +46,6 @@ def main():
                         max_seqlen_k=max(lk), backend="cuda-sm80")
         out.float().square().sum().backward()
         assert torch.isfinite(qp.grad).all() and torch.isfinite(kp.grad).all()
-    torch.cuda.synchronize()
-    print("sanitize_attention: all cases ran")
 
 
 if __name__ == "__main__":

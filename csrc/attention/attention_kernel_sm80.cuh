@@ -238,7 +238,9 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + BM * D;
   T* sV = sK + 2 * BN * D;
-  const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
+  // Query blocks run last to first: under a causal mask (or a window to the left) the last blocks
+  // see the most keys, and starting them first leaves the light ones for the tail of the grid.
+  const int b = blockIdx.z, h = blockIdx.y, m0 = (gridDim.x - 1 - blockIdx.x) * BM;
   const Seq sq(p, b);
   if (m0 >= sq.lq) return;
   const int hk = h / (p.hq / p.hkv);
@@ -604,7 +606,8 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
   T* sO = sQ + BM * D;  // dO
   T* sK = sO + BM * D;
   T* sV = sK + 2 * BN * D;
-  const int b = blockIdx.z, h = blockIdx.y, m0 = blockIdx.x * BM;
+  // Query blocks run last to first, as in the forward.
+  const int b = blockIdx.z, h = blockIdx.y, m0 = (gridDim.x - 1 - blockIdx.x) * BM;
   const Seq sq(p, b);
   if (m0 >= sq.lq) return;
   const int hk = h / (p.hq / p.hkv);
