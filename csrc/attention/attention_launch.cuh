@@ -13,7 +13,7 @@ namespace attn {
 template <int D>
 struct Tiles {
   static constexpr int kFwdMT = 2, kFwdN = D == 128 ? 48 : 64, kFwdWarps = 4;
-  static constexpr int kDkdvM = D == 128 ? 32 : 64, kDkdvWarps = 4;  // 64 spills at D=128
+  static constexpr int kDkdvM = D == 128 ? 48 : 96, kDkdvWarps = 4;
   static constexpr int kDqMT = D == 128 ? 1 : 2, kDqN = D == 128 ? 64 : 32, kDqWarps = 4;
 };
 
