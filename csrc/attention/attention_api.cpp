@@ -81,6 +81,10 @@ AttnParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, const 
   p.max_k = static_cast<int>(max_k);
   p.scale = static_cast<float>(scale);
   p.softcap = static_cast<float>(softcap);
+  constexpr double kLog2e = 1.4426950408889634;
+  p.scale_log2 = static_cast<float>(scale * kLog2e);
+  p.cap_in_log2 = softcap > 0 ? static_cast<float>(2.0 * kLog2e * scale / softcap) : 0.f;
+  p.cap_out_log2 = static_cast<float>(softcap * kLog2e);
   p.left = left < 0 ? -1 : static_cast<int>(std::min<int64_t>(left, INT32_MAX / 2));
   p.right = causal ? 0 : (right < 0 ? -1 : static_cast<int>(std::min<int64_t>(right, INT32_MAX / 2)));
   p.is_bf16 = q.scalar_type() == at::kBFloat16;

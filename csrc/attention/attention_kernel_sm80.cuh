@@ -199,19 +199,17 @@ struct Seq {
 };
 
 // Score of a raw dot product in log2 units; `t` gets tanh(s * scale / softcap) when capped.
+// The constants live in the kernel parameters (set by the host), not in registers.
 struct Score {
-  float scale_log2, cap_in, cap_out;
-  bool capped;
-  __device__ __forceinline__ explicit Score(const AttnParams& p)
-      : scale_log2(p.scale * kLog2e),
-        cap_in(p.softcap > 0.f ? p.scale / p.softcap : 0.f),
-        cap_out(p.softcap * kLog2e),
-        capped(p.softcap > 0.f) {}
+  const AttnParams& p;
+  __device__ __forceinline__ explicit Score(const AttnParams& params) : p(params) {}
+  __device__ __forceinline__ bool capped() const { return p.softcap > 0.f; }
+  __device__ __forceinline__ float scale_log2() const { return p.scale_log2; }
   __device__ __forceinline__ float operator()(float s, float& t) const {
-    if (!capped) return s * scale_log2;
+    if (!capped()) return s * p.scale_log2;
     // tanh(a) = 1 - 2 / (e^{2a} + 1): exact at both ends (e^{2a} -> inf gives 1, -> 0 gives -1).
-    t = 1.f - __fdividef(2.f, ex2(2.f * kLog2e * cap_in * s) + 1.f);
-    return cap_out * t;
+    t = 1.f - __fdividef(2.f, ex2(p.cap_in_log2 * s) + 1.f);
+    return p.cap_out_log2 * t;
   }
 };
 
@@ -310,7 +308,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           mx[r] = quad_max(mx[r]);
-          if constexpr (!kGeneral) mx[r] *= score.scale_log2;
+          if constexpr (!kGeneral) mx[r] *= score.scale_log2();
           // The running maximum only moves when the tile's exceeds it by more than kSlack, so
           // most tiles skip rescaling the output; p = 2^(x - m) then stays below 2^kSlack.
           if (mx[r] > m_run[mt][r] + kSlack) {
@@ -327,13 +325,13 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float pv = kGeneral ? ex2(s[mt][ni][e] - mu[e >> 1])
-                                      : ex2(fmaf(s[mt][ni][e], score.scale_log2, -mu[e >> 1]));
+                                      : ex2(fmaf(s[mt][ni][e], score.scale_log2(), -mu[e >> 1]));
             s[mt][ni][e] = pv;
             l_run[mt][e >> 1] += pv;
           }
       }
     };
-    if (full && !score.capped && score.scale_log2 > 0.f)
+    if (full && !score.capped() && score.scale_log2() > 0.f)
       softmax_tile(std::false_type{});
     else
       softmax_tile(std::true_type{});
@@ -504,16 +502,16 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
             const float x = score(s[0][ni][e], t);
             pv = sq.visible(m0 + c, j0 + (e >> 1) * 8, p) ? ex2(x - l_s[c]) : 0.f;
             ds = pv * (dp[0][ni][e] - d_s[c]);
-            if (score.capped) ds *= 1.f - t * t;
+            if (score.capped()) ds *= 1.f - t * t;
           } else {
-            pv = ex2(s[0][ni][e] * score.scale_log2 - l_s[c]);
+            pv = ex2(s[0][ni][e] * score.scale_log2() - l_s[c]);
             ds = pv * (dp[0][ni][e] - d_s[c]);
           }
           s[0][ni][e] = pv;
           dp[0][ni][e] = ds;
         }
     };
-    if (full && !score.capped)
+    if (full && !score.capped())
       grad_tile(std::false_type{});
     else
       grad_tile(std::true_type{});
@@ -672,15 +670,15 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
                   sq.visible(i0 + 16 * mt + r * 8, n0 + ni * 8 + 2 * tq + (e & 1), p);
               const float pv = vis ? ex2(x - lse2[mt][r]) : 0.f;
               ds = pv * (dp[mt][ni][e] - dl[mt][r]);
-              if (score.capped) ds *= 1.f - t * t;
+              if (score.capped()) ds *= 1.f - t * t;
             } else {
-              ds = ex2(s[mt][ni][e] * score.scale_log2 - lse2[mt][r]) *
+              ds = ex2(s[mt][ni][e] * score.scale_log2() - lse2[mt][r]) *
                    (dp[mt][ni][e] - dl[mt][r]);
             }
             dp[mt][ni][e] = ds;
           }
     };
-    if (full && !score.capped)
+    if (full && !score.capped())
       grad_tile(std::false_type{});
     else
       grad_tile(std::true_type{});

@@ -14,7 +14,7 @@ template <int D>
 struct Tiles {
   static constexpr int kFwdMT = 2, kFwdN = D == 128 ? 48 : 64, kFwdWarps = 4;
   static constexpr int kDkdvM = D == 128 ? 48 : 96, kDkdvWarps = 4;
-  static constexpr int kDqMT = D == 128 ? 1 : 2, kDqN = D == 128 ? 64 : 32, kDqWarps = 4;
+  static constexpr int kDqMT = D == 128 ? 1 : 2, kDqN = 64, kDqWarps = 4;
 };
 
 template <typename Kernel>

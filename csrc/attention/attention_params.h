@@ -30,6 +30,8 @@ struct AttnParams {
   int total_q = 0, total_k = 0, hq = 1, hkv = 1, head_dim = 0, batch = 0, max_q = 0, max_k = 0;
   float scale = 1.f;
   float softcap = 0.f;  // 0 = none
+  // Derived by the host: scale * log2(e); 2 log2(e) scale / softcap; softcap * log2(e).
+  float scale_log2 = 0.f, cap_in_log2 = 0.f, cap_out_log2 = 0.f;
   int left = -1, right = -1;  // -1 = unlimited
   bool is_bf16 = true;
   cudaStream_t stream = nullptr;
