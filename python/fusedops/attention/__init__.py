@@ -85,7 +85,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     (-1 = unlimited); softcap applies softcap * tanh(s / softcap) to the scaled scores;
     softmax_scale defaults to 1 / sqrt(D). A query that sees no key returns zeros and lse -inf,
     with zero gradients. lse is not differentiable. The backward is deterministic (no atomics:
-    dQ has its own kernel); FUSEDOPS_ATTN_DQ=atomic switches to fp32 atomics for comparison.
+    dQ has its own kernel); FUSEDOPS_ATTN_DQ=atomic switches to fp32 atomics (Triton and CUDA).
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     _check(q, k, v, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size,

@@ -105,8 +105,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     # The separate no-atomics dQ kernel is the default: deterministic and, on the H200, about
-    # twice as fast as fp32 atomics (benchmarks/NOTES_attention.md). FUSEDOPS_ATTN_DQ=atomic
-    # selects the atomic variant (for comparison), unless deterministic algorithms are enforced.
+    # twice as fast as fp32 atomics in Triton and as fast in CUDA (benchmarks/NOTES_attention.md).
+    # FUSEDOPS_ATTN_DQ=atomic selects the atomic variant, unless deterministic algorithms are
+    # enforced.
     deterministic = (torch.are_deterministic_algorithms_enabled()
                      or os.environ.get("FUSEDOPS_ATTN_DQ", "separate") != "atomic")
     dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args, deterministic,
