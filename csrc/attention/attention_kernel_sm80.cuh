@@ -574,6 +574,205 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------
+// dK/dV with the work split over 8 warps differently for each product (FlashAttention-2's
+// layout), so that a fragment read from shared memory feeds two MMA rows everywhere. Grid
+// (ceil(max_k / BN), hkv, batch), BN = 128 keys, BM = 64 queries per step, 8 warps:
+//   S^T = K Q^T and dP^T = V dO^T: warp (wk = w % 4, wq = w / 4) computes keys 32 wk + [0, 32) x
+//     queries 32 wq + [0, 32); P^T and dS^T go to shared memory ([key][query], rows padded to
+//     BM + 8 elements: conflict-free for the stores and for ldmatrix);
+//   dV += P^T dO and dK += dS^T Q: warp (wk, wd = w / 4) owns keys 32 wk + [0, 32) x columns
+//     D/2 wd + [0, D/2) of dK and dV, in registers;
+//   kAtomicDq: dQ += dS K, warp (w % 2, w / 2) computes queries 32 (w % 2) + [0, 32) x columns
+//     D/4 (w / 2) + [0, D/4) and adds them to the float32 accumulator.
+// Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); P^T, dS^T (BN x (BM + 8)); lse2,
+// delta in two stages (BM).
+template <typename T, int D, bool kAtomicDq>
+__global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  constexpr int BM = 64, BN = 128, NT = 256, LDS = BM + 8, DH = D / 2, DQ = D / 4;
+  static_assert(D % 64 == 0);
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sK = reinterpret_cast<T*>(smem_raw);
+  T* sV = sK + BN * D;
+  T* sQ = sV + BN * D;
+  T* sO = sQ + 2 * BM * D;  // dO
+  T* sP = sO + 2 * BM * D;  // P^T
+  T* sS = sP + BN * LDS;    // dS^T
+  float* sL = reinterpret_cast<float*>(sS + BN * LDS);
+  float* sD = sL + 2 * BM;
+  const int b = blockIdx.z, hk = blockIdx.y, n0 = blockIdx.x * BN;
+  const Seq sq(p, b);
+  if (n0 >= sq.lk) return;
+  const int group = p.hq / p.hkv;
+  int i_lo, i_hi;
+  sq.queries_of(n0, min(n0 + BN, sq.lk), p, i_lo, i_hi);
+  const int t_lo = i_lo / BM, n_tiles = i_hi > i_lo ? (i_hi + BM - 1) / BM - t_lo : 0;
+  const int n_it = group * n_tiles;
+  const T* Qb = static_cast<const T*>(p.q) + sq.q_start * p.q_row;
+  const T* Ob = static_cast<const T*>(p.dout) + sq.q_start * p.do_row;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+  const int wk = warp & 3, wh = warp >> 2;  // key group; query half (S, dP) or column half (dK, dV)
+  const int k0 = 32 * wk;                   // the warp's first key in the block
+
+  auto load_step = [&](int it, int st) {
+    const int h = hk * group + it / n_tiles, m0 = (t_lo + it % n_tiles) * BM;
+    load_rows<T, BM, D, NT>(sQ + st * BM * D, Qb + static_cast<int64_t>(h) * D, p.q_row, m0,
+                            sq.lq);
+    load_rows<T, BM, D, NT>(sO + st * BM * D, Ob + static_cast<int64_t>(h) * D, p.do_row, m0,
+                            sq.lq);
+    for (int r = threadIdx.x; r < BM; r += NT)
+      row_stats(p, h, sq.q_start, m0 + r, sq.lq, sL[st * BM + r], sD[st * BM + r]);
+  };
+  load_rows<T, BN, D, NT>(sK, static_cast<const T*>(p.k) + sq.k_start * p.k_row + hk * D,
+                          p.k_row, n0, sq.lk);
+  load_rows<T, BN, D, NT>(sV, static_cast<const T*>(p.v) + sq.k_start * p.v_row + hk * D,
+                          p.v_row, n0, sq.lk);
+  if (n_it > 0) load_step(0, 0);
+  cp_async_commit();
+
+  const Score score(p);
+  float dk[2][DH / 8][4], dv[2][DH / 8][4];
+  zero(dk);
+  zero(dv);
+  for (int it = 0; it < n_it; ++it) {
+    const int st = it & 1;
+    if (it + 1 < n_it) load_step(it + 1, st ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const T* q_s = sQ + st * BM * D;
+    const T* o_s = sO + st * BM * D;
+    const float* l_s = sL + st * BM + 32 * wh;
+    const float* d_s = sD + st * BM + 32 * wh;
+    const int m0 = (t_lo + it % n_tiles) * BM;
+    {
+      // S^T and dP^T: keys k0 + [0, 32) x queries 32 wh + [0, 32) (rows 32 wh of the Q/dO tile;
+      // 32 is a multiple of the swizzle period, so the sub-tile keeps its layout).
+      float s[2][4][4], dp[2][4][4];
+      zero(s);
+      zero(dp);
+      gemm_nt<D, 2, 32>(s, sK, k0, q_s + 32 * wh * D);
+      gemm_nt<D, 2, 32>(dp, sV, k0, o_s + 32 * wh * D);
+      const int qa = m0 + 32 * wh, ka = n0 + k0;  // first query and key of the warp's tile
+      const bool full = sq.all_visible(qa, qa + 32, ka, ka + 32, p);
+      auto grad_tile = [&](auto general) {  // two copies: see the forward's softmax_tile
+        constexpr bool kGeneral = decltype(general)::value;
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int c = ni * 8 + 2 * tq + (e & 1);
+              float pv, ds;
+              if constexpr (kGeneral) {
+                float t = 0.f;
+                const float x = score(s[mt][ni][e], t);
+                pv = sq.visible(qa + c, ka + 16 * mt + g + (e >> 1) * 8, p) ? ex2(x - l_s[c])
+                                                                           : 0.f;
+                ds = pv * (dp[mt][ni][e] - d_s[c]);
+                if (score.capped()) ds *= 1.f - t * t;
+              } else {
+                pv = ex2(s[mt][ni][e] * score.scale_log2() - l_s[c]);
+                ds = pv * (dp[mt][ni][e] - d_s[c]);
+              }
+              s[mt][ni][e] = pv;
+              dp[mt][ni][e] = ds;
+            }
+      };
+      if (full && !score.capped())
+        grad_tile(std::false_type{});
+      else
+        grad_tile(std::true_type{});
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int at = (k0 + 16 * mt + g + 8 * r) * LDS + 32 * wh + ni * 8 + 2 * tq;
+            *reinterpret_cast<uint32_t*>(sP + at) = pack2<T>(s[mt][ni][2 * r], s[mt][ni][2 * r + 1]);
+            *reinterpret_cast<uint32_t*>(sS + at) =
+                pack2<T>(dp[mt][ni][2 * r], dp[mt][ni][2 * r + 1]);
+          }
+    }
+    __syncthreads();
+    // dV += P^T dO and dK += dS^T Q over the BM queries: A fragments from the padded [key][query]
+    // tiles, B fragments from the dO / Q tiles (k index = query row), columns DH wh + [0, DH).
+    auto grad_product = [&](float (&acc)[2][DH / 8][4], const T* a_tile, const T* b_tile) {
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk) {
+        uint32_t a[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+          ldmatrix_x4(a[mt], smem_u32(a_tile + (k0 + 16 * mt + (lane & 15)) * LDS + kk * 16 +
+                                      (lane >> 4) * 8));
+#pragma unroll
+        for (int j = 0; j < DH / 16; ++j) {
+          uint32_t bf[4];
+          ld_b_trans<D>(bf, b_tile, kk * 16, DH * wh + 16 * j);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            mma_16816<T>(acc[mt][2 * j], a[mt], bf[0], bf[1]);
+            mma_16816<T>(acc[mt][2 * j + 1], a[mt], bf[2], bf[3]);
+          }
+        }
+      }
+    };
+    grad_product(dv, sP, o_s);
+    grad_product(dk, sS, q_s);
+    if constexpr (kAtomicDq) {
+      // dQ[queries 32 (w % 2) + [0, 32), columns DQ (w / 2) + [0, DQ)] = dS K over the BN keys;
+      // dS (query x key) from dS^T by ldmatrix.trans.
+      const int wm = warp & 1, wc = warp >> 1;
+      float acc[2][DQ / 8][4];
+      zero(acc);
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[2][4];
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+          ldmatrix_x4_trans(a[mt], smem_u32(sS + (kk * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS +
+                                            32 * wm + 16 * mt + ((lane >> 3) & 1) * 8));
+#pragma unroll
+        for (int j = 0; j < DQ / 16; ++j) {
+          uint32_t bf[4];
+          ld_b_trans<D>(bf, sK, kk * 16, DQ * wc + 16 * j);
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) {
+            mma_16816<T>(acc[mt][2 * j], a[mt], bf[0], bf[1]);
+            mma_16816<T>(acc[mt][2 * j + 1], a[mt], bf[2], bf[3]);
+          }
+        }
+      }
+      const int h = hk * group + it / n_tiles;
+#pragma unroll
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int i = m0 + 32 * wm + 16 * mt + g + 8 * r;
+          if (i >= sq.lq) continue;
+          float* dst = p.dq_acc + (static_cast<int64_t>(sq.q_start + i) * p.hq + h) * D +
+                       DQ * wc + 2 * tq;
+#pragma unroll
+          for (int n8 = 0; n8 < DQ / 8; ++n8)
+            red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
+        }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+  const float scale[2][2] = {{p.scale, p.scale}, {p.scale, p.scale}};
+  const float one[2][2] = {{1.f, 1.f}, {1.f, 1.f}};
+  const int j0 = n0 + k0 + g;  // the lane's first key
+  store_rows<DH, 2>(static_cast<T*>(p.dk) + sq.k_start * p.dk_row + hk * D + DH * wh, p.dk_row,
+                    j0, sq.lk, dk, scale);
+  store_rows<DH, 2>(static_cast<T*>(p.dv) + sq.k_start * p.dv_row + hk * D + DH * wh, p.dv_row,
+                    j0, sq.lk, dv, one);
+#endif
+}
+
 // dQ = scale * the float32 accumulator, one thread per 8 elements of a (row, head).
 template <typename T, int D>
 __global__ void __launch_bounds__(256) dq_convert_kernel(const AttnParams p) {
