@@ -28,15 +28,16 @@ if [ -n "${TRITON_K:-}" ]; then
   tpid=$!
 fi
 python3 -m pytest -q -p no:cacheprovider tests/test_attention.py \
-  -k "cuda-sm80 or test_cuda or auto_dispatch" 2>&1 | tail -5 | tee -a "$LOG"
-FUSEDOPS_ATTN_DQ=atomic python3 -m pytest -q -p no:cacheprovider tests/test_attention.py \
-  -k "test_parity and cuda-sm80" 2>&1 | tail -3 | sed 's/^/[atomic dQ parity] /' | tee -a "$LOG"
+  -k "cuda-sm80 or test_cuda or auto_dispatch or dq_mode" 2>&1 | tail -5 | tee -a "$LOG"
+# The parity suite again with the CUDA backend's non-default dQ mode (the separate pass).
+FUSEDOPS_ATTN_DQ=separate python3 -m pytest -q -p no:cacheprovider tests/test_attention.py \
+  -k "test_parity and cuda-sm80" 2>&1 | tail -3 | sed 's/^/[separate dQ parity] /' | tee -a "$LOG"
 if [ -n "${TRITON_K:-}" ]; then
   wait $tpid; tail -3 "$OUT/triton_tests.log" | sed 's/^/[triton subset] /' | tee -a "$LOG"
 fi
 say bench
 python3 benchmarks/bench_attention.py --out "$OUT" --lengths "${BENCH_LENGTHS:-4096}" \
-  --dims "${BENCH_DIMS:-64,128}" --methods "${BENCH_METHODS:-cuda-sm80,cuda-sm80-atomic-dq,sdpa_flash}" --rep-ms 50 \
+  --dims "${BENCH_DIMS:-64,128}" --methods "${BENCH_METHODS:-cuda-sm80,cuda-sm80-deterministic,sdpa_flash}" --rep-ms 50 \
   2>>"$LOG" | tee -a "$LOG"
 if [ -n "${VARIANT_SED:-}" ] && [ -d /tmp/variant_site/fusedops ]; then
   say "bench variant ($VARIANT_SED)"

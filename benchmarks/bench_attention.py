@@ -24,6 +24,8 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_linear_ce import git_sha  # noqa: E402
 
+from fusedops.attention.ops import dq_mode  # noqa: E402
+
 
 def sdpa(kind):
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -83,8 +85,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="1024,4096,16384")
     ap.add_argument("--dims", default="64,128")
-    ap.add_argument("--methods", default="cuda-sm80,cuda-sm80-atomic-dq,triton,triton-atomic-dq,"
-                                          "torch,sdpa_flash,sdpa_cudnn,sdpa_efficient,flex")
+    ap.add_argument("--methods", default="cuda-sm80,cuda-sm80-deterministic,triton,"
+                                          "triton-atomic-dq,torch,sdpa_flash,sdpa_cudnn,"
+                                          "sdpa_efficient,flex")
     ap.add_argument("--flex-lengths", default="4096", help="FlexAttention compiles per shape")
     ap.add_argument("--torch-max-length", type=int, default=1024)
     ap.add_argument("--rep-ms", type=int, default=100)
@@ -95,7 +98,7 @@ def main():
     stamp = datetime.datetime.now(datetime.timezone.utc)
     path = os.path.join(args.out, f"attention_{stamp:%Y%m%d_%H%M%S}_{run_id}.jsonl")
     makers = {"cuda-sm80": lambda: fused("cuda-sm80"),
-              "cuda-sm80-atomic-dq": lambda: fused("cuda-sm80"),
+              "cuda-sm80-deterministic": lambda: fused("cuda-sm80"),
               "triton": lambda: fused("triton"), "torch": lambda: fused("torch"),
               "triton-atomic-dq": lambda: fused("triton"),
               "sdpa_flash": lambda: sdpa("sdpa_flash"), "sdpa_cudnn": lambda: sdpa("sdpa_cudnn"),
@@ -117,8 +120,13 @@ def main():
                         continue
                     if name == "torch" and length > args.torch_max_length:
                         continue
-                    if name.endswith("-atomic-dq"):  # dQ by fp32 atomics (not the default)
+                    # The backend's other dQ mode (defaults: CUDA atomic, Triton separate).
+                    if name.endswith("-atomic-dq"):
                         os.environ["FUSEDOPS_ATTN_DQ"] = "atomic"
+                    elif name.endswith("-deterministic"):
+                        os.environ["FUSEDOPS_ATTN_DQ"] = "separate"
+                    backend = name.split("-atomic")[0].split("-determ")[0]
+                    dq = dq_mode(backend) if backend in ("cuda-sm80", "triton") else None
                     try:
                         fwd, tot, peak = measure(fn, q, k, v, do, causal, args.rep_ms)
                     except Exception as exc:
@@ -129,7 +137,8 @@ def main():
                         os.environ.pop("FUSEDOPS_ATTN_DQ", None)
                     bwd = tot - fwd
                     row = dict(op="attention", method=name, B=b, H=h, L=length, D=d,
-                               causal=causal, dtype="bfloat16", fwd_ms=round(fwd, 4),
+                               causal=causal, dtype="bfloat16", dq_mode=dq,
+                               fwd_ms=round(fwd, 4),
                                bwd_ms=round(bwd, 4), fwd_tflops=round(flops / fwd / 1e9, 1),
                                bwd_tflops=round(2.5 * flops / bwd / 1e9, 1),
                                peak_mib=round(peak, 1), gpu=gpu, torch=torch.__version__,

@@ -74,37 +74,63 @@ def test_parity(backend, device, dtype, shape, feature):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_EXT)])
 @pytest.mark.parametrize("feature", ["plain", "causal_window", "varlen_everything"])
-def test_default_backward_is_bitwise_repeatable(feature, backend):
+def test_deterministic_backward_is_bitwise_repeatable(feature, backend):
+    """Under torch.use_deterministic_algorithms(True) dQ comes from the separate pass (no
+    atomics) on every backend: correct, and bit-identical run to run."""
     case = A.Case(2, 1025, 1025, 8, 2, 128, torch.bfloat16, "cuda", **FEATURES[feature])
     inp = A.make_inputs(case)
-    A.check(case, backend, _CACHE)
-    runs = [A.run(lambda *a, **k: attention(*a, **k, return_lse=True, backend=backend), inp,
-                  case, case.dtype) for _ in range(2)]
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        A.check(case, backend, _CACHE)
+        runs = [A.run(lambda *a, **k: attention(*a, **k, return_lse=True, backend=backend), inp,
+                      case, case.dtype) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
     for name in ("dq", "dk", "dv"):
         assert torch.equal(runs[0][name], runs[1][name]), name
 
 
-def _atomic_params():
+def _other_dq_mode_params():
+    """Each backend's non-default dQ mode (the parity suite runs the defaults)."""
     out = []
     for feature in ("plain", "causal", "causal_window", "varlen_everything", "softcap"):
-        out.append(pytest.param("triton", torch.bfloat16, (2, 1025, 1025, 8, 2, 128), feature,
-                                id=f"triton-bfloat16-D128-{feature}"))
+        out.append(pytest.param("triton", "atomic", torch.bfloat16, (2, 1025, 1025, 8, 2, 128),
+                                feature, id=f"triton-atomic-bfloat16-D128-{feature}"))
         for dtype in (torch.bfloat16, torch.float16):
             for shape in ((2, 1025, 1025, 8, 2, 128), (2, 97, 211, 4, 2, 64),
                           (2, 211, 97, 4, 1, 64)):
                 out.append(pytest.param(
-                    "cuda-sm80", dtype, shape, feature, marks=NEEDS_EXT,
-                    id=f"cuda-sm80-{str(dtype)[6:]}-{'x'.join(map(str, shape))}-{feature}"))
+                    "cuda-sm80", "separate", dtype, shape, feature, marks=NEEDS_EXT,
+                    id=f"cuda-sm80-separate-{str(dtype)[6:]}-{'x'.join(map(str, shape))}-"
+                       f"{feature}"))
     return out
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend,dtype,shape,feature", _atomic_params())
-def test_atomic_dq_variant(backend, dtype, shape, feature, monkeypatch):
-    """FUSEDOPS_ATTN_DQ=atomic (dQ by float32 atomics, not the default) stays correct."""
-    monkeypatch.setenv("FUSEDOPS_ATTN_DQ", "atomic")
+@pytest.mark.parametrize("backend,mode,dtype,shape,feature", _other_dq_mode_params())
+def test_other_dq_mode(backend, mode, dtype, shape, feature, monkeypatch):
+    """FUSEDOPS_ATTN_DQ selects the backend's other dQ mode, which stays correct."""
+    monkeypatch.setenv("FUSEDOPS_ATTN_DQ", mode)
     case = A.Case(*shape, dtype, "cuda", **FEATURES[feature])
     A.check(case, backend, _CACHE)
+
+
+def test_dq_mode_selection(monkeypatch):
+    from fusedops.attention.ops import dq_mode
+    monkeypatch.delenv("FUSEDOPS_ATTN_DQ", raising=False)
+    assert dq_mode("triton") == "separate" and dq_mode("cuda-sm80") == "atomic"
+    monkeypatch.setenv("FUSEDOPS_ATTN_DQ", "separate")
+    assert dq_mode("cuda-sm80") == "separate"
+    monkeypatch.setenv("FUSEDOPS_ATTN_DQ", "atomic")
+    assert dq_mode("triton") == "atomic"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        assert dq_mode("cuda-sm80") == "separate" and dq_mode("triton") == "separate"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("FUSEDOPS_ATTN_DQ", "fast")
+    with pytest.raises(ValueError, match="FUSEDOPS_ATTN_DQ"):
+        dq_mode("cuda-sm80")
 
 
 def test_reference_matches_materialised_float64():

@@ -575,19 +575,20 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// dK/dV with the work split over 8 warps differently for each product (FlashAttention-2's
-// layout), so that a fragment read from shared memory feeds two MMA rows everywhere. Grid
-// (ceil(max_k / BN), hkv, batch), BN = 128 keys, BM = 64 queries per step, 8 warps:
+// dK/dV and (by float32 atomics) dQ with the work split over 8 warps differently for each
+// product (FlashAttention-2's layout), so that a fragment read from shared memory feeds two MMA
+// rows everywhere. Grid (ceil(max_k / BN), hkv, batch), BN = 128 keys, BM = 64 queries per step:
 //   S^T = K Q^T and dP^T = V dO^T: warp (wk = w % 4, wq = w / 4) computes keys 32 wk + [0, 32) x
 //     queries 32 wq + [0, 32); P^T and dS^T go to shared memory ([key][query], rows padded to
 //     BM + 8 elements: conflict-free for the stores and for ldmatrix);
 //   dV += P^T dO and dK += dS^T Q: warp (wk, wd = w / 4) owns keys 32 wk + [0, 32) x columns
 //     D/2 wd + [0, D/2) of dK and dV, in registers;
-//   kAtomicDq: dQ += dS K, warp (w % 2, w / 2) computes queries 32 (w % 2) + [0, 32) x columns
+//   dQ += dS K: warp (w % 2, w / 2) computes queries 32 (w % 2) + [0, 32) x columns
 //     D/4 (w / 2) + [0, D/4) and adds them to the float32 accumulator.
 // Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); P^T, dS^T (BN x (BM + 8)); lse2,
-// delta in two stages (BM).
-template <typename T, int D, bool kAtomicDq>
+// delta in two stages (BM). Used at D=128 when dQ is by atomics (at D=64, and without atomics,
+// it was slower than dkdv_kernel on the H200: benchmarks/NOTES_attention.md).
+template <typename T, int D>
 __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int BM = 64, BN = 128, NT = 256, LDS = BM + 8, DH = D / 2, DQ = D / 4;
@@ -722,44 +723,42 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
     };
     grad_product(dv, sP, o_s);
     grad_product(dk, sS, q_s);
-    if constexpr (kAtomicDq) {
-      // dQ[queries 32 (w % 2) + [0, 32), columns DQ (w / 2) + [0, DQ)] = dS K over the BN keys;
-      // dS (query x key) from dS^T by ldmatrix.trans.
-      const int wm = warp & 1, wc = warp >> 1;
-      float acc[2][DQ / 8][4];
-      zero(acc);
+    // dQ[queries 32 (w % 2) + [0, 32), columns DQ (w / 2) + [0, DQ)] = dS K over the BN keys;
+    // dS (query x key) from dS^T by ldmatrix.trans.
+    const int wm = warp & 1, wc = warp >> 1;
+    float acc[2][DQ / 8][4];
+    zero(acc);
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        uint32_t a[2][4];
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-          ldmatrix_x4_trans(a[mt], smem_u32(sS + (kk * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS +
-                                            32 * wm + 16 * mt + ((lane >> 3) & 1) * 8));
-#pragma unroll
-        for (int j = 0; j < DQ / 16; ++j) {
-          uint32_t bf[4];
-          ld_b_trans<D>(bf, sK, kk * 16, DQ * wc + 16 * j);
-#pragma unroll
-          for (int mt = 0; mt < 2; ++mt) {
-            mma_16816<T>(acc[mt][2 * j], a[mt], bf[0], bf[1]);
-            mma_16816<T>(acc[mt][2 * j + 1], a[mt], bf[2], bf[3]);
-          }
-        }
-      }
-      const int h = hk * group + it / n_tiles;
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      uint32_t a[2][4];
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
+        ldmatrix_x4_trans(a[mt], smem_u32(sS + (kk * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS +
+                                          32 * wm + 16 * mt + ((lane >> 3) & 1) * 8));
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int i = m0 + 32 * wm + 16 * mt + g + 8 * r;
-          if (i >= sq.lq) continue;
-          float* dst = p.dq_acc + (static_cast<int64_t>(sq.q_start + i) * p.hq + h) * D +
-                       DQ * wc + 2 * tq;
+      for (int j = 0; j < DQ / 16; ++j) {
+        uint32_t bf[4];
+        ld_b_trans<D>(bf, sK, kk * 16, DQ * wc + 16 * j);
 #pragma unroll
-          for (int n8 = 0; n8 < DQ / 8; ++n8)
-            red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
+        for (int mt = 0; mt < 2; ++mt) {
+          mma_16816<T>(acc[mt][2 * j], a[mt], bf[0], bf[1]);
+          mma_16816<T>(acc[mt][2 * j + 1], a[mt], bf[2], bf[3]);
         }
+      }
     }
+    const int h = hk * group + it / n_tiles;
+#pragma unroll
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = m0 + 32 * wm + 16 * mt + g + 8 * r;
+        if (i >= sq.lq) continue;
+        float* dst = p.dq_acc + (static_cast<int64_t>(sq.q_start + i) * p.hq + h) * D +
+                     DQ * wc + 2 * tq;
+#pragma unroll
+        for (int n8 = 0; n8 < DQ / 8; ++n8)
+          red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
+      }
     __syncthreads();
   }
   cp_async_wait<0>();

@@ -14,7 +14,8 @@ template <int D>
 struct Tiles {
   static constexpr int kFwdMT = 2, kFwdN = D == 128 ? 48 : 64, kFwdWarps = 4;
   static constexpr int kDkdvM = D == 128 ? 48 : 96, kDkdvWarps = 4;
-  static constexpr bool kDkdvSplit = true;  // dkdv_split_kernel (128 keys, 8 warps) instead
+  // dQ by atomics: dkdv_split_kernel (128 keys, 8 warps) at D=128, dkdv_kernel at D=64.
+  static constexpr bool kSplitAtomic = D == 128;
   static constexpr int kDqMT = D == 128 ? 1 : 2, kDqN = 64, kDqWarps = 4;
 };
 
@@ -46,31 +47,20 @@ cudaError_t run_bwd(const AttnParams& p) {
   cudaError_t err = launch(delta_kernel<T, D>, dim3(static_cast<unsigned>((rows + 255) / 256)),
                            256, 0, p);
   if (err != cudaSuccess) return err;
-  if constexpr (C::kDkdvSplit) {
-    constexpr int BMk = 64, BNk = 128;
-    const size_t smem = (2 * BNk + 4 * BMk) * D * sizeof(T) + 2 * BNk * (BMk + 8) * sizeof(T) +
-                        4 * BMk * sizeof(float);
-    const dim3 grid((p.max_k + BNk - 1) / BNk, p.hkv, p.batch);
-    if (p.dq_acc != nullptr) {
-      err = launch(dkdv_split_kernel<T, D, true>, grid, 256, smem, p);
-      if (err != cudaSuccess) return err;
-      const int64_t n = static_cast<int64_t>(p.total_q) * p.hq * (D / 8);
-      return launch(dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((n + 255) / 256)), 256,
-                    0, p);
-    }
-    err = launch(dkdv_split_kernel<T, D, false>, grid, 256, smem, p);
-    if (err != cudaSuccess) return err;
-    constexpr int BM = 16 * C::kDqMT * C::kDqWarps, BN = C::kDqN;
-    return launch(dq_kernel<T, D, C::kDqMT, BN, C::kDqWarps>,
-                  dim3((p.max_q + BM - 1) / BM, p.hq, p.batch), C::kDqWarps * 32,
-                  (2 * BM + 4 * BN) * D * sizeof(T), p);
-  }
   constexpr int BMk = C::kDkdvM, BNk = 16 * C::kDkdvWarps;
   const size_t smem_kv = (2 * BNk + 4 * BMk) * D * sizeof(T) + 4 * BMk * sizeof(float);
   if (p.dq_acc != nullptr) {  // dQ by float32 atomics from the dK/dV kernel, then scaled
-    err = launch(dkdv_kernel<T, D, BMk, BNk, C::kDkdvWarps, true>,
-                 dim3((p.max_k + BNk - 1) / BNk, p.hkv, p.batch), C::kDkdvWarps * 32,
-                 smem_kv + BNk * (BMk + 8) * sizeof(T), p);
+    if constexpr (C::kSplitAtomic) {
+      constexpr int BM = 64, BN = 128;
+      const size_t smem = (2 * BN + 4 * BM) * D * sizeof(T) + 2 * BN * (BM + 8) * sizeof(T) +
+                          4 * BM * sizeof(float);
+      err = launch(dkdv_split_kernel<T, D>, dim3((p.max_k + BN - 1) / BN, p.hkv, p.batch), 256,
+                   smem, p);
+    } else {
+      err = launch(dkdv_kernel<T, D, BMk, BNk, C::kDkdvWarps, true>,
+                   dim3((p.max_k + BNk - 1) / BNk, p.hkv, p.batch), C::kDkdvWarps * 32,
+                   smem_kv + BNk * (BMk + 8) * sizeof(T), p);
+    }
     if (err != cudaSuccess) return err;
     const int64_t n = static_cast<int64_t>(p.total_q) * p.hq * (D / 8);
     return launch(dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((n + 255) / 256)), 256, 0,

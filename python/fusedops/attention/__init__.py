@@ -84,8 +84,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     window_size=(left, right) limits query i to keys in [i + Sk - Sq - left, i + Sk - Sq + right]
     (-1 = unlimited); softcap applies softcap * tanh(s / softcap) to the scaled scores;
     softmax_scale defaults to 1 / sqrt(D). A query that sees no key returns zeros and lse -inf,
-    with zero gradients. lse is not differentiable. The backward is deterministic (no atomics:
-    dQ has its own kernel); FUSEDOPS_ATTN_DQ=atomic switches to fp32 atomics (Triton and CUDA).
+    with zero gradients. lse is not differentiable. dQ: the CUDA backend adds it with fp32
+    atomics by default (faster; not bit-reproducible), the Triton backend runs a separate kernel
+    (bit-identical run to run). FUSEDOPS_ATTN_DQ=separate or =atomic chooses for both, and
+    torch.use_deterministic_algorithms(True) always gives the separate pass.
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     _check(q, k, v, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size,

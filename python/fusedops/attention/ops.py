@@ -102,14 +102,29 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
+# How dQ is computed when FUSEDOPS_ATTN_DQ does not say: the faster mode of each backend on the
+# H200 (benchmarks/NOTES_attention.md). Triton: a separate no-atomics kernel (about twice as fast
+# as its fp32 atomics). CUDA: fp32 atomics from the dK/dV kernel (up to 1.2x faster at D=128,
+# equal at D=64), as FlashAttention does.
+_DEFAULT_DQ = {"triton": "separate", "torch": "separate", "cuda-sm80": "atomic",
+               "cuda-sm90": "atomic"}
+
+
+def dq_mode(backend):
+    """How the backward computes dQ: "separate" (its own pass, no atomics, bit-reproducible) or
+    "atomic" (fp32 atomics from the dK/dV kernel). Always "separate" under
+    torch.use_deterministic_algorithms(True); else FUSEDOPS_ATTN_DQ, else the backend's default."""
+    if torch.are_deterministic_algorithms_enabled():
+        return "separate"
+    mode = os.environ.get("FUSEDOPS_ATTN_DQ") or _DEFAULT_DQ.get(backend, "separate")
+    if mode not in ("separate", "atomic"):
+        raise ValueError(f"FUSEDOPS_ATTN_DQ must be 'separate' or 'atomic', got {mode!r}")
+    return mode
+
+
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    # The separate no-atomics dQ kernel is the default: deterministic and, on the H200, about
-    # twice as fast as fp32 atomics in Triton and as fast in CUDA (benchmarks/NOTES_attention.md).
-    # FUSEDOPS_ATTN_DQ=atomic selects the atomic variant, unless deterministic algorithms are
-    # enforced.
-    deterministic = (torch.are_deterministic_algorithms_enabled()
-                     or os.environ.get("FUSEDOPS_ATTN_DQ", "separate") != "atomic")
+    deterministic = dq_mode(ctx.backend) == "separate"
     dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args, deterministic,
                                ctx.backend)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
