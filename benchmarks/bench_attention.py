@@ -120,13 +120,13 @@ def main():
                         continue
                     if name == "torch" and length > args.torch_max_length:
                         continue
-                    # The backend's other dQ mode (defaults: CUDA atomic, Triton separate).
+                    # Force a dQ mode (defaults: ops.dq_mode).
                     if name.endswith("-atomic-dq"):
                         os.environ["FUSEDOPS_ATTN_DQ"] = "atomic"
                     elif name.endswith("-deterministic"):
                         os.environ["FUSEDOPS_ATTN_DQ"] = "separate"
                     backend = name.split("-atomic")[0].split("-determ")[0]
-                    dq = dq_mode(backend) if backend in ("cuda-sm80", "triton") else None
+                    dq = dq_mode(backend, d) if backend in ("cuda-sm80", "triton") else None
                     try:
                         fwd, tot, peak = measure(fn, q, k, v, do, causal, args.rep_ms)
                     except Exception as exc:

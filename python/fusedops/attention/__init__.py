@@ -84,9 +84,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     window_size=(left, right) limits query i to keys in [i + Sk - Sq - left, i + Sk - Sq + right]
     (-1 = unlimited); softcap applies softcap * tanh(s / softcap) to the scaled scores;
     softmax_scale defaults to 1 / sqrt(D). A query that sees no key returns zeros and lse -inf,
-    with zero gradients. lse is not differentiable. dQ: the CUDA backend adds it with fp32
-    atomics by default (faster; not bit-reproducible), the Triton backend runs a separate kernel
-    (bit-identical run to run). FUSEDOPS_ATTN_DQ=separate or =atomic chooses for both, and
+    with zero gradients. lse is not differentiable. dQ: by default the faster mode of each
+    backend, fp32 atomics (not bit-reproducible) for CUDA at head dim 128, a separate pass
+    (bit-identical run to run) otherwise. FUSEDOPS_ATTN_DQ=separate or =atomic chooses, and
     torch.use_deterministic_algorithms(True) always gives the separate pass.
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None

@@ -102,21 +102,23 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-# How dQ is computed when FUSEDOPS_ATTN_DQ does not say: the faster mode of each backend on the
-# H200 (benchmarks/NOTES_attention.md). Triton: a separate no-atomics kernel (about twice as fast
-# as its fp32 atomics). CUDA: fp32 atomics from the dK/dV kernel (up to 1.2x faster at D=128,
-# equal at D=64), as FlashAttention does.
-_DEFAULT_DQ = {"triton": "separate", "torch": "separate", "cuda-sm80": "atomic",
-               "cuda-sm90": "atomic"}
+def _default_dq(backend, head_dim):
+    """The faster dQ mode on the H200 (benchmarks/NOTES_attention.md, run a0ceed58): Triton's
+    separate pass is about twice as fast as its fp32 atomics; in CUDA, atomics from the 8-warp
+    dK/dV kernel are 1.15-1.2x faster at D=128, and the separate pass 1.04-1.06x faster at D=64."""
+    if backend in ("cuda-sm80", "cuda-sm90") and head_dim == 128:
+        return "atomic"
+    return "separate"
 
 
-def dq_mode(backend):
+def dq_mode(backend, head_dim):
     """How the backward computes dQ: "separate" (its own pass, no atomics, bit-reproducible) or
     "atomic" (fp32 atomics from the dK/dV kernel). Always "separate" under
-    torch.use_deterministic_algorithms(True); else FUSEDOPS_ATTN_DQ, else the backend's default."""
+    torch.use_deterministic_algorithms(True); else FUSEDOPS_ATTN_DQ, else the faster one for the
+    backend and head dim."""
     if torch.are_deterministic_algorithms_enabled():
         return "separate"
-    mode = os.environ.get("FUSEDOPS_ATTN_DQ") or _DEFAULT_DQ.get(backend, "separate")
+    mode = os.environ.get("FUSEDOPS_ATTN_DQ") or _default_dq(backend, head_dim)
     if mode not in ("separate", "atomic"):
         raise ValueError(f"FUSEDOPS_ATTN_DQ must be 'separate' or 'atomic', got {mode!r}")
     return mode
@@ -124,7 +126,7 @@ def dq_mode(backend):
 
 def _backward(ctx, dout, _dlse):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
-    deterministic = dq_mode(ctx.backend) == "separate"
+    deterministic = dq_mode(ctx.backend, q.shape[-1]) == "separate"
     dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args, deterministic,
                                ctx.backend)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
