@@ -1,6 +1,10 @@
 """Per-kernel GPU time of one attention forward + backward (torch.profiler), bf16.
 
     python benchmarks/profile_attention.py --backend cuda-sm80 --dims 64,128 --length 4096
+
+With --ncu, one step (after warm-up) runs between cudaProfilerStart/Stop and nothing is timed
+here: run it under `ncu --profile-from-start off` (benchmarks/ncu_attention.sh). The backend
+sdpa_flash is PyTorch's SDPA with the flash kernel (FlashAttention-2), for comparison.
 """
 
 from __future__ import annotations
@@ -13,12 +17,23 @@ from torch.profiler import ProfilerActivity, profile
 from fusedops.attention import attention
 
 
+def run_attention(q, k, v, causal, backend):
+    if backend != "sdpa_flash":
+        return attention(q, k, v, causal=causal, backend=backend)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+    return out.transpose(1, 2)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--backend", default="cuda-sm80")
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--length", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--ncu", action="store_true", help="mark one step for ncu; no timing")
     args = ap.parse_args()
     for d in map(int, args.dims.split(",")):
         b, h, n = 16384 // args.length, 2048 // d, args.length
@@ -28,11 +43,17 @@ def main():
             t.requires_grad_()
 
         def step(q=q, k=k, v=v, do=do):
-            attention(q, k, v, causal=args.causal, backend=args.backend).backward(do)
+            run_attention(q, k, v, args.causal, args.backend).backward(do)
 
         for _ in range(3):
             step()
         torch.cuda.synchronize()
+        if args.ncu:
+            torch.cuda.cudart().cudaProfilerStart()
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+            continue
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 step()
