@@ -34,13 +34,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 // Forward: how far (log2 units) a tile maximum may exceed the running one before rescaling.
 constexpr float kSlack = 8.f;
 
-// Pipelined loops: with FUSEDOPS_ATTN_EARLY_WAIT a step starts by waiting for its own tiles and
-// one barrier, then issues the next step's loads into the other stage (every warp has passed
-// the barrier, so the previous step's reads of that stage are done): one barrier fewer per step
-// than issuing first, waiting for all but the newest group, and a closing barrier.
-#ifndef FUSEDOPS_ATTN_EARLY_WAIT
-#define FUSEDOPS_ATTN_EARLY_WAIT 1
-#endif
+// Pipelined loops: a step starts by waiting for its own tiles and one barrier, then issues the
+// next step's loads into the other stage (every warp has passed the barrier, so the previous
+// step's reads of that stage are done). Against issuing first, waiting for all but the newest
+// group and closing with a barrier, this is one barrier fewer per step (benchmarks/NOTES v6).
 
 template <int D>
 __device__ __forceinline__ int swz(int row, int chunk) {
@@ -277,19 +274,13 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
     for (int r = 0; r < 2; ++r) m_run[mt][r] = -INFINITY, l_run[mt][r] = 0.f, alpha_run[mt][r] = 1.f;
   for (int t = t_lo; t < t_hi; ++t) {
     const int st = (t - t_lo) & 1;
-#if FUSEDOPS_ATTN_EARLY_WAIT
     cp_async_wait<0>();
     __syncthreads();
-#endif
     if (t + 1 < t_hi) {
       load_rows<T, BN, D, NT>(sK + (st ^ 1) * BN * D, K, p.k_row, (t + 1) * BN, sq.lk);
       load_rows<T, BN, D, NT>(sV + (st ^ 1) * BN * D, V, p.v_row, (t + 1) * BN, sq.lk);
     }
     cp_async_commit();
-#if !FUSEDOPS_ATTN_EARLY_WAIT
-    cp_async_wait<1>();
-    __syncthreads();
-#endif
     float s[MT][BN / 8][4];
     zero(s);
     gemm_nt<D, MT, BN>(s, sQ, row0, sK + st * BN * D);
@@ -363,9 +354,6 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
         }
     }
     gemm_pv<D, MT, BN>(o, s, sV + st * BN * D);
-#if !FUSEDOPS_ATTN_EARLY_WAIT
-    __syncthreads();
-#endif
   }
   cp_async_wait<0>();
 
@@ -489,16 +477,10 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
   zero(dv);
   for (int it = 0; it < n_it; ++it) {
     const int st = it & 1;
-#if FUSEDOPS_ATTN_EARLY_WAIT
     cp_async_wait<0>();
     __syncthreads();
-#endif
     if (it + 1 < n_it) load_step(it + 1, st ^ 1);
     cp_async_commit();
-#if !FUSEDOPS_ATTN_EARLY_WAIT
-    cp_async_wait<1>();
-    __syncthreads();
-#endif
     const T* q_s = sQ + st * BM * D;
     const T* o_s = sO + st * BM * D;
     const float* l_s = sL + st * BM;
@@ -585,9 +567,6 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
             red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
         }
     }
-#if !FUSEDOPS_ATTN_EARLY_WAIT
-    __syncthreads();
-#endif
   }
   cp_async_wait<0>();
   const float scale[1][2] = {{p.scale, p.scale}}, one[1][2] = {{1.f, 1.f}};
@@ -662,16 +641,10 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
   zero(dv);
   for (int it = 0; it < n_it; ++it) {
     const int st = it & 1;
-#if FUSEDOPS_ATTN_EARLY_WAIT
     cp_async_wait<0>();
     __syncthreads();
-#endif
     if (it + 1 < n_it) load_step(it + 1, st ^ 1);
     cp_async_commit();
-#if !FUSEDOPS_ATTN_EARLY_WAIT
-    cp_async_wait<1>();
-    __syncthreads();
-#endif
     const T* q_s = sQ + st * BM * D;
     const T* o_s = sO + st * BM * D;
     const float* l_s = sL + st * BM + 32 * wh;
@@ -789,9 +762,6 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
         for (int n8 = 0; n8 < DQ / 8; ++n8)
           red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
       }
-#if !FUSEDOPS_ATTN_EARLY_WAIT
-    __syncthreads();
-#endif
   }
   cp_async_wait<0>();
   const float scale[2][2] = {{p.scale, p.scale}, {p.scale, p.scale}};
@@ -868,19 +838,13 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
   zero(dq);
   for (int t = t_lo; t < t_hi; ++t) {
     const int st = (t - t_lo) & 1;
-#if FUSEDOPS_ATTN_EARLY_WAIT
     cp_async_wait<0>();
     __syncthreads();
-#endif
     if (t + 1 < t_hi) {
       load_rows<T, BN, D, NT>(sK + (st ^ 1) * BN * D, K, p.k_row, (t + 1) * BN, sq.lk);
       load_rows<T, BN, D, NT>(sV + (st ^ 1) * BN * D, V, p.v_row, (t + 1) * BN, sq.lk);
     }
     cp_async_commit();
-#if !FUSEDOPS_ATTN_EARLY_WAIT
-    cp_async_wait<1>();
-    __syncthreads();
-#endif
     const T* k_s = sK + st * BN * D;
     float s[MT][BN / 8][4], dp[MT][BN / 8][4];
     zero(s);
@@ -919,9 +883,6 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
     else
       grad_tile(std::true_type{});
     gemm_pv<D, MT, BN>(dq, dp, k_s);  // dQ += dS K
-#if !FUSEDOPS_ATTN_EARLY_WAIT
-    __syncthreads();
-#endif
   }
   cp_async_wait<0>();
   float scale[MT][2];
