@@ -5,7 +5,8 @@
 # Env: FUSEDOPS_GIT (sha for the bench rows), TRITON_K (pytest -k for a Triton subset, run in
 # the background while the CUDA tests run), VARIANT_SED (a sed script applied to a copy of the
 # tree, built alongside into /tmp/variant_site and benched as cuda-sm80 too,
-# its rows kept in the log only), VARIANT_DIMS, VARIANT_METHODS, BENCH_METHODS, BENCH_DIMS, BENCH_LENGTHS, EXTRA (a command run at the end).
+# its rows kept in the log only), VARIANT_DIMS, VARIANT_METHODS, VARIANT_ENV (e.g.
+# FUSEDOPS_ATTN_DQ=atomic, for the variant's bench), BENCH_METHODS, BENCH_DIMS, BENCH_LENGTHS, EXTRA (a command run at the end).
 set -uo pipefail
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEDOPS_CUDA_ARCHS=${FUSEDOPS_CUDA_ARCHS:-8.0;9.0a}
@@ -41,7 +42,7 @@ python3 benchmarks/bench_attention.py --out "$OUT" --lengths "${BENCH_LENGTHS:-4
   2>>"$LOG" | tee -a "$LOG"
 if [ -n "${VARIANT_SED:-}" ] && [ -d /tmp/variant_site/fusedops ]; then
   say "bench variant ($VARIANT_SED)"
-  PYTHONPATH=/tmp/variant_site python3 benchmarks/bench_attention.py --out /tmp/variant_res \
+  env ${VARIANT_ENV:-} PYTHONPATH=/tmp/variant_site python3 benchmarks/bench_attention.py --out /tmp/variant_res \
     --lengths "${BENCH_LENGTHS:-4096}" --dims "${VARIANT_DIMS:-64,128}" \
     --methods "${VARIANT_METHODS:-cuda-sm80}" --rep-ms 50 2>>"$LOG" | tee -a "$LOG"
 fi

@@ -3,12 +3,13 @@
 # CUDA backend and for SDPA flash (FlashAttention-2), per head dim: throughput, warp stall
 # reasons, instruction mix, shared-memory bank conflicts, all in $OUT/ncu_attention.txt. Run on
 # the GPU machine after the extension is installed.
-# Env: OUT (report folder), NCU_DIMS (default 64,128), NCU_CAUSAL=1.
+# Env: OUT (report folder), NCU_DIMS (default 64,128), NCU_BACKENDS (default
+# cuda-sm80,sdpa_flash), NCU_CAUSAL=1.
 set -uo pipefail
 OUT=${OUT:-/tmp/ncu_out}; mkdir -p "$OUT"
 causal=${NCU_CAUSAL:+--causal}
 for d in $(echo "${NCU_DIMS:-64,128}" | tr , " "); do
-  for backend in cuda-sm80 sdpa_flash; do
+  for backend in $(echo "${NCU_BACKENDS:-cuda-sm80,sdpa_flash}" | tr , " "); do
     ncu --clock-control none --profile-from-start off \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
       --section InstructionStats --section Occupancy --section LaunchStats \

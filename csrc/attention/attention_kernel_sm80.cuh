@@ -45,7 +45,8 @@ __device__ __forceinline__ int swz(int row, int chunk) {
 }
 
 // R rows [row0, row0 + R) of a global matrix (row stride `stride`) into a swizzled tile; rows at
-// or past n_rows are zero-filled without being read.
+// or past n_rows are zero-filled without being read. A tile with every row in range (the common
+// case, warp-uniform) takes a copy with no predicates.
 template <typename T, int R, int D, int NT>
 __device__ __forceinline__ void load_rows(T* tile, const T* base, int64_t stride, int row0,
                                           int n_rows) {
@@ -57,6 +58,14 @@ __device__ __forceinline__ void load_rows(T* tile, const T* base, int64_t stride
   const T* src = base + static_cast<int64_t>(row0 + r) * stride + c * 8;
   const int64_t step = RS * stride;
   const uint32_t dst = smem_u32(tile + swz<D>(r, c));
+  if (row0 + R <= n_rows) {
+#pragma unroll
+    for (int j = 0; j < R * C / NT; ++j) {
+      cp_async_16(dst + j * RS * D * sizeof(T), src, true);
+      src += step;
+    }
+    return;
+  }
 #pragma unroll
   for (int j = 0; j < R * C / NT; ++j) {
     const bool valid = row0 + r + j * RS < n_rows;
@@ -65,26 +74,72 @@ __device__ __forceinline__ void load_rows(T* tile, const T* base, int64_t stride
   }
 }
 
-// A fragment: rows [row0, row0 + 16) x columns [16 ks, 16 ks + 16) of a tile.
-template <int D, typename T>
-__device__ __forceinline__ void ld_a(uint32_t (&a)[4], const T* tile, int row0, int ks) {
+// ldmatrix addresses into a swizzled tile of D 2-byte columns. A 16 x 16 block at rows
+// [row0, row0 + 16) and 16-byte chunks {2 kb, 2 kb + 1} is read by each lane from row row0 + lr,
+// chunk 2 kb + hi (lr, hi fixed per lane), at byte offset 2D (row0 + lr) + 16 ((2 kb + hi) ^
+// (lr & 7)) (row0 % 8 == 0). Since 2 (kb & 3) and hi are disjoint bits and 2D lr is a multiple
+// of 128, that is 2D row0 + 128 (kb >> 2) + [(2D lr + 16 (hi ^ (lr & 7))) ^ 32 (kb & 3)].
+// x[j] holds the bracket plus the shared-memory base for kb & 3 == j (kb counted from kb0, a
+// per-warp column block), so with kb known at compile time each ldmatrix takes one register and
+// a constant offset instead of recomputing the swizzle.
+template <int D>
+struct Lane {
+  uint32_t x[4];
+  __device__ __forceinline__ Lane(uint32_t base, int lr, int hi, int kb0 = 0) {
+    const uint32_t o = 2 * D * lr + 16 * (hi ^ (lr & 7));
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      x[j] = base + 128 * ((kb0 + j) >> 2) + (o ^ (32 * ((kb0 + j) & 3)));
+  }
+  // The block at rows [row0, row0 + 16), chunks 2 (kb0 + kb) + {0, 1} of the tile that starts
+  // `tile` bytes after the base.
+  __device__ __forceinline__ uint32_t at(int tile, int row0, int kb) const {
+    return x[kb & 3] + tile + 2 * D * row0 + 128 * (kb >> 2);
+  }
+};
+// The same addresses from one register: the bracket's XOR is done at each ldmatrix (one more
+// instruction per load, three registers fewer; for kernels at the register limit).
+template <int D>
+struct LaneXor {
+  uint32_t base, o;
+  __device__ __forceinline__ LaneXor(uint32_t smem_base, int lr, int hi)
+      : base(smem_base), o(2 * D * lr + 16 * (hi ^ (lr & 7))) {}
+  __device__ __forceinline__ uint32_t at(int tile, int row0, int kb) const {
+    return base + tile + 2 * D * row0 + 128 * (kb >> 2) + (o ^ (32 * (kb & 3)));
+  }
+};
+// The three lane patterns. A fragment: rows row0 + (lane & 15), chunk 2 kb + (lane >> 4). B
+// fragments of two n8 tiles whose n index is the tile row: b[0], b[1] rows n0 + [0, 8), b[2],
+// b[3] rows n0 + [8, 16). B fragments with the k index as the tile row (ldmatrix.trans): rows
+// k0 + [0, 16), columns 16 kb + [0, 16).
+template <typename L>
+__device__ __forceinline__ L lane_a(uint32_t base) {
   const int lane = threadIdx.x & 31;
-  ldmatrix_x4(a, smem_u32(tile + swz<D>(row0 + (lane & 15), ks * 2 + (lane >> 4))));
+  return L(base, lane & 15, lane >> 4);
 }
-// B fragments of two n8 tiles whose n index is the tile row: rows [n0, n0 + 16), columns (the k
-// index) [16 ks, 16 ks + 16). b[0], b[1]: rows n0..n0+7; b[2], b[3]: rows n0+8..n0+15.
-template <int D, typename T>
-__device__ __forceinline__ void ld_b(uint32_t (&b)[4], const T* tile, int n0, int ks) {
-  const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
-  ldmatrix_x4(b, smem_u32(tile + swz<D>(n0 + (i >> 1) * 8 + r, ks * 2 + (i & 1))));
+template <typename L>
+__device__ __forceinline__ L lane_b(uint32_t base) {
+  const int lane = threadIdx.x & 31, i = lane >> 3;
+  return L(base, (i >> 1) * 8 + (lane & 7), i & 1);
 }
-// B fragments of two n8 tiles whose k index is the tile row: rows [k0, k0 + 16), columns (the n
-// index) [c0, c0 + 16).
-template <int D, typename T>
-__device__ __forceinline__ void ld_b_trans(uint32_t (&b)[4], const T* tile, int k0, int c0) {
-  const int lane = threadIdx.x & 31, i = lane >> 3, r = lane & 7;
-  ldmatrix_x4_trans(b, smem_u32(tile + swz<D>(k0 + (i & 1) * 8 + r, (c0 >> 3) + (i >> 1))));
+template <int D>
+__device__ __forceinline__ Lane<D> lane_bt(uint32_t base, int kb0) {
+  const int lane = threadIdx.x & 31, i = lane >> 3;
+  return Lane<D>(base, (i & 1) * 8 + (lane & 7), i >> 1, kb0);
 }
+template <typename L>
+__device__ __forceinline__ L lane_bt(uint32_t base) {
+  const int lane = threadIdx.x & 31, i = lane >> 3;
+  return L(base, (i & 1) * 8 + (lane & 7), i >> 1);
+}
+// The three lane patterns of one kernel's D-column tiles (the ldmatrix.trans one from column
+// block 0), as Lane<D> or LaneXor<D>.
+template <typename L>
+struct Lanes {
+  L a, b, bt;
+  __device__ __forceinline__ explicit Lanes(uint32_t base)
+      : a(lane_a<L>(base)), b(lane_b<L>(base)), bt(lane_bt<L>(base)) {}
+};
 // Two accumulator tiles (16 x 8 each, adjacent along n) as one 16 x 16 A fragment.
 template <typename T>
 __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c0)[4],
@@ -94,20 +149,22 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c0)[4],
   a[2] = pack2<T>(c1[0], c1[1]);
   a[3] = pack2<T>(c1[2], c1[3]);
 }
-// acc[mt] (16 x NB each) += A[mt] B^T over k = 0..D: A rows a_row0 + 16 mt + [0, 16) of a_tile,
-// B the NB rows of b_tile (its row is the n index). Each B fragment feeds MT row tiles.
-template <int D, int MT, int NB, typename T>
-__device__ __forceinline__ void gemm_nt(float (&acc)[MT][NB / 8][4], const T* a_tile, int a_row0,
-                                        const T* b_tile) {
+// acc[mt] (16 x NB each) += A[mt] B^T over k = 0..D: A rows a_row0 + 16 mt + [0, 16) of the
+// tile at byte offset a_tile, B the NB rows of the tile at b_tile (its row is the n index). Each
+// B fragment feeds MT row tiles.
+template <typename T, int D, int MT, int NB, typename L>
+__device__ __forceinline__ void gemm_nt(float (&acc)[MT][NB / 8][4], const Lanes<L>& ln,
+                                        int a_tile, int a_row0, int b_tile) {
+  static_assert(sizeof(T) == 2, "the lane addresses assume 2-byte elements");
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     uint32_t a[MT][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) ld_a<D>(a[mt], a_tile, a_row0 + 16 * mt, ks);
+    for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], ln.a.at(a_tile, a_row0 + 16 * mt, ks));
 #pragma unroll
     for (int pp = 0; pp < NB / 16; ++pp) {
       uint32_t b[4];
-      ld_b<D>(b, b_tile, pp * 16, ks);
+      ldmatrix_x4(b, ln.b.at(b_tile, pp * 16, ks));
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         mma_16816<T>(acc[mt][2 * pp], a[mt], b[0], b[1]);
@@ -116,10 +173,12 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[MT][NB / 8][4], const T* a_
     }
   }
 }
-// acc[mt] (16 x D) += P[mt] (16 x KB, accumulator layout) x tile (KB rows x D columns).
-template <int D, int MT, int KB, typename T>
+// acc[mt] (16 x D) += P[mt] (16 x KB, accumulator layout) x rows [0, KB) of the tile at byte
+// offset `tile`, read through `bt` (an ldmatrix.trans lane pattern).
+template <typename T, int D, int MT, int KB, typename L>
 __device__ __forceinline__ void gemm_pv(float (&acc)[MT][D / 8][4],
-                                        const float (&pm)[MT][KB / 8][4], const T* tile) {
+                                        const float (&pm)[MT][KB / 8][4], const L& bt, int tile) {
+  static_assert(sizeof(T) == 2, "the lane addresses assume 2-byte elements");
 #pragma unroll
   for (int kk = 0; kk < KB / 16; ++kk) {
     uint32_t a[MT][4];
@@ -128,7 +187,7 @@ __device__ __forceinline__ void gemm_pv(float (&acc)[MT][D / 8][4],
 #pragma unroll
     for (int dd = 0; dd < D / 16; ++dd) {
       uint32_t b[4];
-      ld_b_trans<D>(b, tile, kk * 16, dd * 16);
+      ldmatrix_x4_trans(b, bt.at(tile, kk * 16, dd));
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         mma_16816<T>(acc[mt][2 * dd], a[mt], b[0], b[1]);
@@ -256,6 +315,11 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int row0 = warp * 16 * MT;  // the warp's first row in the block
   const int i0 = m0 + row0 + g;     // the lane's first query (row tile mt adds 16 mt, r adds 8)
+  // Tiles as byte offsets from the start of shared memory, for the ldmatrix lanes.
+  constexpr int oK = BM * D * 2, oV = oK + 2 * BN * D * 2;
+  // At D=128 the kernel is at the register limit: the one-register lanes keep it from spilling
+  // inside the loop (-Xptxas -v).
+  const Lanes<std::conditional_t<(D > 64), LaneXor<D>, Lane<D>>> ln(smem_u32(smem_raw));
 
   load_rows<T, BM, D, NT>(sQ, Q, p.q_row, m0, sq.lq);
   if (t_lo < t_hi) {
@@ -283,7 +347,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
     cp_async_commit();
     float s[MT][BN / 8][4];
     zero(s);
-    gemm_nt<D, MT, BN>(s, sQ, row0, sK + st * BN * D);
+    gemm_nt<T, D, MT, BN>(s, ln, 0, row0, oK + st * BN * D * 2);
 
     const int n0 = t * BN;
     const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16 * MT, n0, n0 + BN, p);
@@ -353,7 +417,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
           alpha_run[mt][r] = 1.f;
         }
     }
-    gemm_pv<D, MT, BN>(o, s, sV + st * BN * D);
+    gemm_pv<T, D, MT, BN>(o, s, ln.bt, oV + st * BN * D * 2);
   }
   cp_async_wait<0>();
 
@@ -433,6 +497,7 @@ template <typename T, int D, int BM, int BN, int NW, bool kAtomicDq>
 __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(BN == 16 * NW && BM % 16 == 0 && D % 64 == 0 && (D / NW) % 16 == 0);
+  static_assert(BM <= NW * 32);  // one row statistic per thread
   constexpr int NT = NW * 32, LDS = BM + 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
@@ -454,21 +519,34 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
   const T* Ob = static_cast<const T*>(p.dout) + sq.q_start * p.do_row;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int row0 = warp * 16, j0 = n0 + row0 + g;
+  // Byte offsets of the tiles; the ldmatrix lanes (for dQ by atomics, from the warp's D / NW
+  // column slice of K).
+  constexpr int oV = BN * D * 2, oQ = 2 * BN * D * 2, oO = oQ + 2 * BM * D * 2;
+  const uint32_t sbase = smem_u32(smem_raw);
+  const Lanes<Lane<D>> ln(sbase);
+  const Lane<D> ln_dq = lane_bt<D>(sbase, warp * (D / NW) / 16);
 
-  auto load_step = [&](int it, int st) {
-    const int h = hk * group + it / n_tiles, m0 = (t_lo + it % n_tiles) * BM;
+  // Step `it` works on query head h and block [m, m + BM): it = (h - hk group) n_tiles +
+  // (m / BM - t_lo), advanced incrementally (no division per step).
+  auto advance = [&](int& h, int& m) {
+    m += BM;
+    if (m == (t_lo + n_tiles) * BM) m = t_lo * BM, ++h;
+  };
+  auto load_step = [&](int h, int m0, int st) {
     load_rows<T, BM, D, NT>(sQ + st * BM * D, Qb + static_cast<int64_t>(h) * D, p.q_row, m0,
                             sq.lq);
     load_rows<T, BM, D, NT>(sO + st * BM * D, Ob + static_cast<int64_t>(h) * D, p.do_row, m0,
                             sq.lq);
-    for (int r = threadIdx.x; r < BM; r += NT)
-      row_stats(p, h, sq.q_start, m0 + r, sq.lq, sL[st * BM + r], sD[st * BM + r]);
+    if (threadIdx.x < BM)
+      row_stats(p, h, sq.q_start, m0 + threadIdx.x, sq.lq, sL[st * BM + threadIdx.x],
+                sD[st * BM + threadIdx.x]);
   };
   load_rows<T, BN, D, NT>(sK, static_cast<const T*>(p.k) + sq.k_start * p.k_row + hk * D,
                           p.k_row, n0, sq.lk);
   load_rows<T, BN, D, NT>(sV, static_cast<const T*>(p.v) + sq.k_start * p.v_row + hk * D,
                           p.v_row, n0, sq.lk);
-  if (n_it > 0) load_step(0, 0);
+  int h_cur = hk * group, m_cur = t_lo * BM;
+  if (n_it > 0) load_step(h_cur, m_cur, 0);
   cp_async_commit();
 
   const Score score(p);
@@ -479,19 +557,20 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
     const int st = it & 1;
     cp_async_wait<0>();
     __syncthreads();
-    if (it + 1 < n_it) load_step(it + 1, st ^ 1);
+    int h_nxt = h_cur, m_nxt = m_cur;
+    advance(h_nxt, m_nxt);
+    if (it + 1 < n_it) load_step(h_nxt, m_nxt, st ^ 1);
     cp_async_commit();
-    const T* q_s = sQ + st * BM * D;
-    const T* o_s = sO + st * BM * D;
+    const int q_s = oQ + st * BM * D * 2, o_s = oO + st * BM * D * 2;
     const float* l_s = sL + st * BM;
     const float* d_s = sD + st * BM;
     // S^T = K Q^T and dP^T = V dO^T: this warp's 16 keys x BM queries.
     float s[1][BM / 8][4], dp[1][BM / 8][4];
     zero(s);
     zero(dp);
-    gemm_nt<D, 1, BM>(s, sK, row0, q_s);
-    gemm_nt<D, 1, BM>(dp, sV, row0, o_s);
-    const int m0 = (t_lo + it % n_tiles) * BM;
+    gemm_nt<T, D, 1, BM>(s, ln, 0, row0, q_s);
+    gemm_nt<T, D, 1, BM>(dp, ln, oV, row0, o_s);
+    const int m0 = m_cur;
     const bool full = sq.all_visible(m0, m0 + BM, n0 + row0, n0 + row0 + 16, p);
     auto grad_tile = [&](auto general) {  // two copies: see the forward's softmax_tile
       constexpr bool kGeneral = decltype(general)::value;
@@ -527,8 +606,8 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
           *reinterpret_cast<uint32_t*>(sS + (row0 + g + 8 * r) * LDS + ni * 8 + 2 * tq) =
               pack2<T>(dp[0][ni][2 * r], dp[0][ni][2 * r + 1]);
     }
-    gemm_pv<D, 1, BM>(dv, s, o_s);   // dV += P^T dO
-    gemm_pv<D, 1, BM>(dk, dp, q_s);  // dK += dS^T Q
+    gemm_pv<T, D, 1, BM>(dv, s, ln.bt, o_s);   // dV += P^T dO
+    gemm_pv<T, D, 1, BM>(dk, dp, ln.bt, q_s);  // dK += dS^T Q
     if constexpr (kAtomicDq) {
       __syncthreads();
       // dQ[BM x D / NW] = dS (BM x BN, from dS^T by ldmatrix.trans) K[:, warp's columns].
@@ -545,7 +624,7 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 #pragma unroll
         for (int j = 0; j < DW / 16; ++j) {
           uint32_t bf[4];
-          ld_b_trans<D>(bf, sK, kk * 16, warp * DW + j * 16);
+          ldmatrix_x4_trans(bf, ln_dq.at(0, kk * 16, j));
 #pragma unroll
           for (int mt = 0; mt < BM / 16; ++mt) {
             mma_16816<T>(acc[mt][2 * j], a[mt], bf[0], bf[1]);
@@ -553,7 +632,7 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
           }
         }
       }
-      const int h = hk * group + it / n_tiles;
+      const int h = h_cur;
 #pragma unroll
       for (int mt = 0; mt < BM / 16; ++mt)
 #pragma unroll
@@ -567,6 +646,8 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
             red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
         }
     }
+    h_cur = h_nxt;
+    m_cur = m_nxt;
   }
   cp_async_wait<0>();
   const float scale[1][2] = {{p.scale, p.scale}}, one[1][2] = {{1.f, 1.f}};
@@ -580,22 +661,23 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 // ---------------------------------------------------------------------------------------------
 // dK/dV and (by float32 atomics) dQ with the work split over 8 warps differently for each
 // product (FlashAttention-2's layout), so that a fragment read from shared memory feeds two MMA
-// rows everywhere. Grid (ceil(max_k / BN), hkv, batch), BN = 128 keys, BM = 64 queries per step:
+// rows everywhere. Grid (ceil(max_k / BN), hkv, batch), BN = 128 keys, BM queries per step, and
+// QH = BM / 2:
 //   S^T = K Q^T and dP^T = V dO^T: warp (wk = w % 4, wq = w / 4) computes keys 32 wk + [0, 32) x
-//     queries 32 wq + [0, 32); P^T and dS^T go to shared memory ([key][query], rows padded to
+//     queries QH wq + [0, QH); P^T and dS^T go to shared memory ([key][query], rows padded to
 //     BM + 8 elements: conflict-free for the stores and for ldmatrix);
 //   dV += P^T dO and dK += dS^T Q: warp (wk, wd = w / 4) owns keys 32 wk + [0, 32) x columns
 //     D/2 wd + [0, D/2) of dK and dV, in registers;
-//   dQ += dS K: warp (w % 2, w / 2) computes queries 32 (w % 2) + [0, 32) x columns
+//   dQ += dS K: warp (w % 2, w / 2) computes queries QH (w % 2) + [0, QH) x columns
 //     D/4 (w / 2) + [0, D/4) and adds them to the float32 accumulator.
 // Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); P^T, dS^T (BN x (BM + 8)); lse2,
-// delta in two stages (BM). Used at D=128 when dQ is by atomics (at D=64, and without atomics,
-// it was slower than dkdv_kernel on the H200: benchmarks/NOTES_attention.md).
-template <typename T, int D>
+// delta in two stages (BM). Used when dQ is by atomics (Tiles in attention_launch.cuh; without
+// atomics it was slower than dkdv_kernel on the H200: benchmarks/NOTES_attention.md).
+template <typename T, int D, int BM>
 __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  constexpr int BM = 64, BN = 128, NT = 256, LDS = BM + 8, DH = D / 2, DQ = D / 4;
-  static_assert(D % 64 == 0);
+  constexpr int BN = 128, NT = 256, LDS = BM + 8, DH = D / 2, DQ = D / 4, QH = BM / 2;
+  static_assert(D % 64 == 0 && BM % 32 == 0 && BM <= NT);
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + BN * D;
@@ -618,21 +700,35 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int wk = warp & 3, wh = warp >> 2;  // key group; query half (S, dP) or column half (dK, dV)
   const int k0 = 32 * wk;                   // the warp's first key in the block
+  const int wm = warp & 1, wc = warp >> 1;  // dQ: query half, column quarter
+  // Byte offsets of the tiles; the ldmatrix lanes (for dV/dK from the warp's column half of
+  // dO/Q, for dQ from its column quarter of K).
+  constexpr int oV = BN * D * 2, oQ = 2 * BN * D * 2, oO = oQ + 2 * BM * D * 2;
+  const uint32_t sbase = smem_u32(smem_raw);
+  const Lanes<Lane<D>> ln(sbase);
+  const Lane<D> ln_kv = lane_bt<D>(sbase, DH / 16 * wh), ln_dq = lane_bt<D>(sbase, DQ / 16 * wc);
 
-  auto load_step = [&](int it, int st) {
-    const int h = hk * group + it / n_tiles, m0 = (t_lo + it % n_tiles) * BM;
+  // Step `it` works on query head h and block [m, m + BM), advanced incrementally (see
+  // dkdv_kernel).
+  auto advance = [&](int& h, int& m) {
+    m += BM;
+    if (m == (t_lo + n_tiles) * BM) m = t_lo * BM, ++h;
+  };
+  auto load_step = [&](int h, int m0, int st) {
     load_rows<T, BM, D, NT>(sQ + st * BM * D, Qb + static_cast<int64_t>(h) * D, p.q_row, m0,
                             sq.lq);
     load_rows<T, BM, D, NT>(sO + st * BM * D, Ob + static_cast<int64_t>(h) * D, p.do_row, m0,
                             sq.lq);
-    for (int r = threadIdx.x; r < BM; r += NT)
-      row_stats(p, h, sq.q_start, m0 + r, sq.lq, sL[st * BM + r], sD[st * BM + r]);
+    if (threadIdx.x < BM)
+      row_stats(p, h, sq.q_start, m0 + threadIdx.x, sq.lq, sL[st * BM + threadIdx.x],
+                sD[st * BM + threadIdx.x]);
   };
   load_rows<T, BN, D, NT>(sK, static_cast<const T*>(p.k) + sq.k_start * p.k_row + hk * D,
                           p.k_row, n0, sq.lk);
   load_rows<T, BN, D, NT>(sV, static_cast<const T*>(p.v) + sq.k_start * p.v_row + hk * D,
                           p.v_row, n0, sq.lk);
-  if (n_it > 0) load_step(0, 0);
+  int h_cur = hk * group, m_cur = t_lo * BM;
+  if (n_it > 0) load_step(h_cur, m_cur, 0);
   cp_async_commit();
 
   const Score score(p);
@@ -643,29 +739,30 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
     const int st = it & 1;
     cp_async_wait<0>();
     __syncthreads();
-    if (it + 1 < n_it) load_step(it + 1, st ^ 1);
+    int h_nxt = h_cur, m_nxt = m_cur;
+    advance(h_nxt, m_nxt);
+    if (it + 1 < n_it) load_step(h_nxt, m_nxt, st ^ 1);
     cp_async_commit();
-    const T* q_s = sQ + st * BM * D;
-    const T* o_s = sO + st * BM * D;
-    const float* l_s = sL + st * BM + 32 * wh;
-    const float* d_s = sD + st * BM + 32 * wh;
-    const int m0 = (t_lo + it % n_tiles) * BM;
+    const int q_s = oQ + st * BM * D * 2, o_s = oO + st * BM * D * 2;
+    const float* l_s = sL + st * BM + QH * wh;
+    const float* d_s = sD + st * BM + QH * wh;
+    const int m0 = m_cur;
     {
-      // S^T and dP^T: keys k0 + [0, 32) x queries 32 wh + [0, 32) (rows 32 wh of the Q/dO tile;
-      // 32 is a multiple of the swizzle period, so the sub-tile keeps its layout).
-      float s[2][4][4], dp[2][4][4];
+      // S^T and dP^T: keys k0 + [0, 32) x queries QH wh + [0, QH) (rows QH wh of the Q/dO tile;
+      // QH is a multiple of the swizzle period, so the sub-tile keeps its layout).
+      float s[2][QH / 8][4], dp[2][QH / 8][4];
       zero(s);
       zero(dp);
-      gemm_nt<D, 2, 32>(s, sK, k0, q_s + 32 * wh * D);
-      gemm_nt<D, 2, 32>(dp, sV, k0, o_s + 32 * wh * D);
-      const int qa = m0 + 32 * wh, ka = n0 + k0;  // first query and key of the warp's tile
-      const bool full = sq.all_visible(qa, qa + 32, ka, ka + 32, p);
+      gemm_nt<T, D, 2, QH>(s, ln, 0, k0, q_s + QH * wh * D * 2);
+      gemm_nt<T, D, 2, QH>(dp, ln, oV, k0, o_s + QH * wh * D * 2);
+      const int qa = m0 + QH * wh, ka = n0 + k0;  // first query and key of the warp's tile
+      const bool full = sq.all_visible(qa, qa + QH, ka, ka + 32, p);
       auto grad_tile = [&](auto general) {  // two copies: see the forward's softmax_tile
         constexpr bool kGeneral = decltype(general)::value;
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-          for (int ni = 0; ni < 4; ++ni)
+          for (int ni = 0; ni < QH / 8; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int c = ni * 8 + 2 * tq + (e & 1);
@@ -692,10 +789,10 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
-        for (int ni = 0; ni < 4; ++ni)
+        for (int ni = 0; ni < QH / 8; ++ni)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const int at = (k0 + 16 * mt + g + 8 * r) * LDS + 32 * wh + ni * 8 + 2 * tq;
+            const int at = (k0 + 16 * mt + g + 8 * r) * LDS + QH * wh + ni * 8 + 2 * tq;
             *reinterpret_cast<uint32_t*>(sP + at) = pack2<T>(s[mt][ni][2 * r], s[mt][ni][2 * r + 1]);
             *reinterpret_cast<uint32_t*>(sS + at) =
                 pack2<T>(dp[mt][ni][2 * r], dp[mt][ni][2 * r + 1]);
@@ -704,7 +801,7 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
     __syncthreads();
     // dV += P^T dO and dK += dS^T Q over the BM queries: A fragments from the padded [key][query]
     // tiles, B fragments from the dO / Q tiles (k index = query row), columns DH wh + [0, DH).
-    auto grad_product = [&](float (&acc)[2][DH / 8][4], const T* a_tile, const T* b_tile) {
+    auto grad_product = [&](float (&acc)[2][DH / 8][4], const T* a_tile, int b_tile) {
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
         uint32_t a[2][4];
@@ -715,7 +812,7 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
 #pragma unroll
         for (int j = 0; j < DH / 16; ++j) {
           uint32_t bf[4];
-          ld_b_trans<D>(bf, b_tile, kk * 16, DH * wh + 16 * j);
+          ldmatrix_x4_trans(bf, ln_kv.at(b_tile, kk * 16, j));
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) {
             mma_16816<T>(acc[mt][2 * j], a[mt], bf[0], bf[1]);
@@ -726,35 +823,35 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
     };
     grad_product(dv, sP, o_s);
     grad_product(dk, sS, q_s);
-    // dQ[queries 32 (w % 2) + [0, 32), columns DQ (w / 2) + [0, DQ)] = dS K over the BN keys;
+    // dQ[queries QH (w % 2) + [0, QH), columns DQ (w / 2) + [0, DQ)] = dS K over the BN keys;
     // dS (query x key) from dS^T by ldmatrix.trans.
-    const int wm = warp & 1, wc = warp >> 1;
-    float acc[2][DQ / 8][4];
+    constexpr int MQ = QH / 16;
+    float acc[MQ][DQ / 8][4];
     zero(acc);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[2][4];
+      uint32_t a[MQ][4];
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
+      for (int mt = 0; mt < MQ; ++mt)
         ldmatrix_x4_trans(a[mt], smem_u32(sS + (kk * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS +
-                                          32 * wm + 16 * mt + ((lane >> 3) & 1) * 8));
+                                          QH * wm + 16 * mt + ((lane >> 3) & 1) * 8));
 #pragma unroll
       for (int j = 0; j < DQ / 16; ++j) {
         uint32_t bf[4];
-        ld_b_trans<D>(bf, sK, kk * 16, DQ * wc + 16 * j);
+        ldmatrix_x4_trans(bf, ln_dq.at(0, kk * 16, j));
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
+        for (int mt = 0; mt < MQ; ++mt) {
           mma_16816<T>(acc[mt][2 * j], a[mt], bf[0], bf[1]);
           mma_16816<T>(acc[mt][2 * j + 1], a[mt], bf[2], bf[3]);
         }
       }
     }
-    const int h = hk * group + it / n_tiles;
+    const int h = h_cur;
 #pragma unroll
-    for (int mt = 0; mt < 2; ++mt)
+    for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int i = m0 + 32 * wm + 16 * mt + g + 8 * r;
+        const int i = m0 + QH * wm + 16 * mt + g + 8 * r;
         if (i >= sq.lq) continue;
         float* dst = p.dq_acc + (static_cast<int64_t>(sq.q_start + i) * p.hq + h) * D +
                      DQ * wc + 2 * tq;
@@ -762,6 +859,8 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
         for (int n8 = 0; n8 < DQ / 8; ++n8)
           red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
       }
+    h_cur = h_nxt;
+    m_cur = m_nxt;
   }
   cp_async_wait<0>();
   const float scale[2][2] = {{p.scale, p.scale}, {p.scale, p.scale}};
@@ -816,6 +915,8 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
   const int t_lo = n_lo / BN, t_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : t_lo;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int row0 = warp * 16 * MT, i0 = m0 + row0 + g;
+  constexpr int oO = BM * D * 2, oK = 2 * BM * D * 2, oV = oK + 2 * BN * D * 2;  // byte offsets
+  const Lanes<Lane<D>> ln(smem_u32(smem_raw));
 
   load_rows<T, BM, D, NT>(sQ, static_cast<const T*>(p.q) + sq.q_start * p.q_row + h * D, p.q_row,
                           m0, sq.lq);
@@ -845,12 +946,11 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
       load_rows<T, BN, D, NT>(sV + (st ^ 1) * BN * D, V, p.v_row, (t + 1) * BN, sq.lk);
     }
     cp_async_commit();
-    const T* k_s = sK + st * BN * D;
     float s[MT][BN / 8][4], dp[MT][BN / 8][4];
     zero(s);
     zero(dp);
-    gemm_nt<D, MT, BN>(s, sQ, row0, k_s);
-    gemm_nt<D, MT, BN>(dp, sO, row0, sV + st * BN * D);
+    gemm_nt<T, D, MT, BN>(s, ln, 0, row0, oK + st * BN * D * 2);
+    gemm_nt<T, D, MT, BN>(dp, ln, oO, row0, oV + st * BN * D * 2);
     const int n0 = t * BN;
     const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16 * MT, n0, n0 + BN, p);
     auto grad_tile = [&](auto general) {  // two copies: see the forward's softmax_tile
@@ -882,7 +982,7 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
       grad_tile(std::false_type{});
     else
       grad_tile(std::true_type{});
-    gemm_pv<D, MT, BN>(dq, dp, k_s);  // dQ += dS K
+    gemm_pv<T, D, MT, BN>(dq, dp, ln.bt, oK + st * BN * D * 2);  // dQ += dS K
   }
   cp_async_wait<0>();
   float scale[MT][2];

@@ -14,8 +14,10 @@ template <int D>
 struct Tiles {
   static constexpr int kFwdMT = 2, kFwdN = D == 128 ? 48 : 64, kFwdWarps = 4;
   static constexpr int kDkdvM = D == 128 ? 48 : 96, kDkdvWarps = 4;
-  // dQ by atomics: dkdv_split_kernel (128 keys, 8 warps) at D=128, dkdv_kernel at D=64.
+  // dQ by atomics: dkdv_split_kernel (128 keys x kSplitM queries, 8 warps) at D=128,
+  // dkdv_kernel at D=64.
   static constexpr bool kSplitAtomic = D == 128;
+  static constexpr int kSplitM = D == 128 ? 64 : 128;
   static constexpr int kDqMT = D == 128 ? 1 : 2, kDqN = 64, kDqWarps = 4;
 };
 
@@ -51,11 +53,11 @@ cudaError_t run_bwd(const AttnParams& p) {
   const size_t smem_kv = (2 * BNk + 4 * BMk) * D * sizeof(T) + 4 * BMk * sizeof(float);
   if (p.dq_acc != nullptr) {  // dQ by float32 atomics from the dK/dV kernel, then scaled
     if constexpr (C::kSplitAtomic) {
-      constexpr int BM = 64, BN = 128;
+      constexpr int BM = C::kSplitM, BN = 128;
       const size_t smem = (2 * BN + 4 * BM) * D * sizeof(T) + 2 * BN * (BM + 8) * sizeof(T) +
                           4 * BM * sizeof(float);
-      err = launch(dkdv_split_kernel<T, D>, dim3((p.max_k + BN - 1) / BN, p.hkv, p.batch), 256,
-                   smem, p);
+      err = launch(dkdv_split_kernel<T, D, BM>, dim3((p.max_k + BN - 1) / BN, p.hkv, p.batch),
+                   256, smem, p);
     } else {
       err = launch(dkdv_kernel<T, D, BMk, BNk, C::kDkdvWarps, true>,
                    dim3((p.max_k + BNk - 1) / BNk, p.hkv, p.batch), C::kDkdvWarps * 32,
