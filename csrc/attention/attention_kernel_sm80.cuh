@@ -476,6 +476,23 @@ __device__ __forceinline__ void row_stats(const AttnParams& p, int h, int q_star
   }
 }
 
+// The same for rows [m0, m0 + R) of a dK/dV step, copied (cp.async, thread r < R takes row
+// m0 + r) into shared memory with the step's tiles, so that no warp waits on the loads: the
+// natural-log lse (the reader scales it by log2(e)) and delta, zero for rows past the sequence.
+// Those rows have zero Q and dO, so their P (2^0 = 1) meets only zeros in dV += P^T dO, and
+// their dS = P (dP - delta) is 0. A row seeing no key (lse = -inf) has no visible (row, key)
+// pair, and the readers mask every invisible pair to P = 0.
+template <int R>
+__device__ __forceinline__ void load_stats(const AttnParams& p, int h, int q_start, int m0,
+                                           int lq, float* s_lse, float* s_delta) {
+  const int r = threadIdx.x;
+  if (r >= R) return;
+  const bool valid = m0 + r < lq;
+  const int64_t at = static_cast<int64_t>(h) * p.total_q + q_start + (valid ? m0 + r : 0);
+  cp_async_4(smem_u32(s_lse + r), p.lse + at, valid);
+  cp_async_4(smem_u32(s_delta + r), p.delta + at, valid);
+}
+
 // dQ accumulation by float32 reductions: (row, row + 8) x (col, col + 1) of an accumulator tile.
 __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -488,7 +505,7 @@ __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 
 // ---------------------------------------------------------------------------------------------
 // dK/dV. Grid (ceil(max_k / BN), hkv, batch); each warp owns 16 keys (BN = 16 NW), BM queries
-// per step. Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); lse2, delta in two
+// per step. Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); lse, delta in two
 // stages (BM); with kAtomicDq, dS^T (BN x BM, rows padded to BM + 8 elements).
 // kAtomicDq: the kernel also adds dS K for its keys into the float32 dQ accumulator (each warp
 // a D / NW column slice of the BM x D product), so no dQ pass is needed; the sum order then
@@ -537,9 +554,7 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
                             sq.lq);
     load_rows<T, BM, D, NT>(sO + st * BM * D, Ob + static_cast<int64_t>(h) * D, p.do_row, m0,
                             sq.lq);
-    if (threadIdx.x < BM)
-      row_stats(p, h, sq.q_start, m0 + threadIdx.x, sq.lq, sL[st * BM + threadIdx.x],
-                sD[st * BM + threadIdx.x]);
+    load_stats<BM>(p, h, sq.q_start, m0, sq.lq, sL + st * BM, sD + st * BM);
   };
   load_rows<T, BN, D, NT>(sK, static_cast<const T*>(p.k) + sq.k_start * p.k_row + hk * D,
                           p.k_row, n0, sq.lk);
@@ -583,11 +598,11 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
           if constexpr (kGeneral) {
             float t = 0.f;
             const float x = score(s[0][ni][e], t);
-            pv = sq.visible(m0 + c, j0 + (e >> 1) * 8, p) ? ex2(x - l_s[c]) : 0.f;
+            pv = sq.visible(m0 + c, j0 + (e >> 1) * 8, p) ? ex2(x - l_s[c] * kLog2e) : 0.f;
             ds = pv * (dp[0][ni][e] - d_s[c]);
             if (score.capped()) ds *= 1.f - t * t;
           } else {
-            pv = ex2(s[0][ni][e] * score.scale_log2() - l_s[c]);
+            pv = ex2(s[0][ni][e] * score.scale_log2() - l_s[c] * kLog2e);
             ds = pv * (dp[0][ni][e] - d_s[c]);
           }
           s[0][ni][e] = pv;
@@ -670,7 +685,7 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 //     D/2 wd + [0, D/2) of dK and dV, in registers;
 //   dQ += dS K: warp (w % 2, w / 2) computes queries QH (w % 2) + [0, QH) x columns
 //     D/4 (w / 2) + [0, D/4) and adds them to the float32 accumulator.
-// Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); P^T, dS^T (BN x (BM + 8)); lse2,
+// Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); P^T, dS^T (BN x (BM + 8)); lse,
 // delta in two stages (BM). Used when dQ is by atomics (Tiles in attention_launch.cuh; without
 // atomics it was slower than dkdv_kernel on the H200: benchmarks/NOTES_attention.md).
 template <typename T, int D, int BM>
@@ -719,9 +734,7 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
                             sq.lq);
     load_rows<T, BM, D, NT>(sO + st * BM * D, Ob + static_cast<int64_t>(h) * D, p.do_row, m0,
                             sq.lq);
-    if (threadIdx.x < BM)
-      row_stats(p, h, sq.q_start, m0 + threadIdx.x, sq.lq, sL[st * BM + threadIdx.x],
-                sD[st * BM + threadIdx.x]);
+    load_stats<BM>(p, h, sq.q_start, m0, sq.lq, sL + st * BM, sD + st * BM);
   };
   load_rows<T, BN, D, NT>(sK, static_cast<const T*>(p.k) + sq.k_start * p.k_row + hk * D,
                           p.k_row, n0, sq.lk);
@@ -770,12 +783,13 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
               if constexpr (kGeneral) {
                 float t = 0.f;
                 const float x = score(s[mt][ni][e], t);
-                pv = sq.visible(qa + c, ka + 16 * mt + g + (e >> 1) * 8, p) ? ex2(x - l_s[c])
-                                                                           : 0.f;
+                pv = sq.visible(qa + c, ka + 16 * mt + g + (e >> 1) * 8, p)
+                         ? ex2(x - l_s[c] * kLog2e)
+                         : 0.f;
                 ds = pv * (dp[mt][ni][e] - d_s[c]);
                 if (score.capped()) ds *= 1.f - t * t;
               } else {
-                pv = ex2(s[mt][ni][e] * score.scale_log2() - l_s[c]);
+                pv = ex2(s[mt][ni][e] * score.scale_log2() - l_s[c] * kLog2e);
                 ds = pv * (dp[mt][ni][e] - d_s[c]);
               }
               s[mt][ni][e] = pv;
