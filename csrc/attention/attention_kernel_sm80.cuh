@@ -835,44 +835,51 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
         }
       }
     };
-    grad_product(dv, sP, o_s);
-    grad_product(dk, sS, q_s);
-    // dQ[queries QH (w % 2) + [0, QH), columns DQ (w / 2) + [0, DQ)] = dS K over the BN keys;
-    // dS (query x key) from dS^T by ldmatrix.trans.
-    constexpr int MQ = QH / 16;
-    float acc[MQ][DQ / 8][4];
-    zero(acc);
+    auto dq_atomic = [&] {
+      // dQ[queries QH (w % 2) + [0, QH), columns DQ (w / 2) + [0, DQ)] = dS K over the BN keys;
+      // dS (query x key) from dS^T by ldmatrix.trans.
+      constexpr int MQ = QH / 16;
+      float acc[MQ][DQ / 8][4];
+      zero(acc);
 #pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-      uint32_t a[MQ][4];
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        uint32_t a[MQ][4];
 #pragma unroll
-      for (int mt = 0; mt < MQ; ++mt)
-        ldmatrix_x4_trans(a[mt], smem_u32(sS + (kk * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS +
-                                          QH * wm + 16 * mt + ((lane >> 3) & 1) * 8));
+        for (int mt = 0; mt < MQ; ++mt)
+          ldmatrix_x4_trans(a[mt], smem_u32(sS + (kk * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS +
+                                            QH * wm + 16 * mt + ((lane >> 3) & 1) * 8));
 #pragma unroll
-      for (int j = 0; j < DQ / 16; ++j) {
-        uint32_t bf[4];
-        ldmatrix_x4_trans(bf, ln_dq.at(0, kk * 16, j));
+        for (int j = 0; j < DQ / 16; ++j) {
+          uint32_t bf[4];
+          ldmatrix_x4_trans(bf, ln_dq.at(0, kk * 16, j));
 #pragma unroll
-        for (int mt = 0; mt < MQ; ++mt) {
-          mma_16816<T>(acc[mt][2 * j], a[mt], bf[0], bf[1]);
-          mma_16816<T>(acc[mt][2 * j + 1], a[mt], bf[2], bf[3]);
+          for (int mt = 0; mt < MQ; ++mt) {
+            mma_16816<T>(acc[mt][2 * j], a[mt], bf[0], bf[1]);
+            mma_16816<T>(acc[mt][2 * j + 1], a[mt], bf[2], bf[3]);
+          }
         }
       }
-    }
-    const int h = h_cur;
+      const int h = h_cur;
 #pragma unroll
-    for (int mt = 0; mt < MQ; ++mt)
+      for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int i = m0 + QH * wm + 16 * mt + g + 8 * r;
-        if (i >= sq.lq) continue;
-        float* dst = p.dq_acc + (static_cast<int64_t>(sq.q_start + i) * p.hq + h) * D +
-                     DQ * wc + 2 * tq;
+        for (int r = 0; r < 2; ++r) {
+          const int i = m0 + QH * wm + 16 * mt + g + 8 * r;
+          if (i >= sq.lq) continue;
+          float* dst = p.dq_acc + (static_cast<int64_t>(sq.q_start + i) * p.hq + h) * D +
+                       DQ * wc + 2 * tq;
 #pragma unroll
-        for (int n8 = 0; n8 < DQ / 8; ++n8)
-          red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
-      }
+          for (int n8 = 0; n8 < DQ / 8; ++n8)
+            red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
+        }
+    };
+    // dV, then dK and dQ (kDqBeforeDk: dQ first, so that its reductions drain while dK's
+    // products run).
+    constexpr bool kDqBeforeDk = false;
+    grad_product(dv, sP, o_s);
+    if constexpr (!kDqBeforeDk) grad_product(dk, sS, q_s);
+    dq_atomic();
+    if constexpr (kDqBeforeDk) grad_product(dk, sS, q_s);
     h_cur = h_nxt;
     m_cur = m_nxt;
   }

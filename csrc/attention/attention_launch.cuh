@@ -12,11 +12,10 @@ namespace attn {
 // (the D=128 forward spills at BN=64).
 template <int D>
 struct Tiles {
-  static constexpr int kFwdMT = 2, kFwdN = D == 128 ? 48 : 64, kFwdWarps = 4;
+  static constexpr int kFwdMT = D == 128 ? 2 : 1, kFwdN = D == 128 ? 48 : 128, kFwdWarps = 4;
   static constexpr int kDkdvM = D == 128 ? 48 : 96, kDkdvWarps = 4;
-  // dQ by atomics: dkdv_split_kernel (128 keys x kSplitM queries, 8 warps) at D=128,
-  // dkdv_kernel at D=64.
-  static constexpr bool kSplitAtomic = D == 128;
+  // dQ by atomics: dkdv_split_kernel (128 keys x kSplitM queries, 8 warps).
+  static constexpr bool kSplitAtomic = true;
   static constexpr int kSplitM = D == 128 ? 64 : 128;
   static constexpr int kDqMT = D == 128 ? 1 : 2, kDqN = 64, kDqWarps = 4;
 };
