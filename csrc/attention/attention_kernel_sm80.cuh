@@ -506,16 +506,14 @@ __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 // ---------------------------------------------------------------------------------------------
 // dK/dV. Grid (ceil(max_k / BN), hkv, batch); each warp owns 16 keys (BN = 16 NW), BM queries
 // per step. Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); lse, delta in two
-// stages (BM); with kAtomicDq, dS^T (BN x BM, rows padded to BM + 8 elements).
-// kAtomicDq: the kernel also adds dS K for its keys into the float32 dQ accumulator (each warp
-// a D / NW column slice of the BM x D product), so no dQ pass is needed; the sum order then
-// depends on scheduling (not bit-reproducible).
-template <typename T, int D, int BM, int BN, int NW, bool kAtomicDq>
+// stages (BM). dQ comes from dq_kernel (the deterministic path); dQ by atomics is
+// dkdv_split_kernel's.
+template <typename T, int D, int BM, int BN, int NW>
 __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   static_assert(BN == 16 * NW && BM % 16 == 0 && D % 64 == 0 && (D / NW) % 16 == 0);
   static_assert(BM <= NW * 32);  // one row statistic per thread
-  constexpr int NT = NW * 32, LDS = BM + 8;
+  constexpr int NT = NW * 32;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + BN * D;
@@ -523,7 +521,6 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
   T* sO = sQ + 2 * BM * D;  // dO
   float* sL = reinterpret_cast<float*>(sO + 2 * BM * D);
   float* sD = sL + 2 * BM;
-  T* sS = reinterpret_cast<T*>(sD + 2 * BM);  // dS^T (kAtomicDq)
   const int b = blockIdx.z, hk = blockIdx.y, n0 = blockIdx.x * BN;
   const Seq sq(p, b);
   if (n0 >= sq.lk) return;
@@ -536,12 +533,9 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
   const T* Ob = static_cast<const T*>(p.dout) + sq.q_start * p.do_row;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int row0 = warp * 16, j0 = n0 + row0 + g;
-  // Byte offsets of the tiles; the ldmatrix lanes (for dQ by atomics, from the warp's D / NW
-  // column slice of K).
+  // Byte offsets of the tiles, and the ldmatrix lanes.
   constexpr int oV = BN * D * 2, oQ = 2 * BN * D * 2, oO = oQ + 2 * BM * D * 2;
-  const uint32_t sbase = smem_u32(smem_raw);
-  const Lanes<Lane<D>> ln(sbase);
-  const Lane<D> ln_dq = lane_bt<D>(sbase, warp * (D / NW) / 16);
+  const Lanes<Lane<D>> ln(smem_u32(smem_raw));
 
   // Step `it` works on query head h and block [m, m + BM): it = (h - hk group) n_tiles +
   // (m / BM - t_lo), advanced incrementally (no division per step).
@@ -613,54 +607,8 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
       grad_tile(std::false_type{});
     else
       grad_tile(std::true_type{});
-    if constexpr (kAtomicDq) {
-#pragma unroll
-      for (int ni = 0; ni < BM / 8; ++ni)
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-          *reinterpret_cast<uint32_t*>(sS + (row0 + g + 8 * r) * LDS + ni * 8 + 2 * tq) =
-              pack2<T>(dp[0][ni][2 * r], dp[0][ni][2 * r + 1]);
-    }
     gemm_pv<T, D, 1, BM>(dv, s, ln.bt, o_s);   // dV += P^T dO
     gemm_pv<T, D, 1, BM>(dk, dp, ln.bt, q_s);  // dK += dS^T Q
-    if constexpr (kAtomicDq) {
-      __syncthreads();
-      // dQ[BM x D / NW] = dS (BM x BN, from dS^T by ldmatrix.trans) K[:, warp's columns].
-      constexpr int DW = D / NW;
-      float acc[BM / 16][DW / 8][4];
-      zero(acc);
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        uint32_t a[BM / 16][4];
-#pragma unroll
-        for (int mt = 0; mt < BM / 16; ++mt)
-          ldmatrix_x4_trans(a[mt], smem_u32(sS + (kk * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS +
-                                            mt * 16 + ((lane >> 3) & 1) * 8));
-#pragma unroll
-        for (int j = 0; j < DW / 16; ++j) {
-          uint32_t bf[4];
-          ldmatrix_x4_trans(bf, ln_dq.at(0, kk * 16, j));
-#pragma unroll
-          for (int mt = 0; mt < BM / 16; ++mt) {
-            mma_16816<T>(acc[mt][2 * j], a[mt], bf[0], bf[1]);
-            mma_16816<T>(acc[mt][2 * j + 1], a[mt], bf[2], bf[3]);
-          }
-        }
-      }
-      const int h = h_cur;
-#pragma unroll
-      for (int mt = 0; mt < BM / 16; ++mt)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int i = m0 + mt * 16 + g + 8 * r;
-          if (i >= sq.lq) continue;
-          float* dst = p.dq_acc + (static_cast<int64_t>(sq.q_start + i) * p.hq + h) * D +
-                       warp * DW + 2 * tq;
-#pragma unroll
-          for (int n8 = 0; n8 < DW / 8; ++n8)
-            red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
-        }
-    }
     h_cur = h_nxt;
     m_cur = m_nxt;
   }
@@ -873,13 +821,11 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
             red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
         }
     };
-    // dV, then dK and dQ (kDqBeforeDk: dQ first, so that its reductions drain while dK's
-    // products run).
-    constexpr bool kDqBeforeDk = false;
+    // dV, dK, then dQ (dQ between them, so that its reductions drain while dK's products run,
+    // was 2% slower: benchmarks/NOTES_attention.md v6).
     grad_product(dv, sP, o_s);
-    if constexpr (!kDqBeforeDk) grad_product(dk, sS, q_s);
+    grad_product(dk, sS, q_s);
     dq_atomic();
-    if constexpr (kDqBeforeDk) grad_product(dk, sS, q_s);
     h_cur = h_nxt;
     m_cur = m_nxt;
   }

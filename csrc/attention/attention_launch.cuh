@@ -6,16 +6,16 @@
 namespace fusedops {
 namespace attn {
 
-// Tile configurations per head dim. Forward and dQ: NW warps of MT row tiles (BM = 16 MT NW
-// queries), BN keys per step. dK/dV: BN = 16 NW keys, BM queries per step. Chosen so that two
-// CTAs fit on an SM (registers <= 255 per thread, shared memory <= ~110 KB) and nothing spills
-// (the D=128 forward spills at BN=64).
+// Tile configurations per head dim, each measured against its neighbours on the H200
+// (benchmarks/NOTES_attention.md). Forward and dQ: NW warps of MT row tiles (BM = 16 MT NW
+// queries), BN keys per step; dK/dV (deterministic path): BN = 16 NW keys, BM queries per step.
+// Registers stay <= 255 per thread without spills in the loops (the D=128 forward spills at
+// BN=64; at D=64 the forward's 167 registers let three CTAs share an SM).
 template <int D>
 struct Tiles {
   static constexpr int kFwdMT = D == 128 ? 2 : 1, kFwdN = D == 128 ? 48 : 128, kFwdWarps = 4;
   static constexpr int kDkdvM = D == 128 ? 48 : 96, kDkdvWarps = 4;
-  // dQ by atomics: dkdv_split_kernel (128 keys x kSplitM queries, 8 warps).
-  static constexpr bool kSplitAtomic = true;
+  // dQ by atomics: dkdv_split_kernel, 128 keys x kSplitM queries, 8 warps.
   static constexpr int kSplitM = D == 128 ? 64 : 128;
   static constexpr int kDqMT = D == 128 ? 1 : 2, kDqN = 64, kDqWarps = 4;
 };
@@ -51,23 +51,17 @@ cudaError_t run_bwd(const AttnParams& p) {
   constexpr int BMk = C::kDkdvM, BNk = 16 * C::kDkdvWarps;
   const size_t smem_kv = (2 * BNk + 4 * BMk) * D * sizeof(T) + 4 * BMk * sizeof(float);
   if (p.dq_acc != nullptr) {  // dQ by float32 atomics from the dK/dV kernel, then scaled
-    if constexpr (C::kSplitAtomic) {
-      constexpr int BM = C::kSplitM, BN = 128;
-      const size_t smem = (2 * BN + 4 * BM) * D * sizeof(T) + 2 * BN * (BM + 8) * sizeof(T) +
-                          4 * BM * sizeof(float);
-      err = launch(dkdv_split_kernel<T, D, BM>, dim3((p.max_k + BN - 1) / BN, p.hkv, p.batch),
-                   256, smem, p);
-    } else {
-      err = launch(dkdv_kernel<T, D, BMk, BNk, C::kDkdvWarps, true>,
-                   dim3((p.max_k + BNk - 1) / BNk, p.hkv, p.batch), C::kDkdvWarps * 32,
-                   smem_kv + BNk * (BMk + 8) * sizeof(T), p);
-    }
+    constexpr int BM = C::kSplitM, BN = 128;
+    const size_t smem = (2 * BN + 4 * BM) * D * sizeof(T) + 2 * BN * (BM + 8) * sizeof(T) +
+                        4 * BM * sizeof(float);
+    err = launch(dkdv_split_kernel<T, D, BM>, dim3((p.max_k + BN - 1) / BN, p.hkv, p.batch), 256,
+                 smem, p);
     if (err != cudaSuccess) return err;
     const int64_t n = static_cast<int64_t>(p.total_q) * p.hq * (D / 8);
     return launch(dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((n + 255) / 256)), 256, 0,
                   p);
   }
-  err = launch(dkdv_kernel<T, D, BMk, BNk, C::kDkdvWarps, false>,
+  err = launch(dkdv_kernel<T, D, BMk, BNk, C::kDkdvWarps>,
                dim3((p.max_k + BNk - 1) / BNk, p.hkv, p.batch), C::kDkdvWarps * 32, smem_kv, p);
   if (err != cudaSuccess) return err;
   constexpr int BM = 16 * C::kDqMT * C::kDqWarps, BN = C::kDqN;
