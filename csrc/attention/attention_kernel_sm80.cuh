@@ -238,9 +238,14 @@ struct Seq {
     lk = p.cu_k[b + 1] - k_start;
     off = lk - lq;
   }
+  // Query i sees key j < lk iff lo <= j - i <= hi (+-2^30: no bound). Without branches
+  // (bitwise ands), so that the masked element loops stay straight-line code; the bounds are
+  // recomputed from the parameters (common to a tile's elements) rather than held in registers.
   __device__ __forceinline__ bool visible(int i, int j, const AttnParams& p) const {
-    return j < lk && (p.right < 0 || j <= i + off + p.right) &&
-           (p.left < 0 || j >= i + off - p.left);
+    const int d = j - i;
+    const int lo = p.left >= 0 ? off - p.left : -(1 << 30);
+    const int hi = p.right >= 0 ? off + p.right : 1 << 30;
+    return (j < lk) & (d <= hi) & (d >= lo);
   }
   // Every (i, j) in [m0, m1) x [n0, n1) visible (keys past lk are not).
   __device__ __forceinline__ bool all_visible(int m0, int m1, int n0, int n1,
@@ -269,13 +274,29 @@ struct Score {
   __device__ __forceinline__ explicit Score(const AttnParams& params) : p(params) {}
   __device__ __forceinline__ bool capped() const { return p.softcap > 0.f; }
   __device__ __forceinline__ float scale_log2() const { return p.scale_log2; }
-  __device__ __forceinline__ float operator()(float s, float& t) const {
-    if (!capped()) return s * p.scale_log2;
+  template <bool kCap>
+  __device__ __forceinline__ float at(float s, float& t) const {
+    if constexpr (!kCap) return s * p.scale_log2;
     // tanh(a) = 1 - 2 / (e^{2a} + 1): exact at both ends (e^{2a} -> inf gives 1, -> 0 gives -1).
     t = 1.f - __fdividef(2.f, ex2(p.cap_in_log2 * s) + 1.f);
     return p.cap_out_log2 * t;
   }
 };
+
+// The element-wise pass of a tile comes in three copies, so that the common ones have no
+// branch inside the unrolled loops: Path<0> every (query, key) pair visible and no softcap,
+// Path<1> masked, Path<2> masked with the softcap. run_path picks one (warp-uniform).
+template <int K>
+using Path = std::integral_constant<int, K>;
+template <typename F>
+__device__ __forceinline__ void run_path(bool full, bool capped, F&& f) {
+  if (capped)
+    f(Path<2>{});
+  else if (full)
+    f(Path<0>{});
+  else
+    f(Path<1>{});
+}
 
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -351,12 +372,11 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
 
     const int n0 = t * BN;
     const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16 * MT, n0, n0 + BN, p);
-    // The element-wise pass comes in two copies, so that the common one (no mask, no softcap,
-    // positive scale) has no branch inside the unrolled loops; it takes the row maximum of the
-    // raw scores and folds the scale into one FFMA per exponential.
+    // Path<0> (see run_path; here also a positive scale) takes the row maximum of the raw
+    // scores and folds the scale into one FFMA per exponential.
     bool rescale = false;
-    auto softmax_tile = [&](auto general) {
-      constexpr bool kGeneral = decltype(general)::value;
+    auto softmax_tile = [&](auto path) {
+      constexpr int kPath = decltype(path)::value;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         float mx[2] = {-INFINITY, -INFINITY};
@@ -364,12 +384,13 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
         for (int ni = 0; ni < BN / 8; ++ni)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            if constexpr (kGeneral) {
+            if constexpr (kPath > 0) {
               float unused;
-              float x = score(s[mt][ni][e], unused);
-              if (!sq.visible(i0 + 16 * mt + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p))
-                x = -INFINITY;
-              s[mt][ni][e] = x;
+              const float x = score.at<kPath == 2>(s[mt][ni][e], unused);
+              s[mt][ni][e] =
+                  sq.visible(i0 + 16 * mt + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p)
+                      ? x
+                      : -INFINITY;
             }
             mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][ni][e]);
           }
@@ -377,7 +398,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           mx[r] = quad_max(mx[r]);
-          if constexpr (!kGeneral) mx[r] *= score.scale_log2();
+          if constexpr (kPath == 0) mx[r] *= score.scale_log2();
           // The running maximum only moves when the tile's exceeds it by more than kSlack, so
           // most tiles skip rescaling the output; p = 2^(x - m) then stays below 2^kSlack.
           if (mx[r] > m_run[mt][r] + kSlack) {
@@ -393,17 +414,15 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
         for (int ni = 0; ni < BN / 8; ++ni)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float pv = kGeneral ? ex2(s[mt][ni][e] - mu[e >> 1])
-                                      : ex2(fmaf(s[mt][ni][e], score.scale_log2(), -mu[e >> 1]));
+            const float pv = kPath > 0
+                                 ? ex2(s[mt][ni][e] - mu[e >> 1])
+                                 : ex2(fmaf(s[mt][ni][e], score.scale_log2(), -mu[e >> 1]));
             s[mt][ni][e] = pv;
             l_run[mt][e >> 1] += pv;
           }
       }
     };
-    if (full && !score.capped() && score.scale_log2() > 0.f)
-      softmax_tile(std::false_type{});
-    else
-      softmax_tile(std::true_type{});
+    run_path(full && score.scale_log2() > 0.f, score.capped(), softmax_tile);
     if (__any_sync(0xffffffffu, rescale)) {  // warp-uniform
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -581,20 +600,20 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
     gemm_nt<T, D, 1, BM>(dp, ln, oV, row0, o_s);
     const int m0 = m_cur;
     const bool full = sq.all_visible(m0, m0 + BM, n0 + row0, n0 + row0 + 16, p);
-    auto grad_tile = [&](auto general) {  // two copies: see the forward's softmax_tile
-      constexpr bool kGeneral = decltype(general)::value;
+    auto grad_tile = [&](auto path) {  // three copies: see run_path
+      constexpr int kPath = decltype(path)::value;
 #pragma unroll
       for (int ni = 0; ni < BM / 8; ++ni)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int c = ni * 8 + 2 * tq + (e & 1);
           float pv, ds;
-          if constexpr (kGeneral) {
+          if constexpr (kPath > 0) {
             float t = 0.f;
-            const float x = score(s[0][ni][e], t);
+            const float x = score.at<kPath == 2>(s[0][ni][e], t);
             pv = sq.visible(m0 + c, j0 + (e >> 1) * 8, p) ? ex2(x - l_s[c] * kLog2e) : 0.f;
             ds = pv * (dp[0][ni][e] - d_s[c]);
-            if (score.capped()) ds *= 1.f - t * t;
+            if constexpr (kPath == 2) ds *= 1.f - t * t;
           } else {
             pv = ex2(s[0][ni][e] * score.scale_log2() - l_s[c] * kLog2e);
             ds = pv * (dp[0][ni][e] - d_s[c]);
@@ -603,10 +622,7 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
           dp[0][ni][e] = ds;
         }
     };
-    if (full && !score.capped())
-      grad_tile(std::false_type{});
-    else
-      grad_tile(std::true_type{});
+    run_path(full, score.capped(), grad_tile);
     gemm_pv<T, D, 1, BM>(dv, s, ln.bt, o_s);   // dV += P^T dO
     gemm_pv<T, D, 1, BM>(dk, dp, ln.bt, q_s);  // dK += dS^T Q
     h_cur = h_nxt;
@@ -718,8 +734,8 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
       gemm_nt<T, D, 2, QH>(dp, ln, oV, k0, o_s + QH * wh * D * 2);
       const int qa = m0 + QH * wh, ka = n0 + k0;  // first query and key of the warp's tile
       const bool full = sq.all_visible(qa, qa + QH, ka, ka + 32, p);
-      auto grad_tile = [&](auto general) {  // two copies: see the forward's softmax_tile
-        constexpr bool kGeneral = decltype(general)::value;
+      auto grad_tile = [&](auto path) {  // three copies: see run_path
+        constexpr int kPath = decltype(path)::value;
 #pragma unroll
         for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -728,14 +744,14 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
             for (int e = 0; e < 4; ++e) {
               const int c = ni * 8 + 2 * tq + (e & 1);
               float pv, ds;
-              if constexpr (kGeneral) {
+              if constexpr (kPath > 0) {
                 float t = 0.f;
-                const float x = score(s[mt][ni][e], t);
+                const float x = score.at<kPath == 2>(s[mt][ni][e], t);
                 pv = sq.visible(qa + c, ka + 16 * mt + g + (e >> 1) * 8, p)
                          ? ex2(x - l_s[c] * kLog2e)
                          : 0.f;
                 ds = pv * (dp[mt][ni][e] - d_s[c]);
-                if (score.capped()) ds *= 1.f - t * t;
+                if constexpr (kPath == 2) ds *= 1.f - t * t;
               } else {
                 pv = ex2(s[mt][ni][e] * score.scale_log2() - l_s[c] * kLog2e);
                 ds = pv * (dp[mt][ni][e] - d_s[c]);
@@ -744,10 +760,7 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
               dp[mt][ni][e] = ds;
             }
       };
-      if (full && !score.capped())
-        grad_tile(std::false_type{});
-      else
-        grad_tile(std::true_type{});
+      run_path(full, score.capped(), grad_tile);
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
@@ -920,8 +933,8 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
     gemm_nt<T, D, MT, BN>(dp, ln, oO, row0, oV + st * BN * D * 2);
     const int n0 = t * BN;
     const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16 * MT, n0, n0 + BN, p);
-    auto grad_tile = [&](auto general) {  // two copies: see the forward's softmax_tile
-      constexpr bool kGeneral = decltype(general)::value;
+    auto grad_tile = [&](auto path) {  // three copies: see run_path
+      constexpr int kPath = decltype(path)::value;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -930,14 +943,14 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
           for (int e = 0; e < 4; ++e) {
             const int r = e >> 1;
             float ds;
-            if constexpr (kGeneral) {
+            if constexpr (kPath > 0) {
               float t = 0.f;
-              const float x = score(s[mt][ni][e], t);
+              const float x = score.at<kPath == 2>(s[mt][ni][e], t);
               const bool vis =
                   sq.visible(i0 + 16 * mt + r * 8, n0 + ni * 8 + 2 * tq + (e & 1), p);
               const float pv = vis ? ex2(x - lse2[mt][r]) : 0.f;
               ds = pv * (dp[mt][ni][e] - dl[mt][r]);
-              if (score.capped()) ds *= 1.f - t * t;
+              if constexpr (kPath == 2) ds *= 1.f - t * t;
             } else {
               ds = ex2(s[mt][ni][e] * score.scale_log2() - lse2[mt][r]) *
                    (dp[mt][ni][e] - dl[mt][r]);
@@ -945,10 +958,7 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
             dp[mt][ni][e] = ds;
           }
     };
-    if (full && !score.capped())
-      grad_tile(std::false_type{});
-    else
-      grad_tile(std::true_type{});
+    run_path(full, score.capped(), grad_tile);
     gemm_pv<T, D, MT, BN>(dq, dp, ln.bt, oK + st * BN * D * 2);  // dQ += dS K
   }
   cp_async_wait<0>();

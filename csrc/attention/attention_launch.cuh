@@ -17,7 +17,7 @@ struct Tiles {
   static constexpr int kDkdvM = D == 128 ? 48 : 96, kDkdvWarps = 4;
   // dQ by atomics: dkdv_split_kernel, 128 keys x kSplitM queries, 8 warps.
   static constexpr int kSplitM = D == 128 ? 64 : 128;
-  static constexpr int kDqMT = D == 128 ? 1 : 2, kDqN = 64, kDqWarps = 4;
+  static constexpr int kDqMT = 1, kDqN = 64, kDqWarps = 4;
 };
 
 template <typename Kernel>
