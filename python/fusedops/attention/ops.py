@@ -103,9 +103,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _default_dq(backend, head_dim):
-    """The faster dQ mode on the H200 (benchmarks/NOTES_attention.md, run a0ceed58): Triton's
-    separate pass is about twice as fast as its fp32 atomics; in CUDA, atomics from the 8-warp
-    dK/dV kernel are 1.15-1.2x faster at D=128, and the separate pass 1.04-1.06x faster at D=64."""
+    """The faster dQ mode on the H200 (benchmarks/NOTES_attention.md, runs a0ceed58, 2eadc7c4
+    and 6bb8ac60): Triton's separate pass is about twice as fast as its fp32 atomics; in CUDA,
+    atomics from the 8-warp dK/dV kernel are 1.16-1.22x faster at D=128, and at D=64 the two are
+    equally fast (the separate pass needs no float32 accumulator and is reproducible)."""
     if backend in ("cuda-sm80", "cuda-sm90") and head_dim == 128:
         return "atomic"
     return "separate"
