@@ -512,12 +512,6 @@ __device__ __forceinline__ void load_stats(const AttnParams& p, int h, int q_sta
   cp_async_4(smem_u32(s_delta + r), p.delta + at, valid);
 }
 
-// Barrier `id` (1..15; 0 is __syncthreads') over the first n threads that reach it, n a multiple
-// of 32; orders their shared-memory accesses like __syncthreads.
-__device__ __forceinline__ void named_barrier(int id, int n) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(n) : "memory");
-}
-
 // dQ accumulation by float32 reductions: (row, row + 8) x (col, col + 1) of an accumulator tile.
 __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -779,14 +773,7 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
                 pack2<T>(dp[mt][ni][2 * r], dp[mt][ni][2 * r + 1]);
           }
     }
-    // P^T and dS^T rows [k0, k0 + 32) come from the two warps of key group wk (w and w ^ 4), so
-    // dV and dK wait only for those (named barrier 1 + wk, 64 threads); dQ reads every key's
-    // dS^T and waits for all warps.
-    constexpr bool kPairBarrier = true;
-    if constexpr (kPairBarrier)
-      named_barrier(1 + wk, 64);
-    else
-      __syncthreads();
+    __syncthreads();
     // dV += P^T dO and dK += dS^T Q over the BM queries: A fragments from the padded [key][query]
     // tiles, B fragments from the dO / Q tiles (k index = query row), columns DH wh + [0, DH).
     auto grad_product = [&](float (&acc)[2][DH / 8][4], const T* a_tile, int b_tile) {
@@ -851,7 +838,6 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
     // was 2% slower: benchmarks/NOTES_attention.md v6).
     grad_product(dv, sP, o_s);
     grad_product(dk, sS, q_s);
-    if constexpr (kPairBarrier) __syncthreads();
     dq_atomic();
     h_cur = h_nxt;
     m_cur = m_nxt;
