@@ -8,12 +8,14 @@
 // Scores are kept in log2 units (x = s * scale * log2(e), or softcap * log2(e) * tanh(s * scale /
 // softcap)), so every exponential is one ex2.
 //
-// Forward: Q fragments stay in registers; K/V tiles stream through two shared-memory stages;
-// online softmax with the rescale folded into the output accumulator; output normalised once;
-// lse (natural log) written, -inf with a zero row for queries that see no key.
+// Forward: Q fragments are re-read from shared memory; K/V tiles stream through two
+// shared-memory stages; online softmax with the rescale folded into the output accumulator;
+// output normalised once; lse (natural log) written, -inf with a zero row for queries that see
+// no key.
 // Backward: delta = rowsum(dO * O); dK/dV per key block (looping over the GQA group's query heads
-// and their visible query blocks, accumulators in registers); dQ per query block by a separate
-// kernel. No atomics: gradients are bit-identical run to run.
+// and their visible query blocks, accumulators in registers); dQ either per query block by a
+// separate kernel (no atomics: gradients bit-identical run to run) or by float32 atomics from
+// the 8-warp dK/dV kernel (dkdv_split_kernel) and a convert pass.
 #pragma once
 
 #include <cuda_bf16.h>
