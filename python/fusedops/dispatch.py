@@ -131,9 +131,10 @@ def candidates(request: str, sig: InputSig) -> list[str]:
         triton = ["triton"] if sig.device_type == "cuda" else []
         if (sig.op == "attention" and triton and not _forced_sm80()
                 and _capability(sig) >= (9, 0)):
-            # Attention has no Hopper CUDA kernel yet and the Ampere one is slower than Triton on
-            # the H200 (78-84% of its forward, 66-72% of its backward at L=4096), so
-            # auto takes Triton there; FUSEDOPS_CUDA_ARCH=sm80 or backend="cuda" pick the CUDA one.
+            # Attention has no Hopper CUDA kernel yet, and a forward + backward step of the
+            # Ampere one is slower than Triton's on the H200 (L=4096: 96-97% of Triton's speed at
+            # D=128, less at D=64; runs 2eadc7c4 and a0ceed58), so auto takes Triton there;
+            # FUSEDOPS_CUDA_ARCH=sm80 or backend="cuda" pick the CUDA one.
             return triton + cuda + ["torch"]
         return cuda + triton + ["torch"]
     if request == "cuda":
