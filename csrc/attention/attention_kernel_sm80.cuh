@@ -514,6 +514,24 @@ __device__ __forceinline__ void load_stats(const AttnParams& p, int h, int q_sta
   cp_async_4(smem_u32(s_delta + r), p.delta + at, valid);
 }
 
+// The query steps of a dK/dV CTA: step `it` works on query head h and block [m, m + BM), with
+// it = (h - h0) n_tiles + (m / BM - t_lo), advanced incrementally (no division per step).
+template <int BM>
+__device__ __forceinline__ void next_step(int& h, int& m, int t_lo, int n_tiles) {
+  m += BM;
+  if (m == (t_lo + n_tiles) * BM) m = t_lo * BM, ++h;
+}
+// A step's Q and dO rows [m0, m0 + BM) of head h (Qb, Ob: the sequence's first rows) and their
+// row statistics, copied into one stage.
+template <typename T, int BM, int D, int NT>
+__device__ __forceinline__ void load_step_tiles(const AttnParams& p, const Seq& sq, const T* Qb,
+                                                const T* Ob, int h, int m0, T* s_q, T* s_o,
+                                                float* s_lse, float* s_delta) {
+  load_rows<T, BM, D, NT>(s_q, Qb + static_cast<int64_t>(h) * D, p.q_row, m0, sq.lq);
+  load_rows<T, BM, D, NT>(s_o, Ob + static_cast<int64_t>(h) * D, p.do_row, m0, sq.lq);
+  load_stats<BM>(p, h, sq.q_start, m0, sq.lq, s_lse, s_delta);
+}
+
 // dQ accumulation by float32 reductions: (row, row + 8) x (col, col + 1) of an accumulator tile.
 __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -558,18 +576,10 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
   constexpr int oV = BN * D * 2, oQ = 2 * BN * D * 2, oO = oQ + 2 * BM * D * 2;
   const Lanes<Lane<D>> ln(smem_u32(smem_raw));
 
-  // Step `it` works on query head h and block [m, m + BM): it = (h - hk group) n_tiles +
-  // (m / BM - t_lo), advanced incrementally (no division per step).
-  auto advance = [&](int& h, int& m) {
-    m += BM;
-    if (m == (t_lo + n_tiles) * BM) m = t_lo * BM, ++h;
-  };
+  auto advance = [&](int& h, int& m) { next_step<BM>(h, m, t_lo, n_tiles); };
   auto load_step = [&](int h, int m0, int st) {
-    load_rows<T, BM, D, NT>(sQ + st * BM * D, Qb + static_cast<int64_t>(h) * D, p.q_row, m0,
-                            sq.lq);
-    load_rows<T, BM, D, NT>(sO + st * BM * D, Ob + static_cast<int64_t>(h) * D, p.do_row, m0,
-                            sq.lq);
-    load_stats<BM>(p, h, sq.q_start, m0, sq.lq, sL + st * BM, sD + st * BM);
+    load_step_tiles<T, BM, D, NT>(p, sq, Qb, Ob, h, m0, sQ + st * BM * D, sO + st * BM * D,
+                                  sL + st * BM, sD + st * BM);
   };
   load_rows<T, BN, D, NT>(sK, static_cast<const T*>(p.k) + sq.k_start * p.k_row + hk * D,
                           p.k_row, n0, sq.lk);
@@ -689,18 +699,10 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
   const Lanes<Lane<D>> ln(sbase);
   const Lane<D> ln_kv = lane_bt<D>(sbase, DH / 16 * wh), ln_dq = lane_bt<D>(sbase, DQ / 16 * wc);
 
-  // Step `it` works on query head h and block [m, m + BM), advanced incrementally (see
-  // dkdv_kernel).
-  auto advance = [&](int& h, int& m) {
-    m += BM;
-    if (m == (t_lo + n_tiles) * BM) m = t_lo * BM, ++h;
-  };
+  auto advance = [&](int& h, int& m) { next_step<BM>(h, m, t_lo, n_tiles); };
   auto load_step = [&](int h, int m0, int st) {
-    load_rows<T, BM, D, NT>(sQ + st * BM * D, Qb + static_cast<int64_t>(h) * D, p.q_row, m0,
-                            sq.lq);
-    load_rows<T, BM, D, NT>(sO + st * BM * D, Ob + static_cast<int64_t>(h) * D, p.do_row, m0,
-                            sq.lq);
-    load_stats<BM>(p, h, sq.q_start, m0, sq.lq, sL + st * BM, sD + st * BM);
+    load_step_tiles<T, BM, D, NT>(p, sq, Qb, Ob, h, m0, sQ + st * BM * D, sO + st * BM * D,
+                                  sL + st * BM, sD + st * BM);
   };
   load_rows<T, BN, D, NT>(sK, static_cast<const T*>(p.k) + sq.k_start * p.k_row + hk * D,
                           p.k_row, n0, sq.lk);
