@@ -148,9 +148,10 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   p.dk_row = dk.stride(0);
   p.dv_row = dv.stride(0);
   // Not deterministic: dQ accumulates in float32 by atomics from the dK/dV kernel; otherwise a
-  // separate dQ kernel recomputes the scores (bit-identical run to run).
+  // separate dQ kernel recomputes the scores (bit-identical run to run). The atomic kernel needs
+  // Hopper's shared memory; elsewhere the separate pass is taken (same results, within rounding).
   Tensor dq_acc;
-  if (!deterministic) {
+  if (!deterministic && attention_bwd_atomic_fits(p.head_dim)) {
     dq_acc = at::zeros({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
     p.dq_acc = dq_acc.data_ptr<float>();
   }

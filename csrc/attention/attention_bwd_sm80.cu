@@ -11,4 +11,8 @@ cudaError_t attention_bwd_sm80(AttnParams& p) {
   });
 }
 
+bool attention_bwd_atomic_fits(int head_dim) {
+  return head_dim == 128 ? attn::split_fits<128>() : attn::split_fits<64>();
+}
+
 }  // namespace fusedops

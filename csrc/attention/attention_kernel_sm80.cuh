@@ -655,29 +655,39 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 // rows everywhere. Grid (ceil(max_k / BN), hkv, batch), BN = 128 keys, BM queries per step, and
 // QH = BM / 2:
 //   S^T = K Q^T and dP^T = V dO^T: warp (wk = w % 4, wq = w / 4) computes keys 32 wk + [0, 32) x
-//     queries QH wq + [0, QH); P^T and dS^T go to shared memory ([key][query], rows padded to
-//     BM + 8 elements: conflict-free for the stores and for ldmatrix);
+//     queries QH wq + [0, QH); P^T and dS^T go to shared memory ([key][query], 16-byte chunks
+//     swizzled like the D-column tiles: conflict-free for the stores and for ldmatrix);
 //   dV += P^T dO and dK += dS^T Q: warp (wk, wd = w / 4) owns keys 32 wk + [0, 32) x columns
 //     D/2 wd + [0, D/2) of dK and dV, in registers;
 //   dQ += dS K: warp (w % 2, w / 2) computes queries QH (w % 2) + [0, QH) x columns
 //     D/4 (w / 2) + [0, D/4) and adds them to the float32 accumulator.
-// Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); P^T, dS^T (BN x (BM + 8)); lse,
-// delta in two stages (BM). Used when dQ is by atomics (Tiles in attention_launch.cuh; without
-// atomics it was slower than dkdv_kernel on the H200: benchmarks/NOTES_attention.md).
+// One barrier per step: Q/dO (and their row statistics) stream through three stages and P^T/dS^T
+// alternate between two buffers. Step `it` computes S/dP from stage it % 3 and writes P/dS
+// buffer it & 1, waits for its own copies of step it + 1 and takes the barrier; then it issues
+// step it + 2's copies into stage (it + 2) % 3 and runs the dV/dK/dQ products of step it. Every
+// buffer written after the barrier was last read before it: stage (it + 2) % 3 by step it - 1,
+// P/dS buffer (it + 1) & 1 (written by the next step's S/dP) by step it - 1's products. A warp
+// done with its products may thus start the next step's S/dP while others still run theirs.
+// Shared memory: K, V (BN x D); Q, dO (3 x BM x D); P^T, dS^T (2 x BN x BM); lse, delta (3 x BM):
+// 226 KiB at D=128, BM=64 (Hopper; on a GPU with less, run_bwd takes the dQ pass instead).
 template <typename T, int D, int BM>
 __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  constexpr int BN = 128, NT = 256, LDS = BM + 8, DH = D / 2, DQ = D / 4, QH = BM / 2;
-  static_assert(D % 64 == 0 && BM % 32 == 0 && BM <= NT);
+  constexpr int BN = 128, NT = 256, DH = D / 2, DQ = D / 4, QH = BM / 2, kStages = 3;
+  static_assert(D % 64 == 0 && (BM == 64 || BM == 128));
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  // Tiles as byte offsets from the start of shared memory (the ldmatrix lanes take those).
+  constexpr int oV = BN * D * 2, oQ = 2 * BN * D * 2, oO = oQ + kStages * BM * D * 2;
+  constexpr int oP = oO + kStages * BM * D * 2, oS = oP + 2 * BN * BM * 2;
+  constexpr int oL = oS + 2 * BN * BM * 2;
   T* sK = reinterpret_cast<T*>(smem_raw);
-  T* sV = sK + BN * D;
-  T* sQ = sV + BN * D;
-  T* sO = sQ + 2 * BM * D;  // dO
-  T* sP = sO + 2 * BM * D;  // P^T
-  T* sS = sP + BN * LDS;    // dS^T
-  float* sL = reinterpret_cast<float*>(sS + BN * LDS);
-  float* sD = sL + 2 * BM;
+  T* sV = reinterpret_cast<T*>(smem_raw + oV);
+  T* sQ = reinterpret_cast<T*>(smem_raw + oQ);
+  T* sO = reinterpret_cast<T*>(smem_raw + oO);  // dO
+  T* sP = reinterpret_cast<T*>(smem_raw + oP);  // P^T
+  T* sS = reinterpret_cast<T*>(smem_raw + oS);  // dS^T
+  float* sL = reinterpret_cast<float*>(smem_raw + oL);
+  float* sD = sL + kStages * BM;
   const int b = blockIdx.z, hk = blockIdx.y, n0 = blockIdx.x * BN;
   const Seq sq(p, b);
   if (n0 >= sq.lk) return;
@@ -692,14 +702,16 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
   const int wk = warp & 3, wh = warp >> 2;  // key group; query half (S, dP) or column half (dK, dV)
   const int k0 = 32 * wk;                   // the warp's first key in the block
   const int wm = warp & 1, wc = warp >> 1;  // dQ: query half, column quarter
-  // Byte offsets of the tiles; the ldmatrix lanes (for dV/dK from the warp's column half of
-  // dO/Q, for dQ from its column quarter of K).
-  constexpr int oV = BN * D * 2, oQ = 2 * BN * D * 2, oO = oQ + 2 * BM * D * 2;
+  // The ldmatrix lanes: K/V and Q/dO rows (S, dP); dO/Q columns DH wh + [0, DH) (dV, dK); K
+  // columns DQ wc + [0, DQ) (dQ); P^T/dS^T rows (dV, dK); dS^T columns QH wm + [0, QH) read
+  // transposed (dQ: the lane_b pattern of a BM-column tile from column block QH / 16 wm).
   const uint32_t sbase = smem_u32(smem_raw);
   const Lanes<Lane<D>> ln(sbase);
   const Lane<D> ln_kv = lane_bt<D>(sbase, DH / 16 * wh), ln_dq = lane_bt<D>(sbase, DQ / 16 * wc);
+  const LaneXor<BM> ln_pa = lane_a<LaneXor<BM>>(sbase);
+  const Lane<BM> ln_st = Lane<BM>(sbase, ((lane >> 4) << 3) + (lane & 7), (lane >> 3) & 1,
+                                  QH / 16 * wm);
 
-  auto advance = [&](int& h, int& m) { next_step<BM>(h, m, t_lo, n_tiles); };
   auto load_step = [&](int h, int m0, int st) {
     load_step_tiles<T, BM, D, NT>(p, sq, Qb, Ob, h, m0, sQ + st * BM * D, sO + st * BM * D,
                                   sL + st * BM, sD + st * BM);
@@ -708,27 +720,28 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
                           p.k_row, n0, sq.lk);
   load_rows<T, BN, D, NT>(sV, static_cast<const T*>(p.v) + sq.k_start * p.v_row + hk * D,
                           p.v_row, n0, sq.lk);
-  int h_cur = hk * group, m_cur = t_lo * BM;
-  if (n_it > 0) load_step(h_cur, m_cur, 0);
-  cp_async_commit();
+  // Steps 0 and 1 in two copy groups; (h_ld, m_ld) is then the step that the loop loads next.
+  int h_cur = hk * group, m_cur = t_lo * BM, h_ld = h_cur, m_ld = m_cur;
+  for (int j = 0; j < 2; ++j) {
+    if (j < n_it) load_step(h_ld, m_ld, j);
+    cp_async_commit();
+    next_step<BM>(h_ld, m_ld, t_lo, n_tiles);
+  }
+  cp_async_wait<1>();
+  __syncthreads();
 
   const Score score(p);
   float dk[2][DH / 8][4], dv[2][DH / 8][4];
   zero(dk);
   zero(dv);
+  int st = 0;  // it % 3
   for (int it = 0; it < n_it; ++it) {
-    const int st = it & 1;
-    cp_async_wait<0>();
-    __syncthreads();
-    int h_nxt = h_cur, m_nxt = m_cur;
-    advance(h_nxt, m_nxt);
-    if (it + 1 < n_it) load_step(h_nxt, m_nxt, st ^ 1);
-    cp_async_commit();
     const int q_s = oQ + st * BM * D * 2, o_s = oO + st * BM * D * 2;
-    const float* l_s = sL + st * BM + QH * wh;
-    const float* d_s = sD + st * BM + QH * wh;
+    const int pb = (it & 1) * BN * BM * 2;  // byte offset of this step's P^T/dS^T buffer
     const int m0 = m_cur;
     {
+      const float* l_s = sL + st * BM + QH * wh;
+      const float* d_s = sD + st * BM + QH * wh;
       // S^T and dP^T: keys k0 + [0, 32) x queries QH wh + [0, QH) (rows QH wh of the Q/dO tile;
       // QH is a multiple of the swizzle period, so the sub-tile keeps its layout).
       float s[2][QH / 8][4], dp[2][QH / 8][4];
@@ -765,29 +778,33 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
             }
       };
       run_path(full, score.capped(), grad_tile);
+      // Row k0 + 16 mt + g + 8 r of the [key][query] tiles, 16-byte chunk QH wh / 8 + ni.
 #pragma unroll
       for (int mt = 0; mt < 2; ++mt)
 #pragma unroll
         for (int ni = 0; ni < QH / 8; ++ni)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const int at = (k0 + 16 * mt + g + 8 * r) * LDS + QH * wh + ni * 8 + 2 * tq;
-            *reinterpret_cast<uint32_t*>(sP + at) = pack2<T>(s[mt][ni][2 * r], s[mt][ni][2 * r + 1]);
-            *reinterpret_cast<uint32_t*>(sS + at) =
+            const int at = swz<BM>(k0 + 16 * mt + g + 8 * r, QH / 8 * wh + ni) + 2 * tq;
+            *reinterpret_cast<uint32_t*>(smem_raw + oP + pb + 2 * at) =
+                pack2<T>(s[mt][ni][2 * r], s[mt][ni][2 * r + 1]);
+            *reinterpret_cast<uint32_t*>(smem_raw + oS + pb + 2 * at) =
                 pack2<T>(dp[mt][ni][2 * r], dp[mt][ni][2 * r + 1]);
           }
     }
+    cp_async_wait<0>();  // this thread's copies of step it + 1
     __syncthreads();
-    // dV += P^T dO and dK += dS^T Q over the BM queries: A fragments from the padded [key][query]
+    if (it + 2 < n_it) load_step(h_ld, m_ld, st == 0 ? 2 : st - 1);  // stage (it + 2) % 3
+    cp_async_commit();
+    next_step<BM>(h_ld, m_ld, t_lo, n_tiles);
+    // dV += P^T dO and dK += dS^T Q over the BM queries: A fragments from the [key][query]
     // tiles, B fragments from the dO / Q tiles (k index = query row), columns DH wh + [0, DH).
-    auto grad_product = [&](float (&acc)[2][DH / 8][4], const T* a_tile, int b_tile) {
+    auto grad_product = [&](float (&acc)[2][DH / 8][4], int a_tile, int b_tile) {
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk) {
         uint32_t a[2][4];
 #pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-          ldmatrix_x4(a[mt], smem_u32(a_tile + (k0 + 16 * mt + (lane & 15)) * LDS + kk * 16 +
-                                      (lane >> 4) * 8));
+        for (int mt = 0; mt < 2; ++mt) ldmatrix_x4(a[mt], ln_pa.at(a_tile, k0 + 16 * mt, kk));
 #pragma unroll
         for (int j = 0; j < DH / 16; ++j) {
           uint32_t bf[4];
@@ -810,9 +827,7 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
       for (int kk = 0; kk < BN / 16; ++kk) {
         uint32_t a[MQ][4];
 #pragma unroll
-        for (int mt = 0; mt < MQ; ++mt)
-          ldmatrix_x4_trans(a[mt], smem_u32(sS + (kk * 16 + (lane >> 4) * 8 + (lane & 7)) * LDS +
-                                            QH * wm + 16 * mt + ((lane >> 3) & 1) * 8));
+        for (int mt = 0; mt < MQ; ++mt) ldmatrix_x4_trans(a[mt], ln_st.at(oS + pb, kk * 16, mt));
 #pragma unroll
         for (int j = 0; j < DQ / 16; ++j) {
           uint32_t bf[4];
@@ -840,11 +855,11 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
     };
     // dV, dK, then dQ (dQ between them, so that its reductions drain while dK's products run,
     // was 2% slower: benchmarks/NOTES_attention.md v6).
-    grad_product(dv, sP, o_s);
-    grad_product(dk, sS, q_s);
+    grad_product(dv, oP + pb, o_s);
+    grad_product(dk, oS + pb, q_s);
     dq_atomic();
-    h_cur = h_nxt;
-    m_cur = m_nxt;
+    next_step<BM>(h_cur, m_cur, t_lo, n_tiles);
+    st = st == 2 ? 0 : st + 1;
   }
   cp_async_wait<0>();
   const float scale[2][2] = {{p.scale, p.scale}, {p.scale, p.scale}};

@@ -15,8 +15,12 @@ template <int D>
 struct Tiles {
   static constexpr int kFwdMT = D == 128 ? 2 : 1, kFwdN = D == 128 ? 48 : 128, kFwdWarps = 4;
   static constexpr int kDkdvM = D == 128 ? 48 : 96, kDkdvWarps = 4;
-  // dQ by atomics: dkdv_split_kernel, 128 keys x kSplitM queries, 8 warps.
-  static constexpr int kSplitM = D == 128 ? 64 : 128;
+  // dQ by atomics: dkdv_split_kernel, 128 keys x kSplitM queries, 8 warps; its shared memory
+  // (K, V; three stages of Q, dO and their row statistics; two of P^T, dS^T) fits Hopper's
+  // 227 KiB per block only: with less, run_bwd takes the dQ pass.
+  static constexpr int kSplitM = 64;
+  static constexpr size_t kSplitSmem =
+      (2 * 128 * D + 3 * 2 * kSplitM * D + 2 * 2 * 128 * kSplitM) * 2 + 3 * 2 * kSplitM * 4;
   // dQ (deterministic path): at D=64, MT=2 with 32-key tiles (MT=2 x 64 keys spills 68 bytes
   // since the masked tiles have their own copy; MT=1 was 3% slower at L=4096).
   static constexpr int kDqMT = D == 128 ? 1 : 2, kDqN = D == 128 ? 64 : 32, kDqWarps = 4;
@@ -43,6 +47,16 @@ cudaError_t run_fwd(const AttnParams& p) {
                 dim3((p.max_q + BM - 1) / BM, p.hq, p.batch), C::kFwdWarps * 32, smem, p);
 }
 
+// Whether dkdv_split_kernel's shared memory fits the current device (else dQ takes its own pass).
+template <int D>
+bool split_fits() {
+  int dev = 0, most = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return false;
+  return Tiles<D>::kSplitSmem <= static_cast<size_t>(most);
+}
+
 template <typename T, int D>
 cudaError_t run_bwd(const AttnParams& p) {
   using C = Tiles<D>;
@@ -54,8 +68,7 @@ cudaError_t run_bwd(const AttnParams& p) {
   const size_t smem_kv = (2 * BNk + 4 * BMk) * D * sizeof(T) + 4 * BMk * sizeof(float);
   if (p.dq_acc != nullptr) {  // dQ by float32 atomics from the dK/dV kernel, then scaled
     constexpr int BM = C::kSplitM, BN = 128;
-    const size_t smem = (2 * BN + 4 * BM) * D * sizeof(T) + 2 * BN * (BM + 8) * sizeof(T) +
-                        4 * BM * sizeof(float);
+    constexpr size_t smem = C::kSplitSmem;
     err = launch(dkdv_split_kernel<T, D, BM>, dim3((p.max_k + BN - 1) / BN, p.hkv, p.batch), 256,
                  smem, p);
     if (err != cudaSuccess) return err;

@@ -39,5 +39,8 @@ struct AttnParams {
 
 cudaError_t attention_fwd_sm80(AttnParams& p);
 cudaError_t attention_bwd_sm80(AttnParams& p);
+// Whether the kernel of the atomic-dQ backward fits the current device's shared memory (Hopper:
+// yes; Ampere: no, and the backward computes dQ in its own pass instead).
+bool attention_bwd_atomic_fits(int head_dim);
 
 }  // namespace fusedops
