@@ -3,9 +3,9 @@
 # parity subset, then a bench of cuda-sm80 against SDPA flash at L=4096. Everything goes to
 # $OUT/log.txt; the bench's jsonl to $OUT.
 # Env: FUSEDOPS_GIT (sha for the bench rows), TRITON_K (pytest -k for a Triton subset, run in
-# the background while the CUDA tests run), VARIANT_SED (a sed script applied to a copy of the
-# tree, built alongside into /tmp/variant_site and benched as cuda-sm80 too,
-# its rows kept in the log only), VARIANT_DIMS, VARIANT_METHODS, VARIANT_ENV (e.g.
+# the background while the CUDA tests run), VARIANT_SED and VARIANT2_SED (sed scripts, each applied
+# to a copy of the tree, built alongside into /tmp/variant{,2}_site and benched as cuda-sm80 too,
+# their rows kept in the log only; VARIANT2_ENV for the second), VARIANT_DIMS, VARIANT_METHODS, VARIANT_ENV (e.g.
 # FUSEDOPS_ATTN_DQ=atomic, for the variant's bench), BENCH_METHODS, BENCH_DIMS, BENCH_LENGTHS, EXTRA (a command run at the end).
 set -uo pipefail
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
@@ -13,12 +13,16 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEDOPS_CUDA_ARCHS=${FUSEDOP
 say() { echo "== $* ($(date +%T))" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee -a "$LOG"
 say build
-if [ -n "${VARIANT_SED:-}" ]; then
-  rm -rf /tmp/variant_src && cp -r . /tmp/variant_src && rm -rf /tmp/variant_src/build
-  (cd /tmp/variant_src && for f in csrc/attention/*; do sed -i "$VARIANT_SED" "$f"; done &&
-   python3 -m pip install -q --no-build-isolation --no-deps --target /tmp/variant_site . \
-     > "$OUT/variant_build.log" 2>&1 || echo "variant build FAILED" >> "$LOG") &
-fi
+# Variants: VARIANT_SED, and VARIANT2_SED (with VARIANT2_ENV), each built in its own copy.
+build_variant() {  # $1: suffix ("" or 2), $2: sed script
+  local src=/tmp/variant$1_src
+  rm -rf "$src" && cp -r . "$src" && rm -rf "$src/build"
+  (cd "$src" && for f in csrc/attention/*; do sed -i "$2" "$f"; done &&
+   python3 -m pip install -q --no-build-isolation --no-deps --target "/tmp/variant$1_site" . \
+     > "$OUT/variant$1_build.log" 2>&1 || echo "variant$1 build FAILED" >> "$LOG")
+}
+[ -n "${VARIANT_SED:-}" ] && build_variant "" "$VARIANT_SED" &
+[ -n "${VARIANT2_SED:-}" ] && build_variant 2 "$VARIANT2_SED" &
 python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1 \
   || { tail -40 "$OUT/build.log" | tee -a "$LOG"; exit 1; }
 wait
@@ -40,11 +44,14 @@ say bench
 python3 benchmarks/bench_attention.py --out "$OUT" --lengths "${BENCH_LENGTHS:-4096}" \
   --dims "${BENCH_DIMS:-64,128}" --methods "${BENCH_METHODS:-cuda-sm80,cuda-sm80-deterministic,sdpa_flash}" --rep-ms 50 \
   2>>"$LOG" | tee -a "$LOG"
-if [ -n "${VARIANT_SED:-}" ] && [ -d /tmp/variant_site/fusedops ]; then
-  say "bench variant ($VARIANT_SED)"
-  env ${VARIANT_ENV:-} PYTHONPATH=/tmp/variant_site python3 benchmarks/bench_attention.py --out /tmp/variant_res \
-    --lengths "${BENCH_LENGTHS:-4096}" --dims "${VARIANT_DIMS:-64,128}" \
-    --methods "${VARIANT_METHODS:-cuda-sm80}" --rep-ms 50 2>>"$LOG" | tee -a "$LOG"
-fi
+for i in "" 2; do
+  sed_var=VARIANT${i}_SED env_var=VARIANT${i}_ENV
+  if [ -n "${!sed_var:-}" ] && [ -d "/tmp/variant${i}_site/fusedops" ]; then
+    say "bench variant$i (${!sed_var})"
+    env ${!env_var:-${VARIANT_ENV:-}} PYTHONPATH=/tmp/variant${i}_site python3 benchmarks/bench_attention.py \
+      --out /tmp/variant_res --lengths "${BENCH_LENGTHS:-4096}" --dims "${VARIANT_DIMS:-64,128}" \
+      --methods "${VARIANT_METHODS:-cuda-sm80}" --rep-ms 50 2>>"$LOG" | tee -a "$LOG"
+  fi
+done
 if [ -n "${EXTRA:-}" ]; then say extra; bash -c "$EXTRA" 2>&1 | tee -a "$LOG"; fi
 say done

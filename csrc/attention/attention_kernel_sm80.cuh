@@ -720,12 +720,23 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
                           p.k_row, n0, sq.lk);
   load_rows<T, BN, D, NT>(sV, static_cast<const T*>(p.v) + sq.k_start * p.v_row + hk * D,
                           p.v_row, n0, sq.lk);
+  // Each head's query blocks are visited starting from block t_lo + blockIdx.x % n_tiles and
+  // wrapping around, so that the CTAs of neighbouring key blocks, which run at the same time,
+  // add to different dQ rows instead of all to the same ones.
+  constexpr bool kRotate = true;
+  const int m_first = (t_lo + (kRotate && n_tiles > 0 ? blockIdx.x % n_tiles : 0)) * BM;
+  const int m_wrap = (t_lo + n_tiles) * BM;
+  auto advance = [&](int& h, int& m) {
+    m += BM;
+    if (m == m_wrap) m = t_lo * BM;
+    if (m == m_first) ++h;
+  };
   // Steps 0 and 1 in two copy groups; (h_ld, m_ld) is then the step that the loop loads next.
-  int h_cur = hk * group, m_cur = t_lo * BM, h_ld = h_cur, m_ld = m_cur;
+  int h_cur = hk * group, m_cur = m_first, h_ld = h_cur, m_ld = m_cur;
   for (int j = 0; j < 2; ++j) {
     if (j < n_it) load_step(h_ld, m_ld, j);
     cp_async_commit();
-    next_step<BM>(h_ld, m_ld, t_lo, n_tiles);
+    advance(h_ld, m_ld);
   }
   cp_async_wait<1>();
   __syncthreads();
@@ -796,7 +807,7 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
     __syncthreads();
     if (it + 2 < n_it) load_step(h_ld, m_ld, st == 0 ? 2 : st - 1);  // stage (it + 2) % 3
     cp_async_commit();
-    next_step<BM>(h_ld, m_ld, t_lo, n_tiles);
+    advance(h_ld, m_ld);
     // dV += P^T dO and dK += dS^T Q over the BM queries: A fragments from the [key][query]
     // tiles, B fragments from the dO / Q tiles (k index = query row), columns DH wh + [0, DH).
     auto grad_product = [&](float (&acc)[2][DH / 8][4], int a_tile, int b_tile) {
@@ -853,12 +864,12 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
             red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
         }
     };
-    // dV, dK, then dQ (dQ between them, so that its reductions drain while dK's products run,
-    // was 2% slower: benchmarks/NOTES_attention.md v6).
+    // dV, dQ, then dK: dQ's reductions drain while dK's products run (1% faster than dQ last
+    // with one barrier per step; it was 2% slower with two: benchmarks/NOTES_attention.md).
     grad_product(dv, oP + pb, o_s);
-    grad_product(dk, oS + pb, q_s);
     dq_atomic();
-    next_step<BM>(h_cur, m_cur, t_lo, n_tiles);
+    grad_product(dk, oS + pb, q_s);
+    advance(h_cur, m_cur);
     st = st == 2 ? 0 : st + 1;
   }
   cp_async_wait<0>();
