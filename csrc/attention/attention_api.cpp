@@ -152,7 +152,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   // Hopper's shared memory; elsewhere the separate pass is taken (same results, within rounding).
   Tensor dq_acc;
   if (!deterministic && attention_bwd_atomic_fits(p.head_dim)) {
-    dq_acc = at::zeros({q.size(0), q.size(1), q.size(2)}, q.options().dtype(at::kFloat));
+    // Rows rounded up to a multiple of 8 for the accumulator's 8 x 8 tiles (dq_acc_index).
+    dq_acc = at::zeros({(q.size(0) + 7) / 8 * 8, q.size(1), q.size(2)},
+                       q.options().dtype(at::kFloat));
     p.dq_acc = dq_acc.data_ptr<float>();
   }
   // Every row is written by the kernels (cu_seqlens cover the packed tensors, checked in Python

@@ -532,13 +532,34 @@ __device__ __forceinline__ void load_step_tiles(const AttnParams& p, const Seq& 
   load_stats<BM>(p, h, sq.q_start, m0, sq.lq, s_lse, s_delta);
 }
 
-// dQ accumulation by float32 reductions: (row, row + 8) x (col, col + 1) of an accumulator tile.
+// The float32 dQ accumulator (only the atomic kernel and dq_convert_kernel see it) is stored in
+// tiles of 8 rows x 8 columns, each contiguous and row-major: (packed row i, head h, column c) at
+// (((i / 8) hq + h) D / 8 + c / 8) 64 + 8 (i % 8) + c % 8, rows rounded up to a multiple of 8.
+// A warp's reduction of one half of an m16n8 accumulator (8 rows x 8 columns, two per lane) then
+// covers one contiguous 256-byte tile instead of 32-byte pieces of eight rows 8 KiB apart
+// (FlashAttention-2 permutes its accumulator for the same reason).
+template <int D>
+__device__ __forceinline__ int64_t dq_acc_index(int64_t i, int h, int c, int hq) {
+  return ((((i >> 3) * hq + h) * (D / 8) + (c >> 3)) << 6) + ((i & 7) << 3) + (c & 7);
+}
+
+// dQ accumulation by float32 reductions of 2 or 4 consecutive elements.
 __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
 #else
   atomicAdd(dst, a);
   atomicAdd(dst + 1, b);
+#endif
+}
+__device__ __forceinline__ void red_add4(float* dst, float a, float b, float c, float d) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b),
+               "f"(c), "f"(d)
+               : "memory");
+#else
+  red_add2(dst, a, b);
+  red_add2(dst + 2, c, d);
 #endif
 }
 
@@ -851,18 +872,41 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
         }
       }
       const int h = h_cur;
+      constexpr bool kRedV4 = false;
+      if constexpr (kRedV4) {
+        // Lanes 2j and 2j + 1 of a quad swap halves: the even one then adds row g, columns
+        // 4j + [0, 4), the odd one row g + 8.
+        const int rr = tq & 1;
 #pragma unroll
-      for (int mt = 0; mt < MQ; ++mt)
+        for (int mt = 0; mt < MQ; ++mt) {
+          const int i = m0 + QH * wm + 16 * mt + g + 8 * rr;
+          float* dst = p.dq_acc + dq_acc_index<D>(sq.q_start + i, h, DQ * wc + 4 * (tq >> 1), p.hq);
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const int i = m0 + QH * wm + 16 * mt + g + 8 * r;
-          if (i >= sq.lq) continue;
-          float* dst = p.dq_acc + (static_cast<int64_t>(sq.q_start + i) * p.hq + h) * D +
-                       DQ * wc + 2 * tq;
-#pragma unroll
-          for (int n8 = 0; n8 < DQ / 8; ++n8)
-            red_add2(dst + n8 * 8, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
+          for (int n8 = 0; n8 < DQ / 8; ++n8) {
+            const float* a = acc[mt][n8];
+            const float t0 = __shfl_xor_sync(0xffffffffu, rr ? a[0] : a[2], 1);
+            const float t1 = __shfl_xor_sync(0xffffffffu, rr ? a[1] : a[3], 1);
+            if (i < sq.lq) {
+              if (rr)
+                red_add4(dst + n8 * 64, t0, t1, a[2], a[3]);
+              else
+                red_add4(dst + n8 * 64, a[0], a[1], t0, t1);
+            }
+          }
         }
+      } else {
+#pragma unroll
+        for (int mt = 0; mt < MQ; ++mt)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int i = m0 + QH * wm + 16 * mt + g + 8 * r;
+            if (i >= sq.lq) continue;
+            float* dst = p.dq_acc + dq_acc_index<D>(sq.q_start + i, h, DQ * wc + 2 * tq, p.hq);
+#pragma unroll
+            for (int n8 = 0; n8 < DQ / 8; ++n8)
+              red_add2(dst + n8 * 64, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
+          }
+      }
     };
     // dV, dQ, then dK: dQ's reductions drain while dK's products run (1% faster than dQ last
     // with one barrier per step; it was 2% slower with two: benchmarks/NOTES_attention.md).
@@ -883,14 +927,16 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
 #endif
 }
 
-// dQ = scale * the float32 accumulator, one thread per 8 elements of a (row, head).
+// dQ = scale * the float32 accumulator (tiled: dq_acc_index), one thread per 8 elements of a
+// (row, head), which are 32 contiguous bytes of the accumulator.
 template <typename T, int D>
 __global__ void __launch_bounds__(256) dq_convert_kernel(const AttnParams p) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
   if (idx >= static_cast<int64_t>(p.total_q) * p.hq * (D / 8)) return;
   const int64_t row = idx / (p.hq * (D / 8));
   const int c = static_cast<int>(idx % (p.hq * (D / 8)));  // head * D / 8 + chunk
-  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + row * p.hq * D + c * 8);
+  const float4* src = reinterpret_cast<const float4*>(
+      p.dq_acc + dq_acc_index<D>(row, c / (D / 8), (c % (D / 8)) * 8, p.hq));
   const float4 x = src[0], y = src[1];
   uint4 out;
   out.x = pack2<T>(x.x * p.scale, x.y * p.scale);

@@ -21,7 +21,7 @@ struct AttnParams {
   void* dv = nullptr;
   float* lse = nullptr;
   float* delta = nullptr;
-  float* dq_acc = nullptr;  // (total_q, hq, D) float32, zeroed: dQ by atomics; null: dQ pass
+  float* dq_acc = nullptr;  // float32 dQ in 8 x 8 tiles (dq_acc_index), zeroed; null: dQ pass
   const int* cu_q = nullptr;
   const int* cu_k = nullptr;
   // Row strides (elements) of each tensor; the head stride is head_dim everywhere.
