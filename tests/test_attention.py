@@ -92,7 +92,7 @@ def test_deterministic_backward_is_bitwise_repeatable(feature, backend):
 
 def _other_dq_mode_params():
     """Each backend's non-default dQ mode (the parity suite runs the defaults: Triton separate,
-    CUDA atomic at D=128 and separate at D=64)."""
+    CUDA atomic)."""
     out = []
     for feature in ("plain", "causal", "causal_window", "varlen_everything", "softcap"):
         out.append(pytest.param("triton", "atomic", torch.bfloat16, (2, 1025, 1025, 8, 2, 128),
@@ -100,7 +100,7 @@ def _other_dq_mode_params():
         for dtype in (torch.bfloat16, torch.float16):
             for shape in ((2, 1025, 1025, 8, 2, 128), (2, 97, 211, 4, 2, 64),
                           (2, 211, 97, 4, 1, 64)):
-                mode = "separate" if shape[-1] == 128 else "atomic"
+                mode = "separate"
                 out.append(pytest.param(
                     "cuda-sm80", mode, dtype, shape, feature, marks=NEEDS_EXT,
                     id=f"cuda-sm80-{mode}-{str(dtype)[6:]}-{'x'.join(map(str, shape))}-"
@@ -121,9 +121,9 @@ def test_dq_mode_selection(monkeypatch):
     from fusedops.attention.ops import dq_mode
     monkeypatch.delenv("FUSEDOPS_ATTN_DQ", raising=False)
     assert dq_mode("triton", 128) == "separate" and dq_mode("cuda-sm80", 128) == "atomic"
-    assert dq_mode("cuda-sm80", 64) == "separate"
+    assert dq_mode("cuda-sm80", 64) == "atomic"
     monkeypatch.setenv("FUSEDOPS_ATTN_DQ", "separate")
-    assert dq_mode("cuda-sm80", 128) == "separate"
+    assert dq_mode("cuda-sm80", 128) == "separate" and dq_mode("cuda-sm80", 64) == "separate"
     monkeypatch.setenv("FUSEDOPS_ATTN_DQ", "atomic")
     assert dq_mode("triton", 64) == "atomic" and dq_mode("cuda-sm80", 64) == "atomic"
     torch.use_deterministic_algorithms(True, warn_only=True)

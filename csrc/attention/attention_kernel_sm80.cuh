@@ -543,7 +543,8 @@ __device__ __forceinline__ int64_t dq_acc_index(int64_t i, int h, int c, int hq)
   return ((((i >> 3) * hq + h) * (D / 8) + (c >> 3)) << 6) + ((i & 7) << 3) + (c & 7);
 }
 
-// dQ accumulation by float32 reductions of 2 or 4 consecutive elements.
+// dQ accumulation by float32 reductions of 2 consecutive elements (4 per lane, after a swap of
+// halves between lanes, was 7% slower: benchmarks/NOTES_attention.md v7).
 __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
@@ -552,17 +553,6 @@ __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
   atomicAdd(dst + 1, b);
 #endif
 }
-__device__ __forceinline__ void red_add4(float* dst, float a, float b, float c, float d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b),
-               "f"(c), "f"(d)
-               : "memory");
-#else
-  red_add2(dst, a, b);
-  red_add2(dst + 2, c, d);
-#endif
-}
-
 // ---------------------------------------------------------------------------------------------
 // dK/dV. Grid (ceil(max_k / BN), hkv, batch); each warp owns 16 keys (BN = 16 NW), BM queries
 // per step. Shared memory: K, V (BN x D); Q, dO in two stages (BM x D); lse, delta in two
@@ -741,19 +731,9 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
                           p.k_row, n0, sq.lk);
   load_rows<T, BN, D, NT>(sV, static_cast<const T*>(p.v) + sq.k_start * p.v_row + hk * D,
                           p.v_row, n0, sq.lk);
-  // Each head's query blocks are visited starting from block t_lo + blockIdx.x % n_tiles and
-  // wrapping around, so that the CTAs of neighbouring key blocks, which run at the same time,
-  // add to different dQ rows instead of all to the same ones.
-  constexpr bool kRotate = true;
-  const int m_first = (t_lo + (kRotate && n_tiles > 0 ? blockIdx.x % n_tiles : 0)) * BM;
-  const int m_wrap = (t_lo + n_tiles) * BM;
-  auto advance = [&](int& h, int& m) {
-    m += BM;
-    if (m == m_wrap) m = t_lo * BM;
-    if (m == m_first) ++h;
-  };
+  auto advance = [&](int& h, int& m) { next_step<BM>(h, m, t_lo, n_tiles); };
   // Steps 0 and 1 in two copy groups; (h_ld, m_ld) is then the step that the loop loads next.
-  int h_cur = hk * group, m_cur = m_first, h_ld = h_cur, m_ld = m_cur;
+  int h_cur = hk * group, m_cur = t_lo * BM, h_ld = h_cur, m_ld = m_cur;
   for (int j = 0; j < 2; ++j) {
     if (j < n_it) load_step(h_ld, m_ld, j);
     cp_async_commit();
@@ -872,41 +852,17 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
         }
       }
       const int h = h_cur;
-      constexpr bool kRedV4 = false;
-      if constexpr (kRedV4) {
-        // Lanes 2j and 2j + 1 of a quad swap halves: the even one then adds row g, columns
-        // 4j + [0, 4), the odd one row g + 8.
-        const int rr = tq & 1;
 #pragma unroll
-        for (int mt = 0; mt < MQ; ++mt) {
-          const int i = m0 + QH * wm + 16 * mt + g + 8 * rr;
-          float* dst = p.dq_acc + dq_acc_index<D>(sq.q_start + i, h, DQ * wc + 4 * (tq >> 1), p.hq);
+      for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
-          for (int n8 = 0; n8 < DQ / 8; ++n8) {
-            const float* a = acc[mt][n8];
-            const float t0 = __shfl_xor_sync(0xffffffffu, rr ? a[0] : a[2], 1);
-            const float t1 = __shfl_xor_sync(0xffffffffu, rr ? a[1] : a[3], 1);
-            if (i < sq.lq) {
-              if (rr)
-                red_add4(dst + n8 * 64, t0, t1, a[2], a[3]);
-              else
-                red_add4(dst + n8 * 64, a[0], a[1], t0, t1);
-            }
-          }
+        for (int r = 0; r < 2; ++r) {
+          const int i = m0 + QH * wm + 16 * mt + g + 8 * r;
+          if (i >= sq.lq) continue;
+          float* dst = p.dq_acc + dq_acc_index<D>(sq.q_start + i, h, DQ * wc + 2 * tq, p.hq);
+#pragma unroll
+          for (int n8 = 0; n8 < DQ / 8; ++n8)
+            red_add2(dst + n8 * 64, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
         }
-      } else {
-#pragma unroll
-        for (int mt = 0; mt < MQ; ++mt)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int i = m0 + QH * wm + 16 * mt + g + 8 * r;
-            if (i >= sq.lq) continue;
-            float* dst = p.dq_acc + dq_acc_index<D>(sq.q_start + i, h, DQ * wc + 2 * tq, p.hq);
-#pragma unroll
-            for (int n8 = 0; n8 < DQ / 8; ++n8)
-              red_add2(dst + n8 * 64, acc[mt][n8][2 * r], acc[mt][n8][2 * r + 1]);
-          }
-      }
     };
     // dV, dQ, then dK: dQ's reductions drain while dK's products run (1% faster than dQ last
     // with one barrier per step; it was 2% slower with two: benchmarks/NOTES_attention.md).
