@@ -672,24 +672,23 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 //     D/2 wd + [0, D/2) of dK and dV, in registers;
 //   dQ += dS K: warp (w % 2, w / 2) computes queries QH (w % 2) + [0, QH) x columns
 //     D/4 (w / 2) + [0, D/4) and adds them to the float32 accumulator.
-// One barrier per step: Q/dO (and their row statistics) stream through QS stages and P^T/dS^T
-// alternate between two buffers. Step `it` computes S/dP from stage it % QS and writes P/dS
-// buffer it & 1, then takes the barrier, issues the copies of step it + QS - 1 into stage
-// (it + QS - 1) % QS and runs the dV/dK/dQ products of step it. Every buffer written after the
-// barrier was last read before it: that stage by step it - 1, P/dS buffer (it + 1) & 1 (written
-// by the next step's S/dP) by step it - 1's products. A warp done with its products may thus
-// start the next step's S/dP while others still run theirs. The copies of a step are published
-// by the barrier of the step before it (QS = 3: each thread waits for its own copies first) or,
-// with QS = 2, by an mbarrier per stage that counts every thread's copies and that a step waits
-// on before its S/dP.
-// Shared memory: K, V (BN x D); Q, dO (QS x BM x D); P^T, dS^T (2 x BN x BM); lse, delta
-// (QS x BM); 2 mbarriers: 226 KiB at D=128, BM=64, QS=3 and at D=64, BM=128, QS=2 (Hopper; on
-// a GPU with less, run_bwd takes the dQ pass instead).
-template <typename T, int D, int BM, int QS>
+// One barrier per step. Q/dO (and their row statistics) stream through two stages and P^T/dS^T
+// alternate between two buffers. Step `it` waits for its Q/dO copies (an mbarrier per stage
+// that counts every thread's cp.async copies), computes S/dP from stage it % 2 and writes P/dS
+// buffer it & 1, then takes the barrier, issues the copies of step it + 1 into the other stage
+// and runs the dV/dK/dQ products of step it. Every buffer written after the barrier was last read
+// before it: the other stage by step it - 1, P/dS buffer (it + 1) & 1 (written by the next step's
+// S/dP) by step it - 1's products. A warp done with its products may thus start the next step's
+// S/dP while others still run theirs. (Publishing the copies by the barrier instead needs three
+// stages, one step ahead: as fast at D=128, run b9d0c8b6, and it does not fit at D=64, BM=128.)
+// Shared memory: K, V (BN x D); Q, dO (2 x BM x D); P^T, dS^T (2 x BN x BM); lse, delta (2 x BM);
+// 2 mbarriers: 193 KiB at D=128, BM=64 and 226 KiB at D=64, BM=128 (on a GPU with less than
+// that per block, run_bwd takes the dQ pass instead).
+template <typename T, int D, int BM>
 __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  constexpr int BN = 128, NT = 256, DH = D / 2, DQ = D / 4, QH = BM / 2, kStages = QS;
-  static_assert(D % 64 == 0 && (BM == 64 || BM == 128) && (QS == 2 || QS == 3));
+  constexpr int BN = 128, NT = 256, DH = D / 2, DQ = D / 4, QH = BM / 2, kStages = 2;
+  static_assert(D % 64 == 0 && (BM == 64 || BM == 128));
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Tiles as byte offsets from the start of shared memory (the ldmatrix lanes take those).
   constexpr int oV = BN * D * 2, oQ = 2 * BN * D * 2, oO = oQ + kStages * BM * D * 2;
@@ -701,7 +700,7 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
   T* sO = reinterpret_cast<T*>(smem_raw + oO);  // dO
   float* sL = reinterpret_cast<float*>(smem_raw + oL);
   float* sD = sL + kStages * BM;
-  const uint32_t bar0 = smem_u32(sD + kStages * BM);  // QS = 2: the stages' mbarriers (8 bytes)
+  const uint32_t bar0 = smem_u32(sD + kStages * BM);  // the stages' mbarriers, 8 bytes each
   const int b = blockIdx.z, hk = blockIdx.y, n0 = blockIdx.x * BN;
   const Seq sq(p, b);
   if (n0 >= sq.lk) return;
@@ -735,35 +734,30 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
   load_rows<T, BN, D, NT>(sV, static_cast<const T*>(p.v) + sq.k_start * p.v_row + hk * D,
                           p.v_row, n0, sq.lk);
   auto advance = [&](int& h, int& m) { next_step<BM>(h, m, t_lo, n_tiles); };
-  // Steps [0, QS - 1) in one copy group each; (h_ld, m_ld) is then the step that the loop loads
-  // next.
-  if constexpr (QS == 2) {
-    if (threadIdx.x == 0) {
-      mbar_init(bar0, NT);
-      mbar_init(bar0 + 8, NT);
-    }
+  if (threadIdx.x == 0) {
+    mbar_init(bar0, NT);
+    mbar_init(bar0 + 8, NT);
   }
+  // Step 0 (with K, V) by a copy group and the barrier; (h_ld, m_ld) is then the step that the
+  // loop loads next.
   int h_cur = hk * group, m_cur = t_lo * BM, h_ld = h_cur, m_ld = m_cur;
-  for (int j = 0; j < QS - 1; ++j) {
-    if (j < n_it) load_step(h_ld, m_ld, j);
-    cp_async_commit();
-    advance(h_ld, m_ld);
-  }
-  cp_async_wait<QS - 2>();  // step 0 (and K, V)
+  if (n_it > 0) load_step(h_ld, m_ld, 0);
+  cp_async_commit();
+  advance(h_ld, m_ld);
+  cp_async_wait<0>();
   __syncthreads();
 
   const Score score(p);
   float dk[2][DH / 8][4], dv[2][DH / 8][4];
   zero(dk);
   zero(dv);
-  int st = 0;  // it % QS
   for (int it = 0; it < n_it; ++it) {
+    const int st = it & 1;  // the Q/dO stage and the P^T/dS^T buffer
     const int q_s = oQ + st * BM * D * 2, o_s = oO + st * BM * D * 2;
-    const int pb = (it & 1) * BN * BM * 2;  // byte offset of this step's P^T/dS^T buffer
+    const int pb = st * BN * BM * 2;  // byte offset of this step's P^T/dS^T buffer
     const int m0 = m_cur;
-    // QS = 2: step it >= 1 was the ((it - 1) / 2)-th copy into stage it & 1.
-    if constexpr (QS == 2)
-      if (it > 0) mbar_wait(bar0 + 8 * st, ((it - 1) >> 1) & 1);
+    // Step it >= 1 was the ((it - 1) / 2)-th copy into its stage: mbarrier phase of that parity.
+    if (it > 0) mbar_wait(bar0 + 8 * st, ((it - 1) >> 1) & 1);
     {
       const float* l_s = sL + st * BM + QH * wh;
       const float* d_s = sD + st * BM + QH * wh;
@@ -817,17 +811,10 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
                 pack2<T>(dp[mt][ni][2 * r], dp[mt][ni][2 * r + 1]);
           }
     }
-    if constexpr (QS == 3) {
-      cp_async_wait<0>();  // this thread's copies of step it + 1
-      __syncthreads();
-      if (it + 2 < n_it) load_step(h_ld, m_ld, st == 0 ? 2 : st - 1);  // stage (it + 2) % 3
-      cp_async_commit();
-    } else {
-      __syncthreads();
-      if (it + 1 < n_it) {
-        load_step(h_ld, m_ld, st ^ 1);
-        cp_async_mbar_arrive(bar0 + 8 * (st ^ 1));
-      }
+    __syncthreads();
+    if (it + 1 < n_it) {
+      load_step(h_ld, m_ld, st ^ 1);
+      cp_async_mbar_arrive(bar0 + 8 * (st ^ 1));
     }
     advance(h_ld, m_ld);
     // dV += P^T dO and dK += dS^T Q over the BM queries: A fragments from the [key][query]
@@ -891,9 +878,8 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
     dq_atomic();
     grad_product(dk, oS + pb, q_s);
     advance(h_cur, m_cur);
-    st = st == QS - 1 ? 0 : st + 1;
   }
-  cp_async_commit();
+  cp_async_commit();  // nothing is left in flight: every step's copies were waited for
   cp_async_wait<0>();
   const float scale[2][2] = {{p.scale, p.scale}, {p.scale, p.scale}};
   const float one[2][2] = {{1.f, 1.f}, {1.f, 1.f}};

@@ -15,13 +15,12 @@ template <int D>
 struct Tiles {
   static constexpr int kFwdMT = D == 128 ? 2 : 1, kFwdN = D == 128 ? 48 : 96, kFwdWarps = 4;
   static constexpr int kDkdvM = D == 128 ? 48 : 96, kDkdvWarps = 4;
-  // dQ by atomics: dkdv_split_kernel, 128 keys x kSplitM queries, 8 warps, kSplitQS stages of
-  // Q/dO; its shared memory (K, V; the Q/dO stages and their row statistics; two P^T/dS^T
-  // buffers) fits Hopper's 227 KiB per block only: with less, run_bwd takes the dQ pass.
-  static constexpr int kSplitM = D == 128 ? 64 : 128, kSplitQS = D == 128 ? 3 : 2;
+  // dQ by atomics: dkdv_split_kernel, 128 keys x kSplitM queries, 8 warps; its shared memory
+  // (K, V; two stages of Q, dO and their row statistics; two P^T/dS^T buffers; two mbarriers)
+  // fits Hopper's 227 KiB per block, not an A100's 163: with less, run_bwd takes the dQ pass.
+  static constexpr int kSplitM = D == 128 ? 64 : 128;
   static constexpr size_t kSplitSmem =
-      (2 * 128 * D + kSplitQS * 2 * kSplitM * D + 2 * 2 * 128 * kSplitM) * 2 +
-      kSplitQS * 2 * kSplitM * 4 + 16;
+      (2 * 128 * D + 2 * 2 * kSplitM * D + 2 * 2 * 128 * kSplitM) * 2 + 2 * 2 * kSplitM * 4 + 16;
   // dQ (deterministic path): at D=64, MT=2 with 32-key tiles (MT=2 x 64 keys spills 68 bytes
   // since the masked tiles have their own copy; MT=1 was 3% slower at L=4096).
   static constexpr int kDqMT = D == 128 ? 1 : 2, kDqN = D == 128 ? 64 : 32, kDqWarps = 4;
@@ -70,7 +69,7 @@ cudaError_t run_bwd(const AttnParams& p) {
   if (p.dq_acc != nullptr) {  // dQ by float32 atomics from the dK/dV kernel, then scaled
     constexpr int BM = C::kSplitM, BN = 128;
     constexpr size_t smem = C::kSplitSmem;
-    err = launch(dkdv_split_kernel<T, D, BM, C::kSplitQS>, dim3((p.max_k + BN - 1) / BN, p.hkv, p.batch), 256,
+    err = launch(dkdv_split_kernel<T, D, BM>, dim3((p.max_k + BN - 1) / BN, p.hkv, p.batch), 256,
                  smem, p);
     if (err != cudaSuccess) return err;
     const int64_t n = static_cast<int64_t>(p.total_q) * p.hq * (D / 8);
