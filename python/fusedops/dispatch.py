@@ -130,11 +130,11 @@ def candidates(request: str, sig: InputSig) -> list[str]:
     if request == "auto":
         triton = ["triton"] if sig.device_type == "cuda" else []
         if (sig.op == "attention" and triton and not _forced_sm80()
-                and _capability(sig) >= (9, 0)):
-            # Attention has no Hopper CUDA kernel yet, and a forward + backward step of the
-            # Ampere one is slower than Triton's on the H200 (L=4096: 96-97% of Triton's speed at
-            # D=128, less at D=64; runs 2eadc7c4 and a0ceed58), so auto takes Triton there;
-            # FUSEDOPS_CUDA_ARCH=sm80 or backend="cuda" pick the CUDA one.
+                and _capability(sig) >= (9, 0) and sig.inner_dim != 128):
+            # Attention has no Hopper CUDA kernel yet. On the H200 a forward + backward step of
+            # the Ampere one is 6% faster than Triton's at D=128 but 10% slower at D=64 (equal
+            # when causal; run 7f79adb8, L=4096), and it has no other head dims: auto takes it
+            # first at D=128 only. FUSEDOPS_CUDA_ARCH=sm80 or backend="cuda" pick it always.
             return triton + cuda + ["torch"]
         return cuda + triton + ["torch"]
     if request == "cuda":
