@@ -670,8 +670,9 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 //     swizzled like the D-column tiles: conflict-free for the stores and for ldmatrix);
 //   dV += P^T dO and dK += dS^T Q: warp (wk, wd = w / 4) owns keys 32 wk + [0, 32) x columns
 //     D/2 wd + [0, D/2) of dK and dV, in registers;
-//   dQ += dS K: warp (w % 2, w / 2) computes queries QH (w % 2) + [0, QH) x columns
-//     D/4 (w / 2) + [0, D/4) and adds them to the float32 accumulator.
+//   dQ += dS K: warp (w % NQ, w / NQ), NQ = BM / 32, computes queries 32 (w % NQ) + [0, 32) x
+//     columns DQ (w / NQ) + [0, DQ), DQ = D NQ / 8 (32 x 32 at both head dims), and adds them to
+//     the float32 accumulator.
 // One barrier per step. Q/dO (and their row statistics) stream through two stages and P^T/dS^T
 // alternate between two buffers. Step `it` waits for its Q/dO copies (an mbarrier per stage
 // that counts every thread's cp.async copies), computes S/dP from stage it % 2 and writes P/dS
@@ -687,7 +688,9 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 template <typename T, int D, int BM>
 __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  constexpr int BN = 128, NT = 256, DH = D / 2, DQ = D / 4, QH = BM / 2, kStages = 2;
+  constexpr int BN = 128, NT = 256, DH = D / 2, QH = BM / 2, kStages = 2;
+  // dQ: NQ query groups of 32 x NC column groups of DQ (32 x 32 per warp at both head dims).
+  constexpr int NQ = BM / 32, NC = 8 / NQ, DQ = D / NC;
   static_assert(D % 64 == 0 && (BM == 64 || BM == 128));
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // Tiles as byte offsets from the start of shared memory (the ldmatrix lanes take those).
@@ -714,16 +717,16 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int wk = warp & 3, wh = warp >> 2;  // key group; query half (S, dP) or column half (dK, dV)
   const int k0 = 32 * wk;                   // the warp's first key in the block
-  const int wm = warp & 1, wc = warp >> 1;  // dQ: query half, column quarter
+  const int wm = warp % NQ, wc = warp / NQ;  // dQ: query group, column group
   // The ldmatrix lanes: K/V and Q/dO rows (S, dP); dO/Q columns DH wh + [0, DH) (dV, dK); K
-  // columns DQ wc + [0, DQ) (dQ); P^T/dS^T rows (dV, dK); dS^T columns QH wm + [0, QH) read
-  // transposed (dQ: the lane_b pattern of a BM-column tile from column block QH / 16 wm).
+  // columns DQ wc + [0, DQ) (dQ); P^T/dS^T rows (dV, dK); dS^T columns 32 wm + [0, 32) read
+  // transposed (dQ: the lane_b pattern of a BM-column tile from column block 2 wm).
   const uint32_t sbase = smem_u32(smem_raw);
   const Lanes<Lane<D>> ln(sbase);
   const Lane<D> ln_kv = lane_bt<D>(sbase, DH / 16 * wh), ln_dq = lane_bt<D>(sbase, DQ / 16 * wc);
   const LaneXor<BM> ln_pa = lane_a<LaneXor<BM>>(sbase);
   const Lane<BM> ln_st = Lane<BM>(sbase, ((lane >> 4) << 3) + (lane & 7), (lane >> 3) & 1,
-                                  QH / 16 * wm);
+                                  2 * wm);
 
   auto load_step = [&](int h, int m0, int st) {
     load_step_tiles<T, BM, D, NT>(p, sq, Qb, Ob, h, m0, sQ + st * BM * D, sO + st * BM * D,
@@ -838,9 +841,9 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
       }
     };
     auto dq_atomic = [&] {
-      // dQ[queries QH (w % 2) + [0, QH), columns DQ (w / 2) + [0, DQ)] = dS K over the BN keys;
+      // dQ[queries 32 wm + [0, 32), columns DQ wc + [0, DQ)] = dS K over the BN keys;
       // dS (query x key) from dS^T by ldmatrix.trans.
-      constexpr int MQ = QH / 16;
+      constexpr int MQ = 2;
       float acc[MQ][DQ / 8][4];
       zero(acc);
 #pragma unroll
@@ -864,7 +867,7 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
       for (int mt = 0; mt < MQ; ++mt)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const int i = m0 + QH * wm + 16 * mt + g + 8 * r;
+          const int i = m0 + 32 * wm + 16 * mt + g + 8 * r;
           if (i >= sq.lq) continue;
           float* dst = p.dq_acc + dq_acc_index<D>(sq.q_start + i, h, DQ * wc + 2 * tq, p.hq);
 #pragma unroll
