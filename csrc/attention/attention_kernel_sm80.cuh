@@ -514,6 +514,21 @@ __device__ __forceinline__ void load_stats(const AttnParams& p, int h, int q_sta
   cp_async_4(smem_u32(s_delta + r), p.delta + at, valid);
 }
 
+// The query steps of a dK/dV CTA (keys [n0, n0 + BN)): the GQA group's query heads times the
+// query blocks [t_lo, t_lo + n_tiles) of BM rows that see those keys.
+template <int BM, int BN>
+struct KeySteps {
+  int group, t_lo, n_tiles, n_it;
+  __device__ __forceinline__ KeySteps(const AttnParams& p, const Seq& sq, int n0) {
+    group = p.hq / p.hkv;
+    int i_lo, i_hi;
+    sq.queries_of(n0, min(n0 + BN, sq.lk), p, i_lo, i_hi);
+    t_lo = i_lo / BM;
+    n_tiles = i_hi > i_lo ? (i_hi + BM - 1) / BM - t_lo : 0;
+    n_it = group * n_tiles;
+  }
+};
+
 // The query steps of a dK/dV CTA: step `it` works on query head h and block [m, m + BM), with
 // it = (h - h0) n_tiles + (m / BM - t_lo), advanced incrementally (no division per step).
 template <int BM>
@@ -574,11 +589,8 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
   const int b = blockIdx.z, hk = blockIdx.y, n0 = blockIdx.x * BN;
   const Seq sq(p, b);
   if (n0 >= sq.lk) return;
-  const int group = p.hq / p.hkv;
-  int i_lo, i_hi;
-  sq.queries_of(n0, min(n0 + BN, sq.lk), p, i_lo, i_hi);
-  const int t_lo = i_lo / BM, n_tiles = i_hi > i_lo ? (i_hi + BM - 1) / BM - t_lo : 0;
-  const int n_it = group * n_tiles;
+  const KeySteps<BM, BN> ks(p, sq, n0);
+  const int group = ks.group, t_lo = ks.t_lo, n_tiles = ks.n_tiles, n_it = ks.n_it;
   const T* Qb = static_cast<const T*>(p.q) + sq.q_start * p.q_row;
   const T* Ob = static_cast<const T*>(p.dout) + sq.q_start * p.do_row;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
@@ -707,11 +719,8 @@ __global__ void __launch_bounds__(256) dkdv_split_kernel(const AttnParams p) {
   const int b = blockIdx.z, hk = blockIdx.y, n0 = blockIdx.x * BN;
   const Seq sq(p, b);
   if (n0 >= sq.lk) return;
-  const int group = p.hq / p.hkv;
-  int i_lo, i_hi;
-  sq.queries_of(n0, min(n0 + BN, sq.lk), p, i_lo, i_hi);
-  const int t_lo = i_lo / BM, n_tiles = i_hi > i_lo ? (i_hi + BM - 1) / BM - t_lo : 0;
-  const int n_it = group * n_tiles;
+  const KeySteps<BM, BN> ks(p, sq, n0);
+  const int group = ks.group, t_lo = ks.t_lo, n_tiles = ks.n_tiles, n_it = ks.n_it;
   const T* Qb = static_cast<const T*>(p.q) + sq.q_start * p.q_row;
   const T* Ob = static_cast<const T*>(p.dout) + sq.q_start * p.do_row;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
