@@ -3,10 +3,11 @@
 # parity subset, then a bench of cuda-sm80 against SDPA flash at L=4096. Everything goes to
 # $OUT/log.txt; the bench's jsonl to $OUT.
 # Env: FUSEDOPS_GIT (sha for the bench rows), TRITON_K (pytest -k for a Triton subset, run in
-# the background while the CUDA tests run), VARIANT_SED and VARIANT2_SED (sed scripts, each applied
-# to a copy of the tree, built alongside into /tmp/variant{,2}_site and benched as cuda-sm80 too,
-# their rows kept in the log only; VARIANT2_ENV for the second), VARIANT_DIMS, VARIANT_METHODS, VARIANT_ENV (e.g.
-# FUSEDOPS_ATTN_DQ=atomic, for the variant's bench), BENCH_METHODS, BENCH_DIMS, BENCH_LENGTHS, EXTRA (a command run at the end).
+# the background while the CUDA tests run), VARIANT_SED and VARIANT2_SED (sed scripts, each
+# applied to a copy of the tree, built alongside into /tmp/variant{,2}_site and benched as
+# cuda-sm80 too, their rows kept in the log only), VARIANT_DIMS, VARIANT_METHODS, VARIANT_ENV
+# (e.g. FUSEDOPS_ATTN_DQ=atomic, for the variants' bench; VARIANT2_ENV for the second only),
+# BENCH_METHODS, BENCH_DIMS, BENCH_LENGTHS, EXTRA (a command run at the end).
 set -uo pipefail
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEDOPS_CUDA_ARCHS=${FUSEDOPS_CUDA_ARCHS:-8.0;9.0a}

@@ -100,10 +100,9 @@ def _other_dq_mode_params():
         for dtype in (torch.bfloat16, torch.float16):
             for shape in ((2, 1025, 1025, 8, 2, 128), (2, 97, 211, 4, 2, 64),
                           (2, 211, 97, 4, 1, 64)):
-                mode = "separate"
                 out.append(pytest.param(
-                    "cuda-sm80", mode, dtype, shape, feature, marks=NEEDS_EXT,
-                    id=f"cuda-sm80-{mode}-{str(dtype)[6:]}-{'x'.join(map(str, shape))}-"
+                    "cuda-sm80", "separate", dtype, shape, feature, marks=NEEDS_EXT,
+                    id=f"cuda-sm80-separate-{str(dtype)[6:]}-{'x'.join(map(str, shape))}-"
                        f"{feature}"))
     return out
 

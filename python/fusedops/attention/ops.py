@@ -105,9 +105,9 @@ def _setup_context(ctx, inputs, output):
 def _default_dq(backend, head_dim):
     """The faster dQ mode on the H200 (benchmarks/NOTES_attention.md, v7): Triton's separate pass
     is about twice as fast as its fp32 atomics; CUDA's atomics from the 8-warp dK/dV kernel are
-    1.4x faster than its separate pass at D=128 and 1.04x at D=64 (run 818f0837 and its D=64
-    bench). On a GPU whose shared memory per block is below that kernel's 226 KiB (Ampere), the
-    CUDA backward computes dQ in the separate pass whatever the mode says."""
+    1.36x faster than its separate pass at D=128 and 1.12x at D=64 (run 0e63d44d). On a GPU
+    whose shared memory per block is below that kernel's (193 KiB at D=128, 226 KiB at D=64: not
+    an A100), the CUDA backward computes dQ in the separate pass whatever the mode says."""
     del head_dim  # the same choice at both head dims
     return "atomic" if backend in ("cuda-sm80", "cuda-sm90") else "separate"
 
