@@ -153,11 +153,10 @@ __device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&c0)[4],
 }
 // acc[mt] (16 x NB each) += A[mt] B^T over k = 0..D: A rows a_row0 + 16 mt + [0, 16) of the
 // tile at byte offset a_tile, B the NB rows of the tile at b_tile (its row is the n index). Each
-// B fragment feeds MT row tiles. With kPart, only the 16-column chunks whose bit is set in `live`
-// (warp-uniform) are computed; the others stay as they were.
-template <typename T, int D, int MT, int NB, typename L, bool kPart = false>
+// B fragment feeds MT row tiles.
+template <typename T, int D, int MT, int NB, typename L>
 __device__ __forceinline__ void gemm_nt(float (&acc)[MT][NB / 8][4], const Lanes<L>& ln,
-                                        int a_tile, int a_row0, int b_tile, unsigned live = ~0u) {
+                                        int a_tile, int a_row0, int b_tile) {
   static_assert(sizeof(T) == 2, "the lane addresses assume 2-byte elements");
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
@@ -166,7 +165,6 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[MT][NB / 8][4], const Lanes
     for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], ln.a.at(a_tile, a_row0 + 16 * mt, ks));
 #pragma unroll
     for (int pp = 0; pp < NB / 16; ++pp) {
-      if (kPart && !((live >> pp) & 1u)) continue;
       uint32_t b[4];
       ldmatrix_x4(b, ln.b.at(b_tile, pp * 16, ks));
 #pragma unroll
@@ -178,16 +176,13 @@ __device__ __forceinline__ void gemm_nt(float (&acc)[MT][NB / 8][4], const Lanes
   }
 }
 // acc[mt] (16 x D) += P[mt] (16 x KB, accumulator layout) x rows [0, KB) of the tile at byte
-// offset `tile`, read through `bt` (an ldmatrix.trans lane pattern). With kPart, only the
-// 16-row chunks of P and the tile whose bit is set in `live` (warp-uniform).
-template <typename T, int D, int MT, int KB, typename L, bool kPart = false>
+// offset `tile`, read through `bt` (an ldmatrix.trans lane pattern).
+template <typename T, int D, int MT, int KB, typename L>
 __device__ __forceinline__ void gemm_pv(float (&acc)[MT][D / 8][4],
-                                        const float (&pm)[MT][KB / 8][4], const L& bt, int tile,
-                                        unsigned live = ~0u) {
+                                        const float (&pm)[MT][KB / 8][4], const L& bt, int tile) {
   static_assert(sizeof(T) == 2, "the lane addresses assume 2-byte elements");
 #pragma unroll
   for (int kk = 0; kk < KB / 16; ++kk) {
-    if (kPart && !((live >> kk) & 1u)) continue;
     uint32_t a[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc_to_a<T>(a[mt], pm[mt][2 * kk], pm[mt][2 * kk + 1]);
@@ -373,41 +368,22 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
       load_rows<T, BN, D, NT>(sV + (st ^ 1) * BN * D, V, p.v_row, (t + 1) * BN, sq.lk);
     }
     cp_async_commit();
-    const int n0 = t * BN;
-    // A partly visible tile skips the 16-key chunks that none of the warp's queries sees (past
-    // the diagonal, the end of the keys, or out of the window) in both products and the softmax:
-    // the chunks whose bit is set in `live` are computed. Not at D=128, where the second copy
-    // of the products makes the kernel spill (its code is the same as without the skip).
-    constexpr bool kSkip = D == 64;
-    static_assert(BN / 16 < 32, "one bit per chunk");
-    const bool part = kSkip && !sq.all_visible(m0 + row0, m0 + row0 + 16 * MT, n0, n0 + BN, p);
-    unsigned live = ~0u;
-    if (part) {
-      int lo, hi;
-      sq.keys_of(m0 + row0, m0 + row0 + 16 * MT, p, lo, hi);
-      const int c_lo = min(max(lo - n0, 0) >> 4, BN / 16);
-      const int c_hi = min(max((hi - n0 + 15) >> 4, 0), BN / 16);  // chunks [c_lo, c_hi)
-      live = ((1u << c_hi) - 1u) & ~((1u << c_lo) - 1u);
-    }
     float s[MT][BN / 8][4];
     zero(s);
-    if (part)
-      gemm_nt<T, D, MT, BN, decltype(ln.a), true>(s, ln, 0, row0, oK + st * BN * D * 2, live);
-    else
-      gemm_nt<T, D, MT, BN>(s, ln, 0, row0, oK + st * BN * D * 2);
-    const bool full = !part && sq.all_visible(m0 + row0, m0 + row0 + 16 * MT, n0, n0 + BN, p);
+    gemm_nt<T, D, MT, BN>(s, ln, 0, row0, oK + st * BN * D * 2);
+
+    const int n0 = t * BN;
+    const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16 * MT, n0, n0 + BN, p);
     // Path<0> (see run_path; here also a positive scale) takes the row maximum of the raw
     // scores and folds the scale into one FFMA per exponential.
     bool rescale = false;
     auto softmax_tile = [&](auto path) {
       constexpr int kPath = decltype(path)::value;
-      constexpr bool kPart = kSkip && kPath > 0;  // the masked copies skip chunks
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-        for (int ni = 0; ni < BN / 8; ++ni) {
-          if (kPart && !((live >> (ni >> 1)) & 1u)) continue;
+        for (int ni = 0; ni < BN / 8; ++ni)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             if constexpr (kPath > 0) {
@@ -420,7 +396,6 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
             }
             mx[e >> 1] = fmaxf(mx[e >> 1], s[mt][ni][e]);
           }
-        }
         float mu[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
@@ -438,8 +413,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
           mu[r] = m_run[mt][r] == -INFINITY ? 0.f : m_run[mt][r];  // nothing visible yet: p = 0
         }
 #pragma unroll
-        for (int ni = 0; ni < BN / 8; ++ni) {
-          if (kPart && !((live >> (ni >> 1)) & 1u)) continue;
+        for (int ni = 0; ni < BN / 8; ++ni)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float pv = kPath > 0
@@ -448,7 +422,6 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
             s[mt][ni][e] = pv;
             l_run[mt][e >> 1] += pv;
           }
-        }
       }
     };
     run_path(full && score.scale_log2() > 0.f, score.capped(), softmax_tile);
@@ -465,10 +438,7 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
           alpha_run[mt][r] = 1.f;
         }
     }
-    if (part)
-      gemm_pv<T, D, MT, BN, decltype(ln.bt), true>(o, s, ln.bt, oV + st * BN * D * 2, live);
-    else
-      gemm_pv<T, D, MT, BN>(o, s, ln.bt, oV + st * BN * D * 2);
+    gemm_pv<T, D, MT, BN>(o, s, ln.bt, oV + st * BN * D * 2);
   }
   cp_async_wait<0>();
 
