@@ -250,6 +250,35 @@ def test_opcheck_and_compile():
         torch.testing.assert_close(a, b)
 
 
+def test_compiled_graph_holds_the_custom_ops():
+    """Eager calls take an autograd.Function (no custom-op dispatch); torch.compile must still see
+    fusedops::attention_fwd (and its backward op) in the graph, not trace into the kernels."""
+    targets = []
+
+    def record(gm, example_inputs):
+        targets.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    q, k, v = (t.requires_grad_() for t in _qkv(b=2, s=7))
+    out = torch.compile(lambda q, k, v: attention(q, k, v, causal=True), fullgraph=True,
+                        backend=record)(q, k, v)
+    assert any("fusedops.attention_fwd" in t for t in targets), targets
+    torch.testing.assert_close(out, attention(q, k, v, causal=True))
+
+
+def test_dense_seqlens_kept_from_inference_mode_work_with_autograd():
+    """The dense cu_seqlens are kept per shape; one first made under inference_mode must still be
+    savable for backward by a later call with gradients."""
+    q, k, v = _qkv(b=3, s=5)
+    with torch.inference_mode():
+        ref = attention(q, k, v, causal=True)
+    q.requires_grad_()
+    out = attention(q, k, v, causal=True)
+    out.sum().backward()
+    torch.testing.assert_close(out.detach(), ref)
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_EXT)])
 def test_compile_gpu(backend):

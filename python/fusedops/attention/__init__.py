@@ -68,6 +68,30 @@ def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k, window_size, softcap, soft
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
 
 
+_CU_SEQLENS: dict = {}
+
+
+def _dense_cu_seqlens(batch: int, sq: int, sk: int, device: torch.device):
+    """cu_seqlens of a dense batch (arange(B + 1) * S), kept per shape in eager mode: three small
+    kernel launches fewer per call. Not kept under torch.compile or CUDA graph capture; made
+    outside inference mode, so that autograd may save them."""
+    if torch.compiler.is_compiling():
+        steps = torch.arange(batch + 1, device=device, dtype=torch.int32)
+        return steps * sq, steps * sk
+    key = (device, batch, sq, sk)
+    cu = _CU_SEQLENS.get(key)
+    if cu is not None:
+        return cu
+    with torch.inference_mode(False):
+        steps = torch.arange(batch + 1, device=device, dtype=torch.int32)
+        cu = steps * sq, steps * sk
+    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        if len(_CU_SEQLENS) >= 64:
+            _CU_SEQLENS.clear()
+        _CU_SEQLENS[key] = cu
+    return cu
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
               softmax_scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
               softcap: float | None = None, cu_seqlens_q: Tensor | None = None,
@@ -104,14 +128,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         q3 = q.reshape(batch * sq, hq, head_dim)
         k3 = k.reshape(batch * sk, k.shape[2], head_dim)
         v3 = v.reshape(batch * sk, v.shape[2], head_dim)
-        steps = torch.arange(batch + 1, device=q.device, dtype=torch.int32)
-        cu_q, cu_k = steps * sq, steps * sk
+        cu_q, cu_k = _dense_cu_seqlens(batch, sq, sk, q.device)
         max_q, max_k = sq, sk
     q3, k3, v3 = (t if t.is_contiguous() else t.contiguous() for t in (q3, k3, v3))
     name = dispatch.select("attention", q, head_dim, backend)
-    out, lse = torch.ops.fusedops.attention_fwd(
-        q3, k3, v3, cu_q, cu_k, int(max_q), int(max_k), scale, bool(causal),
-        int(window_size[0]), int(window_size[1]), float(softcap or 0.0), varlen, name)
+    out, lse = _ops.forward(q3, k3, v3, cu_q, cu_k, int(max_q), int(max_k), scale, bool(causal),
+                            int(window_size[0]), int(window_size[1]), float(softcap or 0.0),
+                            varlen, name)
     if not varlen:
         out = out.view(q.shape)
         lse = lse.view(q.shape[2], q.shape[0], q.shape[1]).permute(1, 0, 2)

@@ -3,6 +3,10 @@
 Inputs are always packed: q (total_q, Hq, D), k/v (total_k, Hkv, D) with int32 cu_seqlens; the
 dense API builds cu_seqlens = arange(B + 1) * S. lse is (Hq, total_q). The backward op is its own
 op so torch.compile sees both directions; lse is returned as a non-differentiable output.
+
+`forward` is the entry of the API: under torch.compile it calls the custom op, in eager mode an
+autograd.Function over the same implementations, which skips the custom op's Python dispatch
+(about 40 us a call on the CPU, more with autograd; measured in NOTES_attention.md v8).
 """
 
 from __future__ import annotations
@@ -37,11 +41,8 @@ def check_seqlens(cu_q: Tensor, cu_k: Tensor, total_q: int, total_k: int, max_q:
                              f"{mx}")
 
 
-@torch.library.custom_op("fusedops::attention_fwd", mutates_args=())
-def attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
-                  max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
-                  window_left: int, window_right: int, softcap: float, check: bool,
-                  backend: str) -> tuple[Tensor, Tensor]:
+def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
+              window_left, window_right, softcap, check, backend):
     if check:
         check_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q,
                       max_seqlen_k)
@@ -59,18 +60,23 @@ def attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seql
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
+@torch.library.custom_op("fusedops::attention_fwd", mutates_args=())
+def attention_fwd(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor,
+                  max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
+                  window_left: int, window_right: int, softcap: float, check: bool,
+                  backend: str) -> tuple[Tensor, Tensor]:
+    return _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                     causal, window_left, window_right, softcap, check, backend)
+
+
 @attention_fwd.register_fake
 def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
       window_left, window_right, softcap, check, backend):
     return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=_stat_dtype(q))
 
 
-@torch.library.custom_op("fusedops::attention_bwd", mutates_args=())
-def attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
-                  cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
-                  max_seqlen_k: int, scale: float, causal: bool, window_left: int,
-                  window_right: int, softcap: float, deterministic: bool,
-                  backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def _bwd_impl(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+              scale, causal, window_left, window_right, softcap, deterministic, backend):
     if backend == "torch":
         return reference.attention_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k,
                                        scale, causal, window_left, window_right, softcap)
@@ -84,6 +90,17 @@ def attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dou
             q, k, v, out, lse, dout.contiguous(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
             max_seqlen_k, scale, causal, window_left, window_right, softcap, deterministic)
     raise ValueError(f"unknown attention backend {backend!r}")
+
+
+@torch.library.custom_op("fusedops::attention_bwd", mutates_args=())
+def attention_bwd(q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor,
+                  cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                  max_seqlen_k: int, scale: float, causal: bool, window_left: int,
+                  window_right: int, softcap: float, deterministic: bool,
+                  backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    return _bwd_impl(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                     max_seqlen_k, scale, causal, window_left, window_right, softcap,
+                     deterministic, backend)
 
 
 @attention_bwd.register_fake
@@ -125,12 +142,32 @@ def dq_mode(backend, head_dim):
     return mode
 
 
-def _backward(ctx, dout, _dlse):
+def _backward(ctx, dout, _dlse, bwd=attention_bwd):
     q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
     deterministic = dq_mode(ctx.backend, q.shape[-1]) == "separate"
-    dq, dk, dv = attention_bwd(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args, deterministic,
-                               ctx.backend)
+    dq, dk, dv = bwd(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args, deterministic, ctx.backend)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _Eager(torch.autograd.Function):
+    """The eager path: the custom op's implementation and autograd without its dispatch."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        output = _fwd_impl(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _backward(ctx, dout, dlse, bwd=_bwd_impl)
+
+
+def forward(*inputs) -> tuple[Tensor, Tensor]:
+    """(out, lse) = fusedops::attention_fwd(*inputs), differentiable in q, k, v."""
+    if torch.compiler.is_compiling():
+        return attention_fwd(*inputs)
+    return _Eager.apply(*inputs)
