@@ -345,6 +345,19 @@ def test_cuda_op_checks_its_inputs(case, exc, match):
         _bad_op_call(case)
 
 
+def test_select_is_kept_per_inputs_and_override_variables(monkeypatch):
+    """dispatch.select keeps its answers, but a changed FUSEDOPS_BACKEND is still obeyed."""
+    monkeypatch.delenv("FUSEDOPS_BACKEND", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(2, 4)
+    assert dispatch.select("attention", x, 16) == "torch"
+    monkeypatch.setenv("FUSEDOPS_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match="backend='triton'"):
+        dispatch.select("attention", x, 16)
+    monkeypatch.delenv("FUSEDOPS_BACKEND")
+    assert dispatch.select("attention", x, 16) == "torch"
+
+
 @pytest.mark.parametrize("cap,forced,head_dim,first", [
     ((9, 0), False, 64, "triton"), ((9, 0), False, 128, "cuda-sm90"),
     ((9, 0), True, 64, "cuda-sm80"), ((8, 0), False, 64, "cuda-sm90")])

@@ -168,8 +168,19 @@ def select_name(op: str, device_type: str, device_index: int, dtype_name: str, i
     )
 
 
+_SELECTED: dict = {}  # eager calls: select_name's answer per facts and overriding variables
+
+
 def select(op: str, x: torch.Tensor, inner_dim: int, backend: str | None = None) -> str:
     index = x.device.index if x.device.index is not None else (
         torch.cuda.current_device() if x.device.type == "cuda" else -1)
-    return select_name(op, x.device.type, index, str(x.dtype).removeprefix("torch."), inner_dim,
-                       backend)
+    facts = (op, x.device.type, index, str(x.dtype).removeprefix("torch."), inner_dim, backend)
+    if torch.compiler.is_compiling():
+        return select_name(*facts)
+    env = os.environ
+    key = (*facts, env.get("FUSEDOPS_BACKEND"), env.get("FUSEDOPS_CUDA_ARCH"),
+           env.get("TRITON_INTERPRET"))
+    name = _SELECTED.get(key)
+    if name is None:  # refusals raise every time and are not kept
+        name = _SELECTED[key] = select_name(*facts)
+    return name

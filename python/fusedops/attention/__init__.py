@@ -135,10 +135,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     out, lse = _ops.forward(q3, k3, v3, cu_q, cu_k, int(max_q), int(max_k), scale, bool(causal),
                             int(window_size[0]), int(window_size[1]), float(softcap or 0.0),
                             varlen, name)
-    if not varlen:
-        out = out.view(q.shape)
-        lse = lse.view(q.shape[2], q.shape[0], q.shape[1]).permute(1, 0, 2)
-    return (out, lse) if return_lse else out
+    if varlen:
+        return (out, lse) if return_lse else out
+    out = out.view(q.shape)
+    if not return_lse:
+        return out
+    return out, lse.view(q.shape[2], q.shape[0], q.shape[1]).permute(1, 0, 2)
 
 
 class Attention(nn.Module):

@@ -170,4 +170,6 @@ def forward(*inputs) -> tuple[Tensor, Tensor]:
     """(out, lse) = fusedops::attention_fwd(*inputs), differentiable in q, k, v."""
     if torch.compiler.is_compiling():
         return attention_fwd(*inputs)
-    return _Eager.apply(*inputs)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in inputs[:3]):
+        return _Eager.apply(*inputs)
+    return _fwd_impl(*inputs)
