@@ -358,19 +358,21 @@ def test_select_is_kept_per_inputs_and_override_variables(monkeypatch):
     assert dispatch.select("attention", x, 16) == "torch"
 
 
-@pytest.mark.parametrize("cap,forced,head_dim,first", [
-    ((9, 0), False, 64, "triton"), ((9, 0), False, 128, "cuda-sm90"),
-    ((9, 0), True, 64, "cuda-sm80"), ((8, 0), False, 64, "cuda-sm90")])
-def test_auto_dispatch_order_for_attention(cap, forced, head_dim, first, monkeypatch):
-    """On Hopper, auto tries Triton before the Ampere CUDA kernels except at head dim 128 (where
-    those are faster there), unless the Ampere path is forced; elsewhere the CUDA backends come
-    first. (cuda-sm90 is listed first and refused by support(): no Hopper attention kernel.)"""
+@pytest.mark.parametrize("cap,forced,head_dim,causal,first", [
+    ((9, 0), False, 64, False, "triton"), ((9, 0), False, 64, True, "cuda-sm90"),
+    ((9, 0), False, 128, False, "cuda-sm90"), ((9, 0), False, 96, True, "triton"),
+    ((9, 0), True, 64, False, "cuda-sm80"), ((8, 0), False, 64, False, "cuda-sm90")])
+def test_auto_dispatch_order_for_attention(cap, forced, head_dim, causal, first, monkeypatch):
+    """On Hopper, auto tries Triton before the Ampere CUDA kernels except at head dim 128 and at
+    head dim 64 with a causal mask (where those are faster there), unless the Ampere path is
+    forced; elsewhere the CUDA backends come first. (cuda-sm90 is listed first and refused by
+    support(): no Hopper attention kernel.)"""
     monkeypatch.setattr(dispatch, "_capability", lambda sig: cap)
     if forced:
         monkeypatch.setenv("FUSEDOPS_CUDA_ARCH", "sm80")
     else:
         monkeypatch.delenv("FUSEDOPS_CUDA_ARCH", raising=False)
-    sig = dispatch.InputSig("attention", "cuda", 0, torch.bfloat16, head_dim)
+    sig = dispatch.InputSig("attention", "cuda", 0, torch.bfloat16, head_dim, causal)
     order = dispatch.candidates("auto", sig)
     assert order[0] == first and order[-1] == "torch" and "cuda-sm80" in order
     lce = dispatch.candidates("auto", dispatch.InputSig("linear_ce", "cuda", 0, torch.bfloat16, 64))

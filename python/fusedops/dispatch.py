@@ -33,6 +33,7 @@ class InputSig:
     device_index: int
     dtype: torch.dtype
     inner_dim: int  # linear_ce: hidden size H; attention: head dim D
+    causal: bool = False  # attention: a causal mask
 
 
 def _capability(sig: InputSig) -> tuple[int, int]:
@@ -130,11 +131,13 @@ def candidates(request: str, sig: InputSig) -> list[str]:
     if request == "auto":
         triton = ["triton"] if sig.device_type == "cuda" else []
         if (sig.op == "attention" and triton and not _forced_sm80()
-                and _capability(sig) >= (9, 0) and sig.inner_dim != 128):
+                and _capability(sig) >= (9, 0)
+                and not (sig.inner_dim == 128 or (sig.inner_dim == 64 and sig.causal))):
             # Attention has no Hopper CUDA kernel yet. On the H200 a forward + backward step of
-            # the Ampere one is 6% faster than Triton's at D=128 but 10% slower at D=64 (equal
-            # when causal; run 7f79adb8, L=4096), and it has no other head dims: auto takes it
-            # first at D=128 only. FUSEDOPS_CUDA_ARCH=sm80 or backend="cuda" pick it always.
+            # the Ampere one is faster than Triton's at D=128 (5-6%) and at D=64 causal (4%),
+            # 7% slower at D=64 non-causal (runs 753fb837, d21bd3e1, L=4096), and it has no
+            # other head dims: auto takes Triton first in those other cases only.
+            # FUSEDOPS_CUDA_ARCH=sm80 or backend="cuda" pick it always.
             return triton + cuda + ["torch"]
         return cuda + triton + ["torch"]
     if request == "cuda":
@@ -146,10 +149,10 @@ def candidates(request: str, sig: InputSig) -> list[str]:
 
 @torch.compiler.assume_constant_result
 def select_name(op: str, device_type: str, device_index: int, dtype_name: str, inner_dim: int,
-                backend: str | None) -> str:
+                backend: str | None, causal: bool = False) -> str:
     """Backend name for these static facts (plain values, so torch.compile can fold the call)."""
     dtype = getattr(torch, dtype_name)
-    sig = InputSig(op, device_type, device_index, dtype, inner_dim)
+    sig = InputSig(op, device_type, device_index, dtype, inner_dim, causal)
     request = backend if backend is not None else os.environ.get("FUSEDOPS_BACKEND", "auto")
     request = request.lower()
     if request not in REQUESTS:
@@ -171,10 +174,12 @@ def select_name(op: str, device_type: str, device_index: int, dtype_name: str, i
 _SELECTED: dict = {}  # eager calls: select_name's answer per facts and overriding variables
 
 
-def select(op: str, x: torch.Tensor, inner_dim: int, backend: str | None = None) -> str:
+def select(op: str, x: torch.Tensor, inner_dim: int, backend: str | None = None,
+           causal: bool = False) -> str:
     index = x.device.index if x.device.index is not None else (
         torch.cuda.current_device() if x.device.type == "cuda" else -1)
-    facts = (op, x.device.type, index, str(x.dtype).removeprefix("torch."), inner_dim, backend)
+    facts = (op, x.device.type, index, str(x.dtype).removeprefix("torch."), inner_dim, backend,
+             causal)
     if torch.compiler.is_compiling():
         return select_name(*facts)
     env = os.environ

@@ -52,9 +52,9 @@ def report() -> str:
                      "family.")
         lines.append("note: attention has no Hopper kernel yet: on this GPU the CUDA backend is "
                      "cuda-sm80 (the Ampere mma.sync + cp.async kernels, head dims 64 and 128). "
-                     "Auto dispatch picks it at head dim 128, where it is faster here than "
-                     "Triton, and Triton at other head dims; backend='cuda' or "
-                     "FUSEDOPS_CUDA_ARCH=sm80 select cuda-sm80.")
+                     "Auto dispatch picks it at head dim 128 and at head dim 64 with a causal "
+                     "mask, where it is faster here than Triton, and Triton otherwise; "
+                     "backend='cuda' or FUSEDOPS_CUDA_ARCH=sm80 select cuda-sm80.")
     return "\n".join(lines)
 
 

@@ -109,8 +109,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     (-1 = unlimited); softcap applies softcap * tanh(s / softcap) to the scaled scores;
     softmax_scale defaults to 1 / sqrt(D). A query that sees no key returns zeros and lse -inf,
     with zero gradients. lse is not differentiable. dQ: by default the faster mode of each
-    backend, fp32 atomics (not bit-reproducible) for CUDA at head dim 128, a separate pass
-    (bit-identical run to run) otherwise. FUSEDOPS_ATTN_DQ=separate or =atomic chooses, and
+    backend, fp32 atomics (not bit-reproducible) for CUDA, a separate pass (bit-identical run to
+    run) for Triton. FUSEDOPS_ATTN_DQ=separate or =atomic chooses, and
     torch.use_deterministic_algorithms(True) always gives the separate pass.
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -131,7 +131,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         cu_q, cu_k = _dense_cu_seqlens(batch, sq, sk, q.device)
         max_q, max_k = sq, sk
     q3, k3, v3 = (t if t.is_contiguous() else t.contiguous() for t in (q3, k3, v3))
-    name = dispatch.select("attention", q, head_dim, backend)
+    name = dispatch.select("attention", q, head_dim, backend, causal=bool(causal))
     out, lse = _ops.forward(q3, k3, v3, cu_q, cu_k, int(max_q), int(max_k), scale, bool(causal),
                             int(window_size[0]), int(window_size[1]), float(softcap or 0.0),
                             varlen, name)
