@@ -315,7 +315,7 @@ __device__ __forceinline__ float quad_sum(float x) {
 // each (BN x D). Fragments of Q are re-read from shared memory at every tile (registers go to
 // the MT x D output rows instead).
 template <typename T, int D, int MT, int BN, int NW>
-__global__ void __launch_bounds__(NW * 32, D == 64 ? 4 : 1) fwd_kernel(const AttnParams p) {
+__global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   constexpr int BM = 16 * MT * NW, NT = NW * 32;
   static_assert(BN % 16 == 0 && D % 64 == 0);
@@ -323,25 +323,11 @@ __global__ void __launch_bounds__(NW * 32, D == 64 ? 4 : 1) fwd_kernel(const Att
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + BM * D;
   T* sV = sK + 2 * BN * D;
-  // Query blocks run last to first: under a causal mask (or a window to the right) the last
-  // blocks see the most keys, and starting them first leaves the light ones for the tail of the
-  // grid. At D=64 the host may also pair them (run_fwd: half the grid): CTA x then runs block
-  // nq-1-x and then block x, so that every CTA has about the same work and the grid no tail.
-  constexpr bool kPair = D == 64;
-  int nq = gridDim.x;
-  bool paired = false;
-  if constexpr (kPair) {
-    nq = (p.max_q + BM - 1) / BM;
-    paired = static_cast<int>(gridDim.x) < nq;
-  }
-  const int b = blockIdx.z, h = blockIdx.y;
+  // Query blocks run last to first: under a causal mask (or a window to the left) the last blocks
+  // see the most keys, and starting them first leaves the light ones for the tail of the grid.
+  const int b = blockIdx.z, h = blockIdx.y, m0 = (gridDim.x - 1 - blockIdx.x) * BM;
   const Seq sq(p, b);
-  for (int pass = 0; pass < (paired ? 2 : 1); ++pass) {
-  const int qb = pass == 0 ? nq - 1 - static_cast<int>(blockIdx.x) : blockIdx.x;
-  if (pass == 1 && qb == nq - 1 - qb) break;  // odd nq: the middle block runs once
-  const int m0 = qb * BM;
-  if (m0 >= sq.lq) continue;  // CTA-uniform
-  if (pass == 1) __syncthreads();  // the first block's last tiles are read
+  if (m0 >= sq.lq) return;
   const int hk = h / (p.hq / p.hkv);
   const T* Q = static_cast<const T*>(p.q) + sq.q_start * p.q_row + static_cast<int64_t>(h) * D;
   const T* K = static_cast<const T*>(p.k) + sq.k_start * p.k_row + static_cast<int64_t>(hk) * D;
@@ -470,7 +456,6 @@ __global__ void __launch_bounds__(NW * 32, D == 64 ? 4 : 1) fwd_kernel(const Att
     }
   T* O = static_cast<T*>(p.out) + sq.q_start * p.o_row + static_cast<int64_t>(h) * D;
   store_rows<D, MT>(O, p.o_row, i0, sq.lq, o, inv);
-  }
 #endif
 }
 

@@ -43,10 +43,8 @@ cudaError_t run_fwd(const AttnParams& p) {
   using C = Tiles<D>;
   constexpr int BM = 16 * C::kFwdMT * C::kFwdWarps, BN = C::kFwdN;
   const size_t smem = (BM + 4 * BN) * D * sizeof(T);
-  // D=64 with a causal mask (or a right window): pairs of query blocks per CTA (fwd_kernel).
-  const int nq = (p.max_q + BM - 1) / BM, grid = D == 64 && p.right >= 0 ? (nq + 1) / 2 : nq;
-  return launch(fwd_kernel<T, D, C::kFwdMT, BN, C::kFwdWarps>, dim3(grid, p.hq, p.batch),
-                C::kFwdWarps * 32, smem, p);
+  return launch(fwd_kernel<T, D, C::kFwdMT, BN, C::kFwdWarps>,
+                dim3((p.max_q + BM - 1) / BM, p.hq, p.batch), C::kFwdWarps * 32, smem, p);
 }
 
 // Whether dkdv_split_kernel's shared memory fits the current device (else dQ takes its own pass).
