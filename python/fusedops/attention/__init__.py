@@ -75,20 +75,18 @@ def _dense_cu_seqlens(batch: int, sq: int, sk: int, device: torch.device):
     """cu_seqlens of a dense batch (arange(B + 1) * S), kept per shape in eager mode: three small
     kernel launches fewer per call. Not kept under torch.compile or CUDA graph capture; made
     outside inference mode, so that autograd may save them."""
-    if torch.compiler.is_compiling():
-        steps = torch.arange(batch + 1, device=device, dtype=torch.int32)
-        return steps * sq, steps * sk
+    keep = not (torch.compiler.is_compiling()
+                or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()))
     key = (device, batch, sq, sk)
-    cu = _CU_SEQLENS.get(key)
-    if cu is not None:
-        return cu
-    with torch.inference_mode(False):
-        steps = torch.arange(batch + 1, device=device, dtype=torch.int32)
-        cu = steps * sq, steps * sk
-    if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        if len(_CU_SEQLENS) >= 64:
-            _CU_SEQLENS.clear()
-        _CU_SEQLENS[key] = cu
+    cu = _CU_SEQLENS.get(key) if keep else None
+    if cu is None:
+        with torch.inference_mode(False):
+            steps = torch.arange(batch + 1, device=device, dtype=torch.int32)
+            cu = steps * sq, steps * sk
+        if keep:
+            if len(_CU_SEQLENS) >= 64:
+                _CU_SEQLENS.clear()
+            _CU_SEQLENS[key] = cu
     return cu
 
 
