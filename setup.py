@@ -83,8 +83,8 @@ def cuda_extension():
 ext_modules, cmdclass = cuda_extension()
 
 setup(
-    packages=["fusedops", "fusedops.linear_ce", "fusedops.attention", "kernels_triton"],
-    package_dir={"fusedops": "python/fusedops", "kernels_triton": "kernels_triton"},
+    packages=["fusedops", "fusedops.linear_ce", "fusedops.attention"],
+    package_dir={"fusedops": "python/fusedops"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

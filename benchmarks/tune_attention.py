@@ -32,7 +32,7 @@ def tune_shape(d, length, causal, rep_ms, path, run_id):
     import triton.testing
 
     from fusedops.attention import attention
-    from kernels_triton import attention as ka  # its _configs is swapped per candidate
+    from fusedops.attention import triton as ka  # its _configs is swapped per candidate
 
     default_configs = ka._configs
 

@@ -7,7 +7,7 @@ import torch
 
 HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
-    # Must be set before any @triton.jit function is created (kernels_triton is imported lazily).
+    # Must be set before any @triton.jit function is created (the Triton modules are imported lazily).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

@@ -50,7 +50,7 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
         return reference.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal,
                                        window_left, window_right, softcap)
     if backend == "triton":
-        from kernels_triton import attention as ta
+        from fusedops.attention import triton as ta
         return ta.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 scale, causal, window_left, window_right, softcap)
     if backend in ("cuda-sm80", "cuda-sm90"):  # dispatch sends sm90 here only if that exists
@@ -81,7 +81,7 @@ def _bwd_impl(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         return reference.attention_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k,
                                        scale, causal, window_left, window_right, softcap)
     if backend == "triton":
-        from kernels_triton import attention as ta
+        from fusedops.attention import triton as ta
         return ta.attention_bwd(q, k, v, out, lse, dout.contiguous(), cu_seqlens_q,
                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                                 window_left, window_right, softcap, deterministic)

@@ -15,7 +15,7 @@ vocabulary go in chunks sized by a memory budget:
   GEMMs.
 
 The row kernels (statistics, dz, both in one pass for full rows) exist per backend: CUDA
-(csrc/linear_ce/ce_rows*), Triton (kernels_triton/linear_ce.py) and plain torch (here); the GEMMs
+(csrc/linear_ce/ce_rows*), Triton (fusedops/linear_ce/triton.py) and plain torch (here); the GEMMs
 are torch.mm everywhere. Nothing here synchronises with the host, so the loss can be captured in a
 CUDA graph (target validation off).
 """
@@ -143,7 +143,7 @@ def _rows_torch(z, bias, target, col0: int, vocab: int, w, lse, m, s, zt, zsum,
 
 def _rows(backend: str, *args):
     if backend == "triton":
-        from kernels_triton import linear_ce as tk
+        from fusedops.linear_ce import triton as tk
         tk.ce_rows(*args)
     elif backend in _CUDA_ARCH:
         torch.ops.fusedops.ce_rows_cuda(*args, _CUDA_ARCH[backend])
@@ -158,7 +158,7 @@ def scale_grad_(t: Tensor, g: Tensor, backend: str) -> None:
     if backend in _CUDA_ARCH and t.is_cuda:
         torch.ops.fusedops.scale_if_not_one_cuda(t, g)
     elif backend == "triton" and t.is_cuda:
-        from kernels_triton import linear_ce as tk
+        from fusedops.linear_ce import triton as tk
         tk.scale_if_not_one(t, g)
     else:
         t.mul_(g.to(t.dtype))

@@ -41,7 +41,7 @@ def linear_ce_fwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     if backend == "torch":
         out = reference.linear_ce_fwd(hidden, weight, bias, target, softcap)
     elif backend == "triton":
-        from kernels_triton import linear_ce as tk
+        from fusedops.linear_ce import triton as tk
         out = tk.linear_ce_fwd(hidden, weight, bias, target, softcap)
     elif backend in _CUDA_ARCH:
         out = torch.ops.fusedops.linear_ce_fwd_cuda(hidden, weight, bias, target, softcap,
@@ -68,7 +68,7 @@ def linear_ce_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     if backend == "torch":
         return reference.linear_ce_bwd(*args)
     if backend == "triton":
-        from kernels_triton import linear_ce as tk
+        from fusedops.linear_ce import triton as tk
         return tk.linear_ce_bwd(*args)
     if backend in _CUDA_ARCH:
         return tuple(torch.ops.fusedops.linear_ce_bwd_cuda(*args, _CUDA_ARCH[backend]))

@@ -16,25 +16,12 @@ Constraints: head dim <= 256 (padded to a power of two with masks); last dimensi
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
-LOG2E = 1.4426950408889634
-INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-
-
-@triton.jit
-def _tanh(x):
-    if INTERPRET:  # no libdevice in the interpreter
-        e = tl.exp(-2.0 * tl.abs(x))
-        t = (1.0 - e) / (1.0 + e)
-        return tl.where(x < 0, -t, t)
-    else:
-        return libdevice.tanh(x)
+from fusedops._triton import INTERPRET, LOG2E
+from fusedops._triton import tanh as _tanh
 
 
 @triton.jit
@@ -124,7 +111,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, CU_Q, CU_K, sm_scale, softcap, left, right,
         s = s * sm_scale
         if SOFTCAP:
             s = softcap * _tanh(s / softcap)
-        s = s * 1.4426950408889634  # log2 units from here on
+        s = s * LOG2E  # log2 units from here on
         valid = _mask(offs_m, cols, lq, lk, off, left, right, HAS_LEFT, HAS_RIGHT)
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -141,7 +128,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, CU_Q, CU_K, sm_scale, softcap, left, right,
         m_i = m_new
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634,
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E,
                    float("-inf"))
     o_ptrs = (OUT + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + h * stride_oh
               + offs_d[None, :])
@@ -213,7 +200,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DQ, DK, DV, CU_Q, CU_K, sm_scale, soft
                 t_t = _tanh(s_t / softcap)
                 s_t = softcap * t_t
             valid_t = _mask_t(offs_n, rows, lq, lk, off, left, right, HAS_LEFT, HAS_RIGHT)
-            p_t = tl.where(valid_t, tl.exp2((s_t - lse[None, :]) * 1.4426950408889634), 0.0)
+            p_t = tl.where(valid_t, tl.exp2((s_t - lse[None, :]) * LOG2E), 0.0)
             if IEEE:
                 dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
                 dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
@@ -286,7 +273,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU_Q, CU_K, sm_scale, softcap, left,
             t = _tanh(s / softcap)
             s = softcap * t
         valid = _mask(rows, cols, lq, lk, off, left, right, HAS_LEFT, HAS_RIGHT)
-        p = tl.where(valid, tl.exp2((s - lse[:, None]) * 1.4426950408889634), 0.0)
+        p = tl.where(valid, tl.exp2((s - lse[:, None]) * LOG2E), 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * (1.0 - t * t)

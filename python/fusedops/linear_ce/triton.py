@@ -18,23 +18,17 @@ Constraints: hidden (N, H) and weight (V, H) contiguous; float32 uses IEEE dots 
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
+
+from fusedops._triton import INTERPRET, LOG2E
+from fusedops._triton import interpreting as _interpreting
+from fusedops._triton import tanh as _tanh
 
 # Bytes of dz one backward chunk may hold: 32 MiB keeps the Llama-3 shape (N=8192) under 1% of
 # eager's extra memory together with the N*H*2 bytes of the split d_hidden accumulator.
 DZ_CHUNK_BYTES = 32 << 20
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-INTERPRET = tl.constexpr(_interpreting())
 
 
 def _blocks(dtype: torch.dtype):
@@ -44,16 +38,6 @@ def _blocks(dtype: torch.dtype):
     if dtype == torch.float32:
         return 64, 64, 32, 4, 3
     return 128, 128, 64, 8, 3
-
-
-@triton.jit
-def _tanh(x):
-    if INTERPRET:  # the interpreter has no libdevice; this form is exact to a few float32 ulps
-        e = tl.exp(-2.0 * tl.abs(x))
-        t = (1.0 - e) / (1.0 + e)
-        return tl.where(x < 0, -t, t)
-    else:
-        return libdevice.tanh(x)
 
 
 @triton.jit
@@ -98,7 +82,6 @@ def _fwd_kernel(X, W, B, T, PART, N, V, H, softcap, tiles_per_split,
     s_i = tl.zeros((BLOCK_M,), tl.float32)
     zt = tl.zeros((BLOCK_M,), tl.float32)
     zs = tl.zeros((BLOCK_M,), tl.float32)
-    LOG2E: tl.constexpr = 1.4426950408889634
     for i in range(0, tiles_per_split):
         cols = (pid_s * tiles_per_split + i) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_mask = cols < V
@@ -378,7 +361,6 @@ def _row_logits(Z, B, cols, mask, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.c
 def _ce_rows_kernel(Z, B, T, W, LSE, M, S, ZT, ZS, n_cols, col0, vocab, eps, zl, softcap,
                     MODE: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr,
                     BLOCK: tl.constexpr):
-    LOG2E: tl.constexpr = 1.4426950408889634
     row = tl.program_id(0)
     z_row = Z + row.to(tl.int64) * n_cols
     t = tl.load(T + row).to(tl.int64) - col0
