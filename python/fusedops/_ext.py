@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 
-import torch  # noqa: F401  (the extension links against torch's libraries)
+import torch  # the extension links against torch's libraries
 
 try:
     _C = importlib.import_module("fusedops._C")  # registers torch.ops.fusedops.*_cuda
@@ -12,6 +13,8 @@ try:
 except ImportError as exc:  # not built (CPU-only install) or built against another torch
     _C = None
     EXT_ERROR = f"{type(exc).__name__}: {exc}"
+
+_WARNED = False
 
 
 def built_archs() -> tuple[str, ...]:
@@ -23,3 +26,18 @@ def built_archs() -> tuple[str, ...]:
 
 def available() -> bool:
     return _C is not None
+
+
+def warn_if_missing() -> bool:
+    """Warns once when a CUDA GPU is visible but the extension is not loaded (pip hides the
+    build's own message); returns whether it warned."""
+    global _WARNED
+    if _C is not None or _WARNED or not torch.cuda.is_available():
+        return False
+    _WARNED = True
+    warnings.warn(
+        f"fusedops: the CUDA extension fusedops._C is not loaded ({EXT_ERROR}); the CUDA "
+        "backends are off and Triton or torch run instead. Reinstall where nvcc and a "
+        "CUDA-enabled torch are present (pip install --no-build-isolation .); "
+        "`python -m fusedops.info` tells more.", RuntimeWarning, stacklevel=3)
+    return True

@@ -1,18 +1,26 @@
-"""The one place that decides which implementation runs an op: cuda-sm90, cuda-sm80, triton, torch.
+"""Which implementation runs an op call: the part common to every op.
+
+Each op declares its backends beside it (python/fusedops/<op>/backends.py): what each supports,
+why it cannot run an input, and the measured preference order. This module parses the request,
+checks what is common to every backend of a kind (the extension is built, the device, the dtype,
+the compute capability), keeps the answers, logs new ones, and raises one error that lists every
+backend's reason when nothing fits.
 
 Dispatch looks only at static facts (device, compute capability, dtype, sizes), never at tensor
-values, so torch.compile can treat the choice as a constant. Each backend states what it supports
-and, when it cannot run an input, why; when nothing fits, the error lists every backend's reason.
+values, so torch.compile can treat the choice as a constant.
 
 Overrides: the `backend=` argument, else the environment variable FUSEDOPS_BACKEND
 (auto | cuda | cuda-sm90 | cuda-sm80 | triton | torch). FUSEDOPS_CUDA_ARCH=sm80 makes "cuda" and
 "auto" use the Ampere kernels even on a Hopper GPU (how the sm_80 path is tested on an H200).
+FUSEDOPS_LOG=1 logs each new decision once through the `fusedops` logger.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,8 +28,7 @@ from fusedops import _ext
 
 BACKENDS = ("cuda-sm90", "cuda-sm80", "triton", "torch")
 REQUESTS = ("auto", "cuda") + BACKENDS
-_GPU_DTYPES = (torch.float16, torch.bfloat16)
-_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+log = logging.getLogger("fusedops")
 
 
 @dataclass(frozen=True)
@@ -36,86 +43,133 @@ class InputSig:
     causal: bool = False  # attention: a causal mask
 
 
-def _capability(sig: InputSig) -> tuple[int, int]:
+@dataclass(frozen=True)
+class Backend:
+    """What one backend of an op supports. `kind` is "cuda" (the extension), "triton" or
+    "torch"; `arch` the CUDA kernel family (80, 90) the C++ entry points take; `cc_range` the
+    compute capabilities it runs on, (lowest, highest) inclusive; `limits` the op-specific check
+    (head dims, alignment), returning the reason it cannot run `sig` or None; `unbuilt` a reason
+    that holds whatever the input (kernels not written yet); `summary` one line for
+    `python -m fusedops.info`."""
+
+    name: str
+    kind: str
+    dtypes: tuple[torch.dtype, ...]
+    summary: str
+    arch: int | None = None
+    cc_range: tuple[tuple[int, int], tuple[int, int]] = ((8, 0), (9, 0))
+    limits: Callable[[InputSig], str | None] | None = None
+    unbuilt: str | None = None
+
+
+@dataclass(frozen=True)
+class OpBackends:
+    """An op's backends and its measured preference order (`order(sig, forced_sm80)` -> names
+    from most to least preferred for request "auto")."""
+
+    op: str
+    inner_name: str  # what InputSig.inner_dim is for this op ("hidden size", "head dim")
+    backends: Sequence[Backend]
+    order: Callable[[InputSig, bool], list[str]]
+    by_name: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "by_name", {b.name: b for b in self.backends})
+
+
+_OPS: dict[str, OpBackends] = {}
+
+
+def register(table: OpBackends) -> OpBackends:
+    """Called by each op's backends.py at import."""
+    _OPS[table.op] = table
+    return table
+
+
+def op_backends(op: str) -> OpBackends:
+    if op not in _OPS:
+        raise ValueError(f"unknown op {op!r}; ops: {sorted(_OPS)}")
+    return _OPS[op]
+
+
+def capability(sig: InputSig) -> tuple[int, int]:
+    """The compute capability of the GPU the inputs are on."""
     return torch.cuda.get_device_capability(sig.device_index)
-
-
-def _triton_import_error() -> str | None:
-    try:
-        import triton  # noqa: F401
-    except ImportError as exc:
-        return f"Triton is not importable ({exc}); pip install triton"
-    return None
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _why_not_cuda(sig: InputSig, arch: int) -> str | None:
-    if sig.op not in ("linear_ce", "attention"):
-        return f"no CUDA kernels for {sig.op} yet"
+def _names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def _why_not_cuda(b: Backend, sig: InputSig) -> str | None:
     if not _ext.available():
         return (f"the extension fusedops._C is not built ({_ext.EXT_ERROR}); reinstall with nvcc "
                 "and a CUDA-enabled torch: pip install --no-build-isolation .")
     if sig.device_type != "cuda":
         return f"inputs are on {sig.device_type}, the CUDA kernels need CUDA tensors"
-    if sig.dtype not in _GPU_DTYPES:
-        return f"dtype {sig.dtype} (the CUDA kernels take float16 and bfloat16)"
-    if sig.op == "attention":
-        if sig.inner_dim not in (64, 128):
-            return (f"head dim {sig.inner_dim}: the CUDA attention kernels are built for 64 and "
-                    "128 (Triton runs the others)")
-        if arch == 90:
-            return ("no Hopper (wgmma/TMA) attention kernel yet; cuda-sm80 runs the mma.sync "
-                    "kernels on this GPU")
-    elif sig.inner_dim % 8 != 0:
-        return f"hidden size {sig.inner_dim} is not a multiple of 8 (16-byte rows needed)"
-    cap = _capability(sig)
+    cap = capability(sig)
+    lo, hi = b.cc_range
+    if not lo <= cap <= hi:
+        return (f"these kernels need compute capability {lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}, this "
+                f"GPU is {cap[0]}.{cap[1]}")
     archs = _ext.built_archs()
-    if arch == 90:
-        if cap != (9, 0):
-            return f"the sm_90a kernels need a Hopper GPU (compute capability 9.0), this is {cap}"
-        if "9.0a" not in archs:
-            return f"the extension was built without sm_90a (built for {';'.join(archs)})"
-    else:
-        if cap[0] == 8 and not any(a.startswith("8.") for a in archs):
-            return f"the extension was built without sm_8x code (built for {';'.join(archs)})"
-        if cap == (9, 0) and not any(a.startswith("9.0") for a in archs):
-            return f"the extension was built without sm_90 code (built for {';'.join(archs)})"
-        if cap[0] not in (8, 9):
-            return f"compute capability {cap} is not 8.x or 9.0"
+    if b.arch == 90 and "9.0a" not in archs:
+        return f"the extension was built without sm_90a (built for {';'.join(archs)})"
+    if b.arch == 80:
+        family = f"{cap[0]}." if cap[0] == 8 else f"{cap[0]}.{cap[1]}"
+        if not any(a.startswith(family) for a in archs):
+            return (f"the extension was built without code for compute capability "
+                    f"{cap[0]}.{cap[1]} (built for {';'.join(archs)})")
+    return None
+
+
+def _why_not_triton(b: Backend, sig: InputSig) -> str | None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        return f"Triton is not importable ({exc}); pip install triton"
+    if _interpreting() and sig.dtype == torch.bfloat16:
+        return "the Triton interpreter (TRITON_INTERPRET=1) has no bfloat16"
+    if sig.device_type == "cpu":
+        if _interpreting():
+            return None
+        return "inputs are on the CPU (Triton runs there only under TRITON_INTERPRET=1)"
+    if sig.device_type != "cuda":
+        return f"inputs are on {sig.device_type}"
+    cap = capability(sig)
+    if cap < b.cc_range[0]:
+        return f"compute capability {cap} is below {b.cc_range[0]}"
     return None
 
 
 def why_not(backend: str, sig: InputSig) -> str | None:
     """None when `backend` can run inputs described by `sig`, else the reason it cannot."""
-    if backend == "torch":
-        return None
-    if backend == "triton":
-        err = _triton_import_error()
-        if err:
-            return err
-        if sig.dtype not in _TRITON_DTYPES:
-            return f"dtype {sig.dtype} (Triton kernels take float32, float16, bfloat16)"
-        if sig.device_type == "cpu":
-            if _interpreting():
-                return None
-            return "inputs are on the CPU (Triton runs there only under TRITON_INTERPRET=1)"
-        if sig.device_type != "cuda":
-            return f"inputs are on {sig.device_type}"
-        cap = _capability(sig)
-        if cap < (8, 0):
-            return f"compute capability {cap} is below 8.0"
-        return None
-    if backend == "cuda-sm90":
-        return _why_not_cuda(sig, 90)
-    if backend == "cuda-sm80":
-        return _why_not_cuda(sig, 80)
-    raise ValueError(f"backend must be one of {REQUESTS} or None, got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {REQUESTS} or None, got {backend!r}")
+    b = op_backends(sig.op).by_name.get(backend)
+    if b is None:
+        return f"{sig.op} has no {backend} backend"
+    if b.unbuilt:
+        return b.unbuilt
+    if sig.dtype not in b.dtypes:
+        return f"dtype {sig.dtype} (the {backend} kernels take {_names(b.dtypes)})"
+    if b.kind == "cuda":
+        reason = _why_not_cuda(b, sig)
+    elif b.kind == "triton":
+        reason = _why_not_triton(b, sig)
+    else:
+        reason = None
+    if reason is None and b.limits is not None:
+        reason = b.limits(sig)
+    return reason
 
 
-def _forced_sm80() -> bool:
+def forced_sm80() -> bool:
+    """FUSEDOPS_CUDA_ARCH=sm80: the Ampere kernels even where newer ones exist."""
     val = os.environ.get("FUSEDOPS_CUDA_ARCH", "").lower().replace("_", "")
     if val in ("", "auto", "native"):
         return False
@@ -127,22 +181,14 @@ def _forced_sm80() -> bool:
 
 
 def candidates(request: str, sig: InputSig) -> list[str]:
-    cuda = ["cuda-sm80"] if _forced_sm80() else ["cuda-sm90", "cuda-sm80"]
+    """Backends to try for `request`, in order."""
+    forced = forced_sm80()
+    cuda = ["cuda-sm80"] if forced else ["cuda-sm90", "cuda-sm80"]
     if request == "auto":
-        triton = ["triton"] if sig.device_type == "cuda" else []
-        if (sig.op == "attention" and triton and not _forced_sm80()
-                and _capability(sig) >= (9, 0)
-                and not (sig.inner_dim == 128 or (sig.inner_dim == 64 and sig.causal))):
-            # Attention has no Hopper CUDA kernel yet. On the H200 a forward + backward step of
-            # the Ampere one is faster than Triton's at D=128 (5-6%) and at D=64 causal (4%),
-            # 7% slower at D=64 non-causal (runs 753fb837, d21bd3e1, L=4096), and it has no
-            # other head dims: auto takes Triton first in those other cases only.
-            # FUSEDOPS_CUDA_ARCH=sm80 or backend="cuda" pick it always.
-            return triton + cuda + ["torch"]
-        return cuda + triton + ["torch"]
+        return op_backends(sig.op).order(sig, forced)
     if request == "cuda":
         return cuda
-    if request == "cuda-sm90" and _forced_sm80():
+    if request == "cuda-sm90" and forced:
         return ["cuda-sm80"]
     return [request]
 
@@ -154,6 +200,8 @@ def select_name(op: str, device_type: str, device_index: int, dtype_name: str, i
     dtype = getattr(torch, dtype_name)
     sig = InputSig(op, device_type, device_index, dtype, inner_dim, causal)
     request = backend if backend is not None else os.environ.get("FUSEDOPS_BACKEND", "auto")
+    if not isinstance(request, str):
+        raise TypeError(f"backend must be a str or None, got {type(request).__name__}")
     request = request.lower()
     if request not in REQUESTS:
         source = "backend" if backend is not None else "FUSEDOPS_BACKEND"
@@ -174,8 +222,21 @@ def select_name(op: str, device_type: str, device_index: int, dtype_name: str, i
 _SELECTED: dict = {}  # eager calls: select_name's answer per facts and overriding variables
 
 
+def _log_enabled() -> bool:
+    if os.environ.get("FUSEDOPS_LOG", "0") in ("", "0"):
+        return False
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        log.addHandler(handler)
+    if log.getEffectiveLevel() > logging.INFO:
+        log.setLevel(logging.INFO)
+    return True
+
+
 def select(op: str, x: torch.Tensor, inner_dim: int, backend: str | None = None,
            causal: bool = False) -> str:
+    """The backend that runs `op` on inputs like `x` (device, dtype) with this inner size."""
     index = x.device.index if x.device.index is not None else (
         torch.cuda.current_device() if x.device.type == "cuda" else -1)
     facts = (op, x.device.type, index, str(x.dtype).removeprefix("torch."), inner_dim, backend,
@@ -188,4 +249,18 @@ def select(op: str, x: torch.Tensor, inner_dim: int, backend: str | None = None,
     name = _SELECTED.get(key)
     if name is None:  # refusals raise every time and are not kept
         name = _SELECTED[key] = select_name(*facts)
+        if _log_enabled():
+            what = op_backends(op).inner_name
+            where = f"cuda:{index}" if x.device.type == "cuda" else x.device.type
+            log.info("%s on %s %s, %s %d%s, request %s -> %s", op, facts[3], where, what,
+                     inner_dim, ", causal" if causal else "",
+                     backend or env.get("FUSEDOPS_BACKEND", "auto"), name)
     return name
+
+
+def cuda_arch(op: str, backend: str) -> int:
+    """The kernel family (80, 90) the C++ entry points take for a CUDA backend name."""
+    arch = op_backends(op).by_name[backend].arch
+    if arch is None:
+        raise ValueError(f"{backend} is not a CUDA backend of {op}")
+    return arch

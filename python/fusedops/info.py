@@ -1,17 +1,35 @@
-"""`python -m fusedops.info`: versions, the GPU, and which backends can run here (and why not)."""
+"""`python -m fusedops.info`: versions, the GPU, and which backends can run a case here (and why not).
+
+    python -m fusedops.info [--dtype bfloat16] [--hidden 4096] [--head-dim 128] [--causal]
+                            [--device cuda|cpu]
+"""
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 
 import torch
 
-from fusedops import __version__, _ext, dispatch
+import fusedops
+from fusedops import _ext, dispatch
 
 
-def report() -> str:
-    lines = [f"fusedops {__version__}", f"python {platform.python_version()}",
+def _device(name: str | None) -> tuple[str, int]:
+    if name is None:
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SystemExit("fusedops.info: --device cuda but no CUDA GPU is visible")
+        dev = torch.device(name)
+        return "cuda", dev.index if dev.index is not None else torch.cuda.current_device()
+    return name, -1
+
+
+def report(dtype: str = "bfloat16", hidden: int = 4096, head_dim: int = 128,
+           causal: bool = False, device: str | None = None) -> str:
+    lines = [f"fusedops {fusedops.__version__}", f"python {platform.python_version()}",
              f"torch {torch.__version__} (CUDA {torch.version.cuda})"]
     try:
         import triton
@@ -27,36 +45,45 @@ def report() -> str:
         props = torch.cuda.get_device_properties(idx)
         lines.append(f"GPU {idx}: {props.name}, compute capability {props.major}.{props.minor}, "
                      f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB")
-        device = ("cuda", idx)
     else:
         lines.append("GPU: none visible (the torch backend runs on the CPU)")
-        device = ("cpu", -1)
-    for name, var in (("FUSEDOPS_BACKEND", "auto"), ("FUSEDOPS_CUDA_ARCH", "auto")):
-        lines.append(f"{name}={os.environ.get(name, var)}")
-    for op, inner in (("linear_ce", 4096), ("attention", 128)):
-        what = "hidden size" if op == "linear_ce" else "head dim"
-        lines.append(f"{op} backends for bfloat16 inputs on {device[0]} ({what} {inner}):")
-        sig = dispatch.InputSig(op, device[0], device[1], torch.bfloat16, inner)
-        for name in dispatch.BACKENDS:
-            why = dispatch.why_not(name, sig)
-            lines.append(f"  {name:10} {'available' if why is None else 'no: ' + why}")
+    dev_type, dev_index = _device(device)
+    for name in ("FUSEDOPS_BACKEND", "FUSEDOPS_CUDA_ARCH", "TRITON_INTERPRET"):
+        lines.append(f"{name}={os.environ.get(name, '(unset)')}")
+    sizes = {"linear_ce": hidden, "attention": head_dim}
+    for op, inner in sizes.items():
+        table = dispatch.op_backends(op)
+        extra = ", causal" if causal and op == "attention" else ""
+        lines.append(f"{op} on {dtype} {dev_type} inputs, {table.inner_name} {inner}{extra}:")
+        sig = dispatch.InputSig(op, dev_type, dev_index, getattr(torch, dtype), inner,
+                                causal and op == "attention")
+        for b in table.backends:
+            why = dispatch.why_not(b.name, sig)
+            lines.append(f"  {b.name:10} {'available' if why is None else 'no: ' + why}")
+            lines.append(f"  {'':10} ({b.summary})")
         try:
-            chosen = dispatch.select_name(op, device[0], device[1], "bfloat16", inner, None)
-            lines.append(f"  default -> {chosen}")
+            chosen = dispatch.select_name(op, dev_type, dev_index, dtype, inner, None,
+                                          causal and op == "attention")
+            order = " > ".join(dispatch.candidates("auto", sig))
+            lines.append(f"  default -> {chosen} (auto tries {order})")
         except (RuntimeError, ValueError) as exc:
             lines.append(f"  default -> error: {exc}")
-    if device[0] == "cuda" and torch.cuda.get_device_capability(device[1]) == (9, 0):
-        lines.append("note: linear_ce cuda-sm90 = cuBLAS GEMMs + our Hopper-tuned row kernel for "
-                     "mean/sum losses; the recompute path (reduction='none', return_lse) uses the "
-                     "mma.sync kernels (no wgmma). FUSEDOPS_CUDA_ARCH=sm80 selects the Ampere "
-                     "family.")
-        lines.append("note: attention has no Hopper kernel yet: on this GPU the CUDA backend is "
-                     "cuda-sm80 (the Ampere mma.sync + cp.async kernels, head dims 64 and 128). "
-                     "Auto dispatch picks it at head dim 128 and at head dim 64 with a causal "
-                     "mask, where it is faster here than Triton, and Triton otherwise; "
-                     "backend='cuda' or FUSEDOPS_CUDA_ARCH=sm80 select cuda-sm80.")
     return "\n".join(lines)
 
 
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m fusedops.info", description=__doc__.split(
+        "\n")[0])
+    parser.add_argument("--dtype", default="bfloat16",
+                        choices=["float16", "bfloat16", "float32", "float64"])
+    parser.add_argument("--hidden", type=int, default=4096, help="linear_ce hidden size H")
+    parser.add_argument("--head-dim", type=int, default=128, help="attention head dim D")
+    parser.add_argument("--causal", action="store_true", help="attention with a causal mask")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if "
+                        "a GPU is visible)")
+    args = parser.parse_args(argv)
+    print(report(args.dtype, args.hidden, args.head_dim, args.causal, args.device))
+
+
 if __name__ == "__main__":
-    print(report())
+    main()
