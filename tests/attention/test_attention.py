@@ -326,8 +326,9 @@ def _bad_op_call(case):
         q = k = v = torch.randn(16, 4, 96, device="cuda", dtype=torch.bfloat16)
     elif case == "gqa":
         k = v = q[:, :3]
+    arch = 90 if case == "arch" else 80
     return torch.ops.fusedops.attention_fwd_cuda(q, k, v, cu_q, cu_k, 16, 16, 0.125, False, -1,
-                                                 -1, 0.0)
+                                                 -1, 0.0, arch)
 
 
 @pytest.mark.gpu
@@ -338,6 +339,7 @@ def _bad_op_call(case):
     ("k_strides", ValueError, "k must have contiguous heads"),
     ("head_dim", ValueError, "head dim 64 or 128"),
     ("gqa", ValueError, "multiple of Hkv"),
+    ("arch", ValueError, "no Hopper"),
 ])
 def test_cuda_op_checks_its_inputs(case, exc, match):
     """The C++ op names the argument it refuses (callers going around the Python API)."""
@@ -367,7 +369,7 @@ def test_auto_dispatch_order_for_attention(cap, forced, head_dim, causal, first,
     head dim 64 with a causal mask (where those are faster there), unless the Ampere path is
     forced; elsewhere the CUDA backends come first. (cuda-sm90 is listed first and refused by
     support(): no Hopper attention kernel.)"""
-    monkeypatch.setattr(dispatch, "_capability", lambda sig: cap)
+    monkeypatch.setattr(dispatch, "capability", lambda sig: cap)
     if forced:
         monkeypatch.setenv("FUSEDOPS_CUDA_ARCH", "sm80")
     else:

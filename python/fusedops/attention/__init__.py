@@ -8,6 +8,8 @@ import torch
 from torch import Tensor, nn
 
 from fusedops import dispatch
+from fusedops._checks import check_bool, check_int, check_real
+from fusedops.attention import backends as _backends  # noqa: F401  (declares the backends)
 
 __all__ = ["attention", "Attention"]
 
@@ -19,7 +21,8 @@ def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k, window_size, softcap, soft
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
         if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got "
+                            f"{t.dtype}")
         if t.dtype != q.dtype:
             raise TypeError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
         if t.device != q.device:
@@ -51,20 +54,28 @@ def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k, window_size, softcap, soft
                                  f"{cu.dtype} of shape {tuple(cu.shape)}")
             if cu.device != q.device:
                 raise ValueError(f"{name} is on {cu.device} but q is on {q.device}")
+            if not cu.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
         if cu_q.shape != cu_k.shape:
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), "
                              f"got {cu_q.shape[0]} and {cu_k.shape[0]}")
         for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
-            if not isinstance(m, int) or m < 0:
+            if isinstance(m, bool) or not isinstance(m, int) or m < 0:
                 raise ValueError(f"{name} must be an int >= 0 with cu_seqlens, got {m!r}")
     elif cu_q is not None or cu_k is not None:
         raise ValueError("pass both cu_seqlens_q and cu_seqlens_k (packed q, k, v) or neither")
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(not isinstance(w, int) or w < -1 for w in window_size)):
-        raise ValueError(f"window_size must be (left, right) ints >= -1, got {window_size!r}")
-    if softcap is not None and not (float(softcap) > 0 and math.isfinite(float(softcap))):
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    for side, w in zip(("left", "right"), window_size, strict=True):
+        check_int(f"window_size {side}", w)
+        if w < -1:
+            raise ValueError(f"window_size entries must be >= -1 (-1 = unlimited), got "
+                             f"{window_size!r}")
+    softcap = check_real("softcap", softcap, optional=True)
+    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
-    if softmax_scale is not None and not math.isfinite(float(softmax_scale)):
+    softmax_scale = check_real("softmax_scale", softmax_scale, optional=True)
+    if softmax_scale is not None and not math.isfinite(softmax_scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
 
 
@@ -111,6 +122,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     run) for Triton. FUSEDOPS_ATTN_DQ=separate or =atomic chooses, and
     torch.use_deterministic_algorithms(True) always gives the separate pass.
     """
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     _check(q, k, v, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size,
            softcap, softmax_scale)

@@ -16,7 +16,12 @@ import os
 import torch
 from torch import Tensor
 
+from fusedops._autograd import refuse_double_backward
 from fusedops.attention import reference
+from fusedops.dispatch import cuda_arch
+
+DOUBLE_BACKWARD = ("fusedops.attention: double backward (create_graph=True, gradgradcheck) is not "
+                   "supported; the backward kernels are not differentiable")
 
 
 def _stat_dtype(q: Tensor) -> torch.dtype:
@@ -53,10 +58,10 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
         from fusedops.attention import triton as ta
         return ta.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 scale, causal, window_left, window_right, softcap)
-    if backend in ("cuda-sm80", "cuda-sm90"):  # dispatch sends sm90 here only if that exists
+    if backend in ("cuda-sm80", "cuda-sm90"):
         return torch.ops.fusedops.attention_fwd_cuda(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-            window_left, window_right, softcap)
+            window_left, window_right, softcap, cuda_arch("attention", backend))
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
@@ -88,7 +93,8 @@ def _bwd_impl(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     if backend in ("cuda-sm80", "cuda-sm90"):
         return torch.ops.fusedops.attention_bwd_cuda(
             q, k, v, out, lse, dout.contiguous(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-            max_seqlen_k, scale, causal, window_left, window_right, softcap, deterministic)
+            max_seqlen_k, scale, causal, window_left, window_right, softcap, deterministic,
+            cuda_arch("attention", backend))
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
@@ -152,6 +158,15 @@ def _backward(ctx, dout, _dlse, bwd=attention_bwd):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(DOUBLE_BACKWARD)
+
+
+# With create_graph=True the gradients come out of attention_bwd with this formula attached, so a
+# second backward through them raises instead of silently returning zero second derivatives.
+attention_bwd.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
 class _Eager(torch.autograd.Function):
     """The eager path: the custom op's implementation and autograd without its dispatch."""
 
@@ -163,7 +178,8 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse, bwd=_bwd_impl)
+        grads = _backward(ctx, dout, dlse, bwd=_bwd_impl)
+        return refuse_double_backward(DOUBLE_BACKWARD, (*ctx.saved_tensors[:3], dout), grads)
 
 
 def forward(*inputs) -> tuple[Tensor, Tensor]:

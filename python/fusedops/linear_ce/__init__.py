@@ -9,6 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from fusedops import dispatch
+from fusedops._checks import check_bool, check_int, check_real
+from fusedops.linear_ce import backends as _backends  # noqa: F401  (declares the backends)
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss"]
 
@@ -17,7 +19,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
-                  memory_budget_mib):
+                  memory_budget_mib, ignore_index, return_lse, check_targets):
     if not isinstance(hidden, Tensor):
         raise TypeError(f"hidden must be a Tensor, got {type(hidden).__name__}")
     if not isinstance(weight, Tensor):
@@ -25,7 +27,8 @@ def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, soft
     if not isinstance(target, Tensor):
         raise TypeError(f"target must be a Tensor, got {type(target).__name__}")
     if hidden.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"hidden must be float32, float16 or bfloat16, got {hidden.dtype}")
+        raise TypeError(f"hidden must be float32, float16, bfloat16 or float64, got "
+                        f"{hidden.dtype}")
     if hidden.dim() < 1:
         raise ValueError("hidden must have shape (..., H), got a 0-d tensor")
     if weight.dim() != 2:
@@ -58,16 +61,23 @@ def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, soft
     for name, t in (("weight", weight), ("target", target), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
-    if reduction not in _REDUCTIONS:
+    if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    if not (0.0 <= float(label_smoothing) <= 1.0):
+    check_int("ignore_index", ignore_index)
+    check_bool("return_lse", return_lse)
+    if check_targets is not None:
+        check_bool("check_targets", check_targets)
+    label_smoothing = check_real("label_smoothing", label_smoothing)
+    if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
-    if softcap is not None and not (float(softcap) > 0.0 and math.isfinite(float(softcap))):
+    softcap = check_real("softcap", softcap, optional=True)
+    if softcap is not None and not (softcap > 0.0 and math.isfinite(softcap)):
         raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
-    if not (float(z_loss) >= 0.0 and math.isfinite(float(z_loss))):
+    z_loss = check_real("z_loss", z_loss)
+    if not (z_loss >= 0.0 and math.isfinite(z_loss)):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
-    if memory_budget_mib is not None and not (float(memory_budget_mib) > 0
-                                              and math.isfinite(float(memory_budget_mib))):
+    budget = check_real("memory_budget_mib", memory_budget_mib, optional=True)
+    if budget is not None and not (budget > 0 and math.isfinite(budget)):
         raise ValueError(f"memory_budget_mib must be a positive number or None, got "
                          f"{memory_budget_mib}")
 
@@ -87,16 +97,20 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     way.
 
     * hidden (..., H); weight (V, H); bias (V,) or None; one dtype (float32, float16, bfloat16;
-      float64 runs on the torch backend only). target int64/int32 with hidden's leading shape.
+      float64 runs on the torch backend only), or a float32 weight and bias with float16/bfloat16
+      hidden (below). target int64/int32 with hidden's leading shape, on hidden's device.
     * reduction "mean" divides by the number of non-ignored tokens and returns 0 (with zero
       gradients) when there are none, or the batch is empty; "none" returns per-token losses of the
-      leading shape with 0 at ignored tokens. Loss and lse are float32.
+      leading shape with 0 at ignored tokens. Loss and lse are float32 (float64 for float64
+      inputs).
     * return_lse=True returns (loss, lse), lse of the leading shape.
     * Targets outside [0, V) other than ignore_index raise ValueError. The check costs one host
       synchronisation; check_targets=False (or FUSEDOPS_CHECK_TARGETS=0) skips it, and such a target
       then contributes its lse alone as loss (no memory outside the inputs is ever read).
     * backend: None (automatic), "cuda", "cuda-sm90", "cuda-sm80", "triton" or "torch"; see
-      fusedops.dispatch.
+      fusedops.dispatch and fusedops/linear_ce/backends.py.
+    * Gradients flow to hidden, weight and bias for any upstream gradient; backward may run more
+      than once (retain_graph=True). Double backward (create_graph=True) raises.
     * Mixed precision: float32 weight (and bias) with float16/bfloat16 hidden (what torch.autocast
       training holds) runs the GEMMs in hidden's dtype and returns float32 d_weight, accumulated
       in float32. Under torch.autocast, float32 hidden is cast to the autocast dtype first.
@@ -107,7 +121,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
       keep a recompute path with its own fixed ~N*H*2 + 32 MiB of scratch.
     """
     _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
-                  memory_budget_mib)
+                  memory_budget_mib, ignore_index, return_lse, check_targets)
     if hidden.is_cuda and hidden.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
         hidden = hidden.to(torch.get_autocast_dtype("cuda"))
     hidden_size = hidden.shape[-1]

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from fusedops import _ext  # noqa: F401  (loads torch.ops.fusedops.*_cuda when built)
+from fusedops.dispatch import cuda_arch
 
 MIB = 1 << 20
 DEFAULT_BUDGET_MIB = 512.0
@@ -37,7 +38,7 @@ DEFAULT_BUDGET_MIB = 512.0
 # the running (m, s, zt, zsum); DZ turns z into dz given the final lse; FULL and FULL_DZ take
 # whole rows (cols == V), write lse, zt, zsum directly and, for FULL_DZ, then dz.
 MODE_MERGE, MODE_DZ, MODE_FULL_DZ, MODE_FULL = 1, 2, 3, 4
-_CUDA_ARCH = {"cuda-sm90": 90, "cuda-sm80": 80}
+_CUDA = ("cuda-sm90", "cuda-sm80")
 # A full-row chunk must hold at least this many tokens (fewer and the d_weight GEMM, whose inner
 # dimension is the chunk, loses its efficiency and d_weight collects one rounding per chunk).
 MIN_FULL_ROWS = 1024
@@ -145,8 +146,8 @@ def _rows(backend: str, *args):
     if backend == "triton":
         from fusedops.linear_ce import triton as tk
         tk.ce_rows(*args)
-    elif backend in _CUDA_ARCH:
-        torch.ops.fusedops.ce_rows_cuda(*args, _CUDA_ARCH[backend])
+    elif backend in _CUDA:
+        torch.ops.fusedops.ce_rows_cuda(*args, cuda_arch("linear_ce", backend))
     else:
         _rows_torch(*args)
 
@@ -155,7 +156,7 @@ def scale_grad_(t: Tensor, g: Tensor, backend: str) -> None:
     """t *= g in place; the GPU kernels read g on the device and return at once when g == 1."""
     if t.numel() == 0:
         return
-    if backend in _CUDA_ARCH and t.is_cuda:
+    if backend in _CUDA and t.is_cuda:
         torch.ops.fusedops.scale_if_not_one_cuda(t, g)
     elif backend == "triton" and t.is_cuda:
         from fusedops.linear_ce import triton as tk

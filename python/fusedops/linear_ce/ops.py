@@ -13,9 +13,13 @@ import torch
 from torch import Tensor
 
 from fusedops import _ext  # noqa: F401  (loads torch.ops.fusedops.linear_ce_*_cuda when built)
+from fusedops._autograd import refuse_double_backward
+from fusedops.dispatch import cuda_arch
 from fusedops.linear_ce import chunked, reference
 
-_CUDA_ARCH = {"cuda-sm90": 90, "cuda-sm80": 80}
+_CUDA = ("cuda-sm90", "cuda-sm80")
+DOUBLE_BACKWARD = ("fusedops.linear_cross_entropy: double backward (create_graph=True, "
+                   "gradgradcheck) is not supported; the backward kernels are not differentiable")
 
 
 def _stat_dtype(hidden: Tensor) -> torch.dtype:
@@ -43,9 +47,9 @@ def linear_ce_fwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     elif backend == "triton":
         from fusedops.linear_ce import triton as tk
         out = tk.linear_ce_fwd(hidden, weight, bias, target, softcap)
-    elif backend in _CUDA_ARCH:
+    elif backend in _CUDA:
         out = torch.ops.fusedops.linear_ce_fwd_cuda(hidden, weight, bias, target, softcap,
-                                                    _CUDA_ARCH[backend])
+                                                    cuda_arch("linear_ce", backend))
     else:
         raise ValueError(f"unknown backend {backend!r}")
     return tuple(o.to(_stat_dtype(hidden)) for o in out)
@@ -70,8 +74,8 @@ def linear_ce_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     if backend == "triton":
         from fusedops.linear_ce import triton as tk
         return tk.linear_ce_bwd(*args)
-    if backend in _CUDA_ARCH:
-        return tuple(torch.ops.fusedops.linear_ce_bwd_cuda(*args, _CUDA_ARCH[backend]))
+    if backend in _CUDA:
+        return tuple(torch.ops.fusedops.linear_ce_bwd_cuda(*args, cuda_arch("linear_ce", backend)))
     raise ValueError(f"unknown backend {backend!r}")
 
 
@@ -113,6 +117,19 @@ def _backward(ctx, g_lse, g_zt, g_zsum):
 linear_ce_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError(DOUBLE_BACKWARD)
+
+
+def _no_context(ctx, inputs, output):
+    return None
+
+
+# With create_graph=True the gradients come out of linear_ce_bwd with this formula attached, so a
+# second backward through them raises instead of silently returning zero second derivatives.
+linear_ce_bwd.register_autograd(_no_double_backward, setup_context=_no_context)
+
+
 # Fake implementations of the compiled ops, so they can be traced and opcheck'ed too.
 if _ext.available():
 
@@ -144,7 +161,7 @@ def linear_ce_fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, target:
         check_targets_in_range(target, weight.shape[0], ignore_index)
     if reduction not in _REDUCTION_NAMES:
         raise ValueError(f"reduction must be one of {_REDUCTION_NAMES} here, got {reduction!r}")
-    if backend not in ("torch", "triton") + tuple(_CUDA_ARCH):
+    if backend not in ("torch", "triton") + _CUDA:
         raise ValueError(f"unknown backend {backend!r}")
     return chunked.fused_forward(hidden, weight, bias, target.long(), ignore_index, reduction,
                                  label_smoothing, softcap, z_loss, budget_bytes, need_dh, need_dw,
@@ -172,42 +189,48 @@ def _(grad, g, backend):
 class _FusedLoss(torch.autograd.Function):
     """loss = linear_ce_fused(...)[0]; backward = the forward's gradients times the upstream g.
 
-    Eager mode keeps the gradients as plain ctx attributes and drops them in the backward, so the
-    tensor handed to autograd has no other owner and AccumulateGrad adopts it as .grad without a
-    copy (saved tensors would still be referenced then: a 1 GiB d_weight copy at Llama-3 size).
-    Under torch.compile the saved-tensor form is used (the compiler manages that memory).
+    Eager mode keeps the gradients as plain ctx attributes and drops them in the first backward,
+    so the tensor handed to autograd has no other owner and AccumulateGrad adopts it as .grad
+    without a copy (saved tensors would still be referenced then: a 1 GiB d_weight copy at
+    Llama-3 size). A second backward of the same graph (retain_graph=True) recomputes them from
+    the saved inputs. Under torch.compile the saved-tensor form is used (the compiler manages
+    that memory) and the scaling is out of place, so a retained graph can run again.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, label_smoothing,
                 softcap, z_loss, budget, check_targets, need_dh, need_dw, need_db, backend):
-        loss, _lse, dh, dw, db = linear_ce_fused(
-            hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap,
-            z_loss, budget, check_targets, need_dh, need_dw, need_db, backend)
+        args = (hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap,
+                z_loss, budget, False, need_dh, need_dw, need_db, backend)
+        loss, _lse, dh, dw, db = linear_ce_fused(*args[:10], check_targets, *args[11:])
         ctx.backend = backend
         ctx.need = (need_dh, need_dw, need_db)
         ctx.compiled = torch.compiler.is_compiling()
         if ctx.compiled:
             ctx.save_for_backward(dh, dw, db)
         else:
+            ctx.save_for_backward(hidden, weight, bias, target)
+            ctx.options = args[4:]
             ctx.grads = [dh, dw, db]
         return loss
 
     @staticmethod
     def backward(ctx, g_loss):
         if ctx.compiled:
-            grads = list(ctx.saved_tensors)
+            grads = [(g.to(g_loss.dtype) * g_loss).to(g.dtype) if need else None
+                     for need, g in zip(ctx.need, ctx.saved_tensors, strict=True)]
         else:
+            inputs = ctx.saved_tensors
             grads, ctx.grads = ctx.grads, None
-        out = []
-        for need, grad in zip(ctx.need, grads, strict=True):
-            if need:
-                scale_grad_(grad, g_loss, ctx.backend)
-                out.append(grad)
-            else:
-                out.append(None)
-        del grads
-        return (*out, None, None, None, None, None, None, None, None, None, None, None, None)
+            if grads is None:  # a second backward through a retained graph
+                with torch.no_grad():
+                    grads = list(linear_ce_fused(*inputs, *ctx.options)[2:])
+            for need, grad in zip(ctx.need, grads, strict=True):
+                if need:
+                    scale_grad_(grad, g_loss, ctx.backend)
+            grads = [grad if need else None for need, grad in zip(ctx.need, grads, strict=True)]
+            grads = refuse_double_backward(DOUBLE_BACKWARD, (*inputs[:3], g_loss), grads)
+        return (*grads, None, None, None, None, None, None, None, None, None, None, None, None)
 
 
 def fused_loss(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap,

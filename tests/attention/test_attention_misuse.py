@@ -1,0 +1,107 @@
+"""Attention misuse: argument types, double backward, repeated backward, empty batches."""
+
+import pytest
+import torch
+
+from fusedops.attention import attention
+
+HAS_GPU = torch.cuda.is_available()
+BACKENDS = ["torch"] + ([pytest.param("triton", marks=pytest.mark.gpu)] if HAS_GPU else [])
+
+
+def _qkv(b=1, s=5, hq=4, hkv=2, d=16, dtype=torch.float32, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(b, s, h, d, generator=g).to(device, dtype) for h in (hq, hkv, hkv))
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(causal="yes"), TypeError, "causal must be a bool"),
+    (dict(causal=1), TypeError, "causal must be a bool"),
+    (dict(window_size=(1.5, 2)), TypeError, "window_size left must be an int"),
+    (dict(window_size=(4, True)), TypeError, "window_size right must be an int"),
+    (dict(window_size=4), TypeError, r"window_size must be a \(left, right\) pair"),
+    (dict(window_size=(1, 2, 3)), TypeError, r"window_size must be a \(left, right\) pair"),
+    (dict(softcap="30"), TypeError, "softcap must be a number"),
+    (dict(softmax_scale=[0.1]), TypeError, "softmax_scale must be a number"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must not be NaN"),
+    (dict(return_lse=None), TypeError, "return_lse must be a bool"),
+])
+def test_bad_option_types(kwargs, exc, match):
+    q, k, v = _qkv()
+    with pytest.raises(exc, match=match):
+        attention(q, k, v, backend="torch", **kwargs)
+
+
+def test_one_dtype_and_one_device():
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="v dtype torch.float64 differs from q dtype"):
+        attention(q, k, v.double(), backend="torch")
+    with pytest.raises(ValueError, match="k is on meta but q is on cpu"):
+        attention(q, k.to("meta"), v, backend="torch")
+
+
+def test_varlen_bool_max_seqlen_and_non_contiguous_cu_seqlens():
+    q = torch.randn(10, 2, 16)
+    k = torch.randn(12, 2, 16)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with pytest.raises(ValueError, match="max_seqlen_q must be an int"):
+        attention(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=True,
+                  max_seqlen_k=7, backend="torch")
+    strided = torch.tensor([0, 9, 4, 9, 10, 9], dtype=torch.int32)[::2]
+    with pytest.raises(ValueError, match="cu_seqlens_q must be contiguous"):
+        attention(q, k, k, cu_seqlens_q=strided, cu_seqlens_k=cu_k, max_seqlen_q=6,
+                  max_seqlen_k=7, backend="torch")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_double_backward_raises_a_clear_error(backend):
+    device = "cuda" if backend != "torch" else "cpu"
+    q, k, v = (t.requires_grad_() for t in _qkv(device=device))
+    out = attention(q, k, v, causal=True, backend=backend)
+    dq, = torch.autograd.grad(out.square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward .* is not supported"):
+        torch.autograd.grad(dq.sum(), (q, k))
+
+
+def test_gradgradcheck_raises_instead_of_passing_wrong_values():
+    q, k, v = (t.double().requires_grad_() for t in _qkv(s=3, d=8))
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.gradgradcheck(lambda q, k, v: attention(q, k, v, backend="torch"),
+                                     (q, k, v))
+
+
+def test_first_order_gradients_with_create_graph_are_still_right():
+    """create_graph=True for a first derivative (as gradient-penalty code does) gives the same
+    gradients; only differentiating them again raises."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    out = attention(q, k, v, causal=True, backend="torch")
+    plain = torch.autograd.grad(out.square().sum(), (q, k, v), retain_graph=True)
+    graph = torch.autograd.grad(out.square().sum(), (q, k, v), create_graph=True)
+    for a, b in zip(plain, graph, strict=True):
+        torch.testing.assert_close(a, b.detach())
+
+
+def test_backward_twice_with_retain_graph():
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    out = attention(q, k, v, causal=True, backend="torch")
+    loss = out.square().sum()
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in (q, k, v)]
+    loss.backward()
+    for t, g in zip((q, k, v), first, strict=True):
+        torch.testing.assert_close(t.grad, 2 * g)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 5), (2, 0, 5), (2, 5, 0)])
+def test_empty_batch_or_sequence(shape):
+    b, sq, sk = shape
+    q = torch.randn(b, sq, 4, 16, requires_grad=True)
+    k = torch.randn(b, sk, 2, 16, requires_grad=True)
+    v = torch.randn(b, sk, 2, 16, requires_grad=True)
+    out, lse = attention(q, k, v, return_lse=True, backend="torch")
+    assert out.shape == q.shape and lse.shape == (b, 4, sq)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+    out.sum().backward()
+    for t in (q, k, v):
+        assert t.grad.shape == t.shape and torch.all(t.grad == 0)

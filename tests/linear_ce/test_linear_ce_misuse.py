@@ -1,0 +1,117 @@
+"""linear_cross_entropy misuse: repeated backward, double backward, argument types and devices."""
+
+import pytest
+import torch
+
+from fusedops.linear_ce import linear_cross_entropy
+
+HAS_GPU = torch.cuda.is_available()
+
+
+def _backends():
+    out = [("torch", "cpu")]
+    if HAS_GPU:
+        out += [pytest.param(b, "cuda", marks=pytest.mark.gpu) for b in ("triton", "cuda")]
+    return out
+
+
+def _inputs(n=6, h=16, v=11, device="cpu", dtype=torch.float32, bias=False):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, h, generator=g).to(device, dtype).requires_grad_()
+    w = (torch.randn(v, h, generator=g) / 4).to(device, dtype).requires_grad_()
+    t = torch.randint(0, v, (n,), generator=g).to(device)
+    b = torch.randn(v, generator=g).to(device, dtype).requires_grad_() if bias else None
+    return x, w, t, b
+
+
+def _dtype(device):
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+@pytest.mark.parametrize("backend,device", _backends())
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_backward_twice_with_retain_graph(backend, device, reduction):
+    """Both backwards give the gradients F.cross_entropy's would: the second adds the same."""
+    x, w, t, b = _inputs(device=device, dtype=_dtype(device), bias=True)
+    loss = linear_cross_entropy(x, w, t, b, reduction=reduction, backend=backend)
+    loss = loss.sum() * 3.0 if reduction == "none" else loss * 3.0  # upstream gradient != 1
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in (x, w, b)]
+    loss.backward()
+    for p, g in zip((x, w, b), first, strict=True):
+        torch.testing.assert_close(p.grad.float(), 2 * g.float(), rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("backend,device", _backends())
+def test_grad_of_hidden_then_of_weight(backend, device):
+    x, w, t, _ = _inputs(device=device, dtype=_dtype(device))
+    loss = linear_cross_entropy(x, w, t, backend=backend)
+    dx, = torch.autograd.grad(loss, x, retain_graph=True)
+    dw, = torch.autograd.grad(loss, w)
+    ref = linear_cross_entropy(x, w, t, backend=backend)
+    rx, rw = torch.autograd.grad(ref, (x, w))
+    torch.testing.assert_close(dx, rx)
+    torch.testing.assert_close(dw, rw)
+
+
+@pytest.mark.parametrize("backend,device", _backends())
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_double_backward_raises_a_clear_error(backend, device, reduction):
+    x, w, t, _ = _inputs(device=device, dtype=_dtype(device))
+    loss = linear_cross_entropy(x, w, t, reduction=reduction, backend=backend).sum()
+    dx, = torch.autograd.grad(loss, x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward .* is not supported"):
+        torch.autograd.grad(dx.sum(), w)
+
+
+def test_gradgradcheck_raises_instead_of_passing_wrong_values():
+    x, w, t, _ = _inputs(n=3, h=4, v=5, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.gradgradcheck(lambda x, w: linear_cross_entropy(x, w, t), (x, w))
+
+
+def test_first_order_gradients_with_create_graph_are_still_right():
+    x, w, t, _ = _inputs()
+    plain = torch.autograd.grad(linear_cross_entropy(x, w, t), (x, w))
+    graph = torch.autograd.grad(linear_cross_entropy(x, w, t), (x, w), create_graph=True)
+    for a, b in zip(plain, graph, strict=True):
+        torch.testing.assert_close(a, b.detach())
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(ignore_index=-100.0), TypeError, "ignore_index must be an int"),
+    (dict(ignore_index=None), TypeError, "ignore_index must be an int"),
+    (dict(reduction=None), ValueError, "reduction must be one of"),
+    (dict(label_smoothing="0.1"), TypeError, "label_smoothing must be a number"),
+    (dict(softcap=True), TypeError, "softcap must be a number or None"),
+    (dict(z_loss=None), TypeError, "z_loss must be a number"),
+    (dict(return_lse=1), TypeError, "return_lse must be a bool"),
+    (dict(check_targets="no"), TypeError, "check_targets must be a bool"),
+    (dict(memory_budget_mib="64"), TypeError, "memory_budget_mib must be a number"),
+    (dict(memory_budget_mib=-1), ValueError, "memory_budget_mib must be a positive"),
+])
+def test_bad_option_types(kwargs, exc, match):
+    x, w, t, _ = _inputs()
+    with pytest.raises(exc, match=match):
+        linear_cross_entropy(x, w, t, backend="torch", **kwargs)
+
+
+def test_float64_is_accepted_and_returns_float64():
+    x, w, t, _ = _inputs(dtype=torch.float64)
+    loss, lse = linear_cross_entropy(x, w, t, return_lse=True)
+    assert loss.dtype == torch.float64 and lse.dtype == torch.float64
+    ref = torch.nn.functional.cross_entropy(x @ w.T, t)
+    torch.testing.assert_close(loss, ref)
+
+
+def test_error_for_a_bad_dtype_lists_float64():
+    x, w, t, _ = _inputs()
+    with pytest.raises(TypeError, match="float32, float16, bfloat16 or float64"):
+        linear_cross_entropy(x.detach().long(), w, t)
+
+
+@pytest.mark.gpu
+def test_targets_on_another_device_are_refused():
+    x, w, t, _ = _inputs(device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="target is on cpu but hidden is on cuda"):
+        linear_cross_entropy(x, w, t.cpu())
