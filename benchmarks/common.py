@@ -92,17 +92,28 @@ def append_rows(op: str, rows, out_dir: str | None = None) -> str:
 
 
 def read_rows(path: str, run: str | None = "last") -> list[dict]:
-    """The rows of a results file: those of run `run`, of the file's last run by default, or
-    all of them for run=None. Raises ValueError when no row matches."""
+    """The rows of a results file, in file order: those of run `run` (an id, or several joined
+    by commas), of the file's last run by default, or all of them for run=None. Raises
+    ValueError when no row matches."""
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     if run == "last" and rows:
         run = rows[-1].get("run")
     if run is not None:
-        rows = [r for r in rows if r.get("run") == run]
+        runs = set(run.split(","))
+        rows = [r for r in rows if r.get("run") in runs]
     if not rows:
         raise ValueError(f"no rows{f' with run {run}' if run else ''} in {path}")
     return rows
+
+
+def add_plot_args(parser, op: str) -> None:
+    """The options of the plot scripts: the PNG to write, --run, --results."""
+    parser.add_argument("out", help="the PNG to write")
+    parser.add_argument("--run", default="last",
+                        help="run id(s) to plot, comma-separated (default: the file's last run)")
+    parser.add_argument("--results", default=results_path(op),
+                        help=f"results file (default benchmarks/results/{op}.jsonl)")
 
 
 def time_ms(fn, rep_ms: int = 100, *, warmup_ms: int = 25, grad_to_none=None, quantiles=None):
