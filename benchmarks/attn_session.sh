@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# One device call for the CUDA attention work: build, parity (both dQ modes), optional Triton
-# parity subset, then a bench of cuda-sm80 against SDPA flash at L=4096. Everything goes to
-# $OUT/log.txt; the bench's jsonl to $OUT.
+# One device call for the CUDA attention kernels: build, the cuda-sm80 tests (default dQ mode,
+# then the parity cases again with the separate dQ pass), an optional Triton test subset, then
+# bench_attention.py (cuda-sm80, its deterministic mode and SDPA flash at L=4096 by default).
+# Optional variants: a sed script applied to csrc/attention/ of a copy of the tree, built
+# alongside the main build and benched as cuda-sm80 in the same call. Everything printed goes to
+# $OUT/log.txt; the bench rows to $OUT/attention.jsonl, each variant's to
+# $OUT/variant{,2}/attention.jsonl with "variant" naming its sed script (and environment).
 # Env: FUSEDOPS_GIT (sha for the bench rows), TRITON_K (pytest -k for a Triton subset, run in
-# the background while the CUDA tests run), VARIANT_SED and VARIANT2_SED (sed scripts, each
-# applied to a copy of the tree, built alongside into /tmp/variant{,2}_site and benched as
-# cuda-sm80 too, their rows kept in the log only), VARIANT_DIMS, VARIANT_METHODS, VARIANT_ENV
-# (e.g. FUSEDOPS_ATTN_DQ=atomic, for the variants' bench; VARIANT2_ENV for the second only),
-# BENCH_METHODS, BENCH_DIMS, BENCH_LENGTHS, EXTRA (a command run at the end).
+# the background while the CUDA tests run), VARIANT_SED and VARIANT2_SED (the sed scripts),
+# VARIANT_DIMS, VARIANT_METHODS, VARIANT_ENV (e.g. FUSEDOPS_ATTN_DQ=atomic, for the variants'
+# bench; VARIANT2_ENV for the second only), BENCH_METHODS, BENCH_DIMS, BENCH_LENGTHS, EXTRA (a
+# command run at the end, its output in the log).
 set -uo pipefail
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEDOPS_CUDA_ARCHS=${FUSEDOPS_CUDA_ARCHS:-8.0;9.0a}
 say() { echo "== $* ($(date +%T))" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee -a "$LOG"
 say build
-# Variants: VARIANT_SED, and VARIANT2_SED (with VARIANT2_ENV), each built in its own copy.
 build_variant() {  # $1: suffix ("" or 2), $2: sed script
   local src=/tmp/variant$1_src
   rm -rf "$src" && cp -r . "$src" && rm -rf "$src/build"
@@ -48,9 +50,12 @@ python3 benchmarks/bench_attention.py --out "$OUT" --lengths "${BENCH_LENGTHS:-4
 for i in "" 2; do
   sed_var=VARIANT${i}_SED env_var=VARIANT${i}_ENV
   if [ -n "${!sed_var:-}" ] && [ -d "/tmp/variant${i}_site/fusedops" ]; then
+    variant_env=${!env_var:-${VARIANT_ENV:-}}
     say "bench variant$i (${!sed_var})"
-    env ${!env_var:-${VARIANT_ENV:-}} PYTHONPATH=/tmp/variant${i}_site python3 benchmarks/bench_attention.py \
-      --out /tmp/variant_res --lengths "${BENCH_LENGTHS:-4096}" --dims "${VARIANT_DIMS:-64,128}" \
+    # shellcheck disable=SC2086  # variant_env holds VAR=value words
+    env $variant_env "FUSEDOPS_BENCH_VARIANT=${!sed_var}${variant_env:+ [env: $variant_env]}" \
+      "PYTHONPATH=/tmp/variant${i}_site" python3 benchmarks/bench_attention.py \
+      --out "$OUT/variant$i" --lengths "${BENCH_LENGTHS:-4096}" --dims "${VARIANT_DIMS:-64,128}" \
       --methods "${VARIANT_METHODS:-cuda-sm80}" --rep-ms 50 2>>"$LOG" | tee -a "$LOG"
   fi
 done

@@ -1,30 +1,35 @@
 """Benchmark: exact attention forward and backward, fusedops backends next to PyTorch SDPA's flash,
 cuDNN and memory-efficient backends and FlexAttention, one run. bf16, B*L = 16384, H*D = 2048.
-Writes one JSON object per line under benchmarks/results/ (or --out) and prints a table.
+Appends one JSON object per measured row to benchmarks/results/attention.jsonl (or
+<--out>/attention.jsonl) and prints a table.
 
     python benchmarks/bench_attention.py [--lengths 1024,4096,16384] [--dims 64,128]
 
-FLOPs: forward 4*B*H*L*L*D (half when causal), backward 2.5x the forward. Backward time is
+FLOPs: forward 4*B*H*L*L*D (half when causal), backward 2.5x the forward. Times are medians of
+triton.testing.do_bench (the rows of 2026-11-29 hold its mean); backward time is
 (forward+backward) - forward. peak_mib is peak memory above the inputs during forward+backward.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
-import uuid
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+from common import (
+    add_out_arg,
+    append_rows,
+    describe,
+    peak_extra_mib,
+    print_table,
+    results_path,
+    run_meta,
+    time_ms,
+)
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_linear_ce import git_sha  # noqa: E402
-
-from fusedops.attention.ops import dq_mode  # noqa: E402
+from fusedops.attention.ops import dq_mode
 
 
 def sdpa(kind):
@@ -64,20 +69,13 @@ def fused(backend):
 
 def measure(fn, q, k, v, do, causal, rep_ms):
     """(forward ms, forward+backward ms, peak MiB above the inputs)."""
-    fn(q, k, v, causal).backward(do)  # warm-up / compile
-    torch.cuda.synchronize()
-    for t in (q, k, v):
-        t.grad = None
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    fn(q, k, v, causal).backward(do)
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    def step():
+        fn(q, k, v, causal).backward(do)
+
+    peak = peak_extra_mib(step, (q, k, v))  # after one warm-up step (compilation)
     with torch.no_grad():
-        fwd = triton.testing.do_bench(lambda: fn(q, k, v, causal), rep=rep_ms)
-    tot = triton.testing.do_bench(lambda: fn(q, k, v, causal).backward(do), rep=rep_ms,
-                                  grad_to_none=[q, k, v])
+        fwd = time_ms(lambda: fn(q, k, v, causal), rep_ms)
+    tot = time_ms(step, rep_ms, grad_to_none=[q, k, v])
     return fwd, tot, peak
 
 
@@ -91,12 +89,10 @@ def main():
     ap.add_argument("--flex-lengths", default="4096", help="FlexAttention compiles per shape")
     ap.add_argument("--torch-max-length", type=int, default=1024)
     ap.add_argument("--rep-ms", type=int, default=100)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_out_arg(ap)
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    gpu, run_id = torch.cuda.get_device_name(), uuid.uuid4().hex[:8]
-    stamp = datetime.datetime.now(datetime.timezone.utc)
-    path = os.path.join(args.out, f"attention_{stamp:%Y%m%d_%H%M%S}_{run_id}.jsonl")
+    meta = run_meta()
+    path = results_path("attention", args.out)
     makers = {"cuda-sm80": lambda: fused("cuda-sm80"),
               "cuda-sm80-deterministic": lambda: fused("cuda-sm80"),
               "triton": lambda: fused("triton"), "torch": lambda: fused("torch"),
@@ -141,19 +137,15 @@ def main():
                                fwd_ms=round(fwd, 4),
                                bwd_ms=round(bwd, 4), fwd_tflops=round(flops / fwd / 1e9, 1),
                                bwd_tflops=round(2.5 * flops / bwd / 1e9, 1),
-                               peak_mib=round(peak, 1), gpu=gpu, torch=torch.__version__,
-                               git=git_sha(), run=run_id, date=f"{stamp:%Y-%m-%d}")
+                               peak_mib=round(peak, 1), **meta)
                     rows.append(row)
-                    with open(path, "a") as f:
-                        f.write(json.dumps(row) + "\n")
+                    append_rows("attention", [row], args.out)
                 del q, k, v, do
                 torch.cuda.empty_cache()
-    print(f"\n{gpu}, torch {torch.__version__}, git {git_sha()}, run {run_id} -> {path}")
-    print(f"{'D':>4} {'L':>6} {'causal':>6} {'method':15} {'fwd TF/s':>9} {'bwd TF/s':>9} "
-          f"{'peak MiB':>9}")
-    for r in rows:
-        print(f"{r['D']:4d} {r['L']:6d} {str(r['causal']):>6} {r['method']:15} "
-              f"{r['fwd_tflops']:9.1f} {r['bwd_tflops']:9.1f} {r['peak_mib']:9.1f}")
+    print_table(rows, [("D", "D", "d"), ("L", "L", "d"), ("causal", "causal", ""),
+                       ("method", "method", ""), ("fwd TF/s", "fwd_tflops", ".1f"),
+                       ("bwd TF/s", "bwd_tflops", ".1f"), ("peak MiB", "peak_mib", ".1f")],
+                title=f"\n{describe(meta)} -> {path}")
 
 
 if __name__ == "__main__":

@@ -1,27 +1,35 @@
 """Benchmark: fused linear cross-entropy, forward + backward of the mean loss (grads for hidden and
 weight), every fusedops backend next to PyTorch eager, torch.compile, Liger and Cut Cross-Entropy
-(when installed). Prints a table; writes one JSON object per line under benchmarks/results/.
+(when installed). Prints a table; appends one JSON object per measured row to
+benchmarks/results/linear_ce.jsonl (or <--out>/linear_ce.jsonl).
 
     python benchmarks/bench_linear_ce.py                  # Llama-3-8B LM head, bf16
     python benchmarks/bench_linear_ce.py --shapes llama3,gemma2,llama2 --out DIR
 
 "extra_mib" is peak memory above what was allocated before the step (inputs, weights) minus the
-bytes of the gradients the step returns (d_hidden, d_weight), i.e. the method's scratch.
+bytes of the gradients the step returns (d_hidden, d_weight), i.e. the method's scratch. "ms" is
+the median of triton.testing.do_bench, "p20"/"p80" its 20th and 80th percentiles.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
 import time
-import uuid
 
 import torch
 import torch.nn.functional as F
+from common import (
+    add_out_arg,
+    append_rows,
+    describe,
+    peak_extra_mib,
+    print_table,
+    results_path,
+    run_meta,
+    time_ms,
+)
 
 SHAPES = {  # name: (N tokens, H, V, softcap)
     "llama3": (8192, 4096, 128256, None),
@@ -29,17 +37,6 @@ SHAPES = {  # name: (N tokens, H, V, softcap)
     "llama2": (4096, 4096, 32000, None),
     "small": (2048, 1024, 32000, None),
 }
-
-
-def git_sha() -> str:
-    env = os.environ.get("FUSEDOPS_GIT")
-    if env:
-        return env
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def eager_loss(x, w, t, softcap=None):
@@ -60,7 +57,7 @@ def methods(softcap):
         return lambda x, w, t: linear_cross_entropy(x, w, t, softcap=softcap, backend=backend,
                                                     check_targets=False, memory_budget_mib=budget)
 
-    def recompute(x, w, t):  # the issue-2 design: 4 fused GEMM kernels, no logits chunk
+    def recompute(x, w, t):  # the recompute algorithm: 4 fused GEMM kernels, no logits chunk
         os.environ["FUSEDOPS_LCE_ALGO"] = "recompute"
         try:
             return linear_cross_entropy(x, w, t, softcap=softcap, check_targets=False)
@@ -123,42 +120,23 @@ def grad_errors(fn, x, w, t, ref):
 
 
 def measure(fn, x, w, t, reps: int):
-    import triton.testing
-
     def step():
         x.grad = None
         w.grad = None
         fn(x, w, t).backward()
 
-    step()  # warm-up: compilation, autotuning, caches
-    torch.cuda.synchronize()
-    x.grad = w.grad = None
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    step()
-    torch.cuda.synchronize()
-    grad_bytes = sum(g.numel() * g.element_size() for g in (x.grad, w.grad) if g is not None)
-    extra = torch.cuda.max_memory_allocated() - before - grad_bytes
+    # one warm-up step first (compilation, autotuning, caches)
+    extra = peak_extra_mib(step, (x, w), minus_grads=True)
     loss = float(fn(x, w, t))
-    ms, p20, p80 = triton.testing.do_bench(step, warmup=25, rep=reps, quantiles=[0.5, 0.2, 0.8],
-                                           grad_to_none=[x, w])
-    return ms, p20, p80, extra / 2**20, loss
+    ms, p20, p80 = time_ms(step, reps, quantiles=(0.5, 0.2, 0.8), grad_to_none=[x, w])
+    return ms, p20, p80, extra, loss
 
 
 def measure_memory(fn, x, w, t):
     """Extra peak MiB of one step (after a warm-up step), as in measure()."""
-    for _ in range(2):
-        x.grad = w.grad = None
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        fn(x, w, t).backward()
-        torch.cuda.synchronize()
-    grad_bytes = sum(g.numel() * g.element_size() for g in (x.grad, w.grad) if g is not None)
+    extra = peak_extra_mib(lambda: fn(x, w, t).backward(), (x, w), minus_grads=True)
     x.grad = w.grad = None
-    return (torch.cuda.max_memory_allocated() - before - grad_bytes) / 2**20
+    return extra
 
 
 def profile(fn, x, w, t, label, path):
@@ -185,7 +163,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="llama3")
     ap.add_argument("--methods", default="", help="comma list; default all")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_out_arg(ap)
     ap.add_argument("--rep-ms", type=int, default=300)
     ap.add_argument("--profile", action="store_true",
                     help="also write per-kernel times of the fusedops backends to profile.txt")
@@ -195,10 +173,8 @@ def main():
                     help="comma list of N: extra memory vs N at H=4096, V=128256 (no timing)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    gpu = torch.cuda.get_device_name()
-    run_id = uuid.uuid4().hex[:8]
-    stamp = datetime.datetime.now(datetime.timezone.utc)
-    path = os.path.join(args.out, f"linear_ce_{stamp:%Y%m%d_%H%M%S}_{run_id}.jsonl")
+    meta = run_meta()
+    path = results_path("linear_ce", args.out)
     rows = []
     for shape in args.shapes.split(","):
         n, h, v, softcap = SHAPES[shape]
@@ -222,14 +198,11 @@ def main():
             row = dict(op="linear_ce", method=name, shape=shape, N=n, H=h, V=v, softcap=softcap,
                        dtype="bfloat16", ms=round(ms, 3), p20=round(p20, 3), p80=round(p80, 3),
                        tflops=round(6 * n * h * v / ms / 1e9, 1), extra_mib=round(extra, 1),
-                       loss=round(loss, 6), err_dh=errs[0], err_dw=errs[1], gpu=gpu,
-                       torch=torch.__version__, git=git_sha(), run=run_id,
-                       date=f"{stamp:%Y-%m-%d}")
+                       loss=round(loss, 6), err_dh=errs[0], err_dw=errs[1], **meta)
             rows.append(row)
             if args.profile and name.startswith("fusedops") and name != "fusedops-torch":
                 profile(fn, x, w, t, f"{shape} {name}", os.path.join(args.out, "profile.txt"))
-            with open(path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_rows("linear_ce", [row], args.out)
             print(f"  {shape} {name}: {ms:.2f} ms ({time.time() - t0:.0f} s)", file=sys.stderr)
             torch.cuda.empty_cache()
         del x, w, t, ref
@@ -250,23 +223,17 @@ def main():
                 print(f"curve N={n} {name}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
             row = dict(op="linear_ce", method=name, shape="curve", N=n, H=h, V=v, softcap=None,
-                       dtype="bfloat16", extra_mib=round(extra, 1), gpu=gpu,
-                       torch=torch.__version__, git=git_sha(), run=run_id,
-                       date=f"{stamp:%Y-%m-%d}")
+                       dtype="bfloat16", extra_mib=round(extra, 1), **meta)
             rows.append(row)
-            with open(path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            append_rows("linear_ce", [row], args.out)
             torch.cuda.empty_cache()
         del x, w, t
         torch.cuda.empty_cache()
-    print(f"\n{gpu}, torch {torch.__version__}, git {git_sha()}, run {run_id} -> {path}")
-    print(f"{'shape':8} {'N':>6} {'method':26} {'ms':>9} {'TFLOP/s':>8} {'extra MiB':>10} "
-          f"{'err_dh':>8} {'err_dw':>8}")
-    fmt = lambda v, f: format(v, f) if v is not None else "-"  # noqa: E731
-    for r in rows:
-        print(f"{r['shape']:8} {r['N']:6d} {r['method']:26} {fmt(r.get('ms'), '9.2f'):>9} "
-              f"{fmt(r.get('tflops'), '8.1f'):>8} {r['extra_mib']:10.1f} "
-              f"{fmt(r.get('err_dh'), '8.2e'):>8} {fmt(r.get('err_dw'), '8.2e'):>8}")
+    print_table(rows, [("shape", "shape", ""), ("N", "N", "d"), ("method", "method", ""),
+                       ("ms", "ms", ".2f"), ("TFLOP/s", "tflops", ".1f"),
+                       ("extra MiB", "extra_mib", ".1f"), ("err_dh", "err_dh", ".2e"),
+                       ("err_dw", "err_dw", ".2e")],
+                title=f"\n{describe(meta)} -> {path}")
     return path
 
 

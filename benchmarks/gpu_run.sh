@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# One device call: build/install, run the GPU tests, benchmark. Logs under $OUT.
+# One device call: install fusedops (building the CUDA extension), run the GPU tests, run one
+# bench script. Logs (gpu.txt, build.log, info.txt, tests.log, bench.err) go to $OUT; the bench
+# appends its rows to $OUT/<op>.jsonl (--out $OUT), which is appended to
+# benchmarks/results/<op>.jsonl once copied back.
 # Usage (on the GPU machine): FUSEDOPS_GIT=<sha> bash benchmarks/gpu_run.sh
 #   PYTEST_ARGS (default "-m gpu tests"), TEST_TIMEOUT (s), BENCH (default bench_linear_ce.py),
 #   BENCH_ARGS, BENCH_TIMEOUT (s), SKIP_TESTS=1, SKIP_BENCH=1, RUN_DEMO=1,
@@ -17,8 +20,8 @@ echo "build: $(( $(date +%s) - t0 )) s"
 (cd /tmp && python3 -m fusedops.info) | tee "$OUT/info.txt"
 if [ "${SKIP_TESTS:-0}" != "1" ]; then
   t0=$(date +%s)
-  # From the repo root the installed fusedops (with _C) is imported; kernels_triton is the same
-  # code either way.
+  # The package lives under python/, so from the repository root the tests import the
+  # installed fusedops, the one with the extension just built.
   timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rs -p no:cacheprovider \
     ${PYTEST_ARGS:--m gpu tests} > "$OUT/tests.log" 2>&1
   rc=$?

@@ -1,19 +1,25 @@
-"""Plots attention benchmark runs (JSON lines): forward and backward TFLOP/s per method.
+"""Plots attention benchmark rows: forward and backward TFLOP/s per method and shape.
 
-    python benchmarks/plot_attention.py out.png run1.jsonl [run2.jsonl ...]
+    python benchmarks/plot_attention.py --run 753fb837 benchmarks/results/attention.png
+
+Reads benchmarks/results/attention.jsonl (or --results); --run takes one run id or several
+joined by commas (default: the file's last run).
 """
 
-import json
-import sys
+import argparse
 
 import matplotlib
+from common import add_plot_args, read_rows
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main(out, *paths):
-    rows = [json.loads(line) for p in paths for line in open(p)]
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_plot_args(ap, "attention")
+    args = ap.parse_args(argv)
+    rows = read_rows(args.results, args.run)
     configs = list(dict.fromkeys((r["D"], r["L"], r["causal"]) for r in rows))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     fig, axes = plt.subplots(2, 1, figsize=(14, 8))
@@ -36,9 +42,9 @@ def main(out, *paths):
     fig.suptitle(f"attention, bf16, B*L=16384, H*D=2048, {r0['gpu']}, torch {r0['torch']}, "
                  f"{r0['date']}")
     fig.tight_layout()
-    fig.savefig(out, dpi=80)
-    print(out)
+    fig.savefig(args.out, dpi=80)
+    print(args.out)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()

@@ -1,19 +1,26 @@
-"""Plots a linear_ce benchmark run (JSON lines) as time and extra memory per method and shape.
+"""Plots linear_ce benchmark rows: time and extra memory per method and shape, and the
+extra-memory-vs-N curve when the run has one.
 
-    python benchmarks/plot_linear_ce.py benchmarks/results/linear_ce_<run>.jsonl [out.png]
+    python benchmarks/plot_linear_ce.py --run c3d1e595 benchmarks/results/linear_ce.png
+
+Reads benchmarks/results/linear_ce.jsonl (or --results); --run takes one run id or several
+joined by commas (default: the file's last run).
 """
 
-import json
-import sys
+import argparse
 
 import matplotlib
+from common import add_plot_args, read_rows
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def main(path, out=None):
-    rows = [json.loads(line) for line in open(path)]
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_plot_args(ap, "linear_ce")
+    args = ap.parse_args(argv)
+    rows = read_rows(args.results, args.run)
     curve = [r for r in rows if r["shape"] == "curve"]
     rows = [r for r in rows if r["shape"] != "curve"]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
@@ -51,10 +58,9 @@ def main(path, out=None):
     fig.suptitle(f"fused linear cross-entropy, bf16, {r0['gpu']}, torch {r0['torch']}, "
                  f"git {r0['git']}, {r0['date']}")
     fig.tight_layout()
-    out = out or path.replace(".jsonl", ".png")
-    fig.savefig(out, dpi=90)
-    print(out)
+    fig.savefig(args.out, dpi=90)
+    print(args.out)
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:])
+    main()

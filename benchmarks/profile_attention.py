@@ -12,19 +12,8 @@ from __future__ import annotations
 import argparse
 
 import torch
+from bench_attention import fused, sdpa
 from torch.profiler import ProfilerActivity, profile
-
-from fusedops.attention import attention
-
-
-def run_attention(q, k, v, causal, backend):
-    if backend != "sdpa_flash":
-        return attention(q, k, v, causal=causal, backend=backend)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
-    return out.transpose(1, 2)
 
 
 def main():
@@ -35,6 +24,7 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--ncu", action="store_true", help="mark one step for ncu; no timing")
     args = ap.parse_args()
+    run_attention = sdpa("sdpa_flash") if args.backend == "sdpa_flash" else fused(args.backend)
     for d in map(int, args.dims.split(",")):
         b, h, n = 16384 // args.length, 2048 // d, args.length
         q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
@@ -43,7 +33,7 @@ def main():
             t.requires_grad_()
 
         def step(q=q, k=k, v=v, do=do):
-            run_attention(q, k, v, args.causal, args.backend).backward(do)
+            run_attention(q, k, v, args.causal).backward(do)
 
         for _ in range(3):
             step()

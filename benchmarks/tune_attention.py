@@ -1,10 +1,11 @@
 """Sweep the Triton attention backward's tile configs (dK/dV kernel, then dQ kernel) on the GPU.
 
 Each candidate's gradients are compared with the current default config's (relative difference
-below 1e-2, else the candidate is marked wrong); the backward is timed alone (do_bench on
-autograd.grad of a kept forward). Prints the best configs per (D, L, causal) and writes JSON
-lines under benchmarks/results/. Written for the D=64 backward (half of FlashAttention-2's speed
-with configs set by analogy with D=128); its run 0102de83 chose the D<=64 configs in _configs.
+below 1e-2, else the candidate is marked wrong); the backward is timed alone (median of do_bench
+on autograd.grad of a kept forward; the rows of 2026-11-29 hold its mean). Prints the best
+configs per (D, L, causal) and appends one row per candidate to
+benchmarks/results/attention_tune.jsonl (or <--out>/attention_tune.jsonl). The D<=64 backward
+configs in fusedops.attention.triton._configs come from its sweep of 2026-11-29 (those rows).
 
     python benchmarks/tune_attention.py --dims 64 --lengths 4096
 """
@@ -12,14 +13,11 @@ with configs set by analogy with D=128); its run 0102de83 chose the D<=64 config
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
-import os
 import sys
-import uuid
 
 import torch
+from common import add_out_arg, append_rows, results_path, run_meta, time_ms
 
 DKDV = [(bm, bn, w, s) for bm, bn, w, s in itertools.product((32, 64, 128), (64, 128), (4, 8),
                                                               (2, 3, 4))]
@@ -27,10 +25,8 @@ DQ = [(bm, bn, w, s) for bm, bn, w, s in itertools.product((64, 128), (32, 64, 1
                                                            (2, 3, 4))]
 
 
-def tune_shape(d, length, causal, rep_ms, path, run_id):
+def tune_shape(d, length, causal, rep_ms, out_dir):
     """Sweeps dK/dV configs, then dQ configs with the best dK/dV; returns the sorted good rows."""
-    import triton.testing
-
     from fusedops.attention import attention
     from fusedops.attention import triton as ka  # its _configs is swapped per candidate
 
@@ -62,17 +58,16 @@ def tune_shape(d, length, causal, rep_ms, path, run_id):
             out, got = grads()
             err = max(float((a.float() - r.float()).norm() / r.float().norm())
                       for a, r in zip(got, ref, strict=True))
-            ms = triton.testing.do_bench(
-                lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), rep=rep_ms)
+            ms = time_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True),
+                         rep_ms)
         except Exception as exc:  # a config that does not compile or fit
             print(f"  {kind} {cfg}: failed ({type(exc).__name__})", file=sys.stderr, flush=True)
             return None
-        row = dict(op="attention_tune", kernel=kind, config=cfg, D=d, L=length, causal=causal,
-                   bwd_ms=round(ms, 4), bwd_tflops=round(flops / ms / 1e9, 1),
-                   max_rel_diff=err, ok=err < 1e-2, gpu=torch.cuda.get_device_name(),
-                   torch=torch.__version__, run=run_id)
-        with open(path, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        row = dict(op="attention_tune", method="triton", kernel=kind, config=cfg, B=b, H=h,
+                   L=length, D=d, causal=causal, dtype="bfloat16", bwd_ms=round(ms, 4),
+                   bwd_tflops=round(flops / ms / 1e9, 1), max_rel_diff=err, ok=err < 1e-2,
+                   **run_meta())
+        append_rows("attention_tune", [row], out_dir)
         print(f"  {kind} {cfg}: {row['bwd_tflops']} TFLOP/s ok={row['ok']}", file=sys.stderr,
               flush=True)
         return row
@@ -99,22 +94,18 @@ def main():
     ap.add_argument("--dims", default="64")
     ap.add_argument("--lengths", default="4096")
     ap.add_argument("--rep-ms", type=int, default=40)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    add_out_arg(ap)
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc)
-    run_id = uuid.uuid4().hex[:8]
-    path = os.path.join(args.out, f"attention_tune_{stamp:%Y%m%d_%H%M%S}_{run_id}.jsonl")
     for d in map(int, args.dims.split(",")):
         for length in map(int, args.lengths.split(",")):
             for causal in (False, True):
-                base, good = tune_shape(d, length, causal, args.rep_ms, path, run_id)
+                base, good = tune_shape(d, length, causal, args.rep_ms, args.out)
                 print(f"D={d} L={length} causal={causal}: default "
                       f"{base['bwd_tflops'] if base else '-'} TFLOP/s; best:")
                 for r in good[:5]:
                     print(f"  {r['config']} {r['bwd_tflops']} TFLOP/s "
                           f"(diff {r['max_rel_diff']:.1e})")
-    print(path)
+    print(f"run {run_meta()['run']} -> {results_path('attention_tune', args.out)}")
 
 
 if __name__ == "__main__":
