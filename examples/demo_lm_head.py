@@ -21,6 +21,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from fusedops import dispatch
 from fusedops.linear_ce import linear_cross_entropy
 
 
@@ -72,7 +73,9 @@ def train(variant: str, args) -> dict:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
     ms = (time.perf_counter() - t0) * 1e3 / max(1, len(batches) - 1)
-    return {"variant": variant, "losses": losses, "ms_per_step": ms, "peak_mib": peak}
+    backend = dispatch.select("linear_ce", h, h.shape[-1]) if variant == "fusedops" else "-"
+    return {"variant": variant, "losses": losses, "ms_per_step": ms, "peak_mib": peak,
+            "backend": backend}
 
 
 def main():
@@ -99,6 +102,7 @@ def main():
     where = f"{args.device} ({torch.cuda.get_device_name() if args.device == 'cuda' else 'CPU'})"
     print(f"LM head on {where}: {args.tokens} tokens x hidden {args.hidden} x vocab "
           f"{args.vocab}, {args.dtype}, {args.steps} AdamW steps")
+    print(f"fusedops backend: {results['fusedops']['backend']}")
     print(f"{'step':>5} {'fusedops loss':>14} {'PyTorch loss':>13}")
     for i in sorted({0, len(a) // 2, len(a) - 1}):
         print(f"{i:5d} {a[i]:14.5f} {b[i]:13.5f}")
