@@ -7,7 +7,7 @@ import torch
 
 HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
-    # Must be set before any @triton.jit function is created (the Triton modules are imported lazily).
+    # Must be set before any @triton.jit function is created (Triton modules load lazily).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

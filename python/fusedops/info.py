@@ -1,4 +1,4 @@
-"""`python -m fusedops.info`: versions, the GPU, and which backends can run a case here (and why not).
+"""`python -m fusedops.info`: versions, the GPU, and which backends can run a case (and why not).
 
     python -m fusedops.info [--dtype bfloat16] [--hidden 4096] [--head-dim 128] [--causal]
                             [--device cuda|cpu]

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops._triton import INTERPRET, LOG2E
+from fusedops._triton import LOG2E
 from fusedops._triton import interpreting as _interpreting
 from fusedops._triton import tanh as _tanh
 
