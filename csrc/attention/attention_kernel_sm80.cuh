@@ -29,9 +29,9 @@
 namespace fusedops {
 namespace attn {
 
-using namespace fusedops::sm80;
+using namespace fusedops::dev;   // kLog2e, zero, conversions, ex2 (device_utils.cuh)
+using namespace fusedops::sm80;  // PTX wrappers (mma_sm80.cuh)
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 // Forward: how far (log2 units) a tile maximum may exceed the running one before rescaling.
 constexpr float kSlack = 8.f;
@@ -197,16 +197,6 @@ __device__ __forceinline__ void gemm_pv(float (&acc)[MT][D / 8][4],
       }
     }
   }
-}
-
-template <int MT, int N>
-__device__ __forceinline__ void zero(float (&acc)[MT][N][4]) {
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int i = 0; i < N; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mt][i][e] = 0.f;
 }
 
 // Stores MT x 16 rows x D of an accumulator, scaled per row by mul[mt][r], to a global matrix:

@@ -30,7 +30,6 @@ constexpr int kWarpM = 32;  // rows of the tile per warp
 constexpr int kWarpN = 64;  // cols of the tile per warp
 constexpr int kMmaM = kWarpM / 16;
 constexpr int kMmaN = kWarpN / 8;
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <int kStages_, int kMinArch_>
 struct Config {
@@ -39,6 +38,7 @@ struct Config {
   static constexpr int kSmemBytes = kStages * (kBlockM + kBlockN) * kBlockK * 2;
 };
 
+using namespace fusedops::dev;   // kLog2e, zero, conversions (device_utils.cuh)
 using namespace fusedops::sm80;  // PTX wrappers (mma_sm80.cuh)
 
 // ---------------------------------------------------------------------------------------------
@@ -174,15 +174,6 @@ __device__ __forceinline__ void gemm_mainloop(const Operand<T, kAKMajor>& a_op,
   __syncthreads();
 }
 
-__device__ __forceinline__ void zero_acc(float (&acc)[kMmaM][kMmaN][4]) {
-#pragma unroll
-  for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < kMmaN; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
-}
-
 // Position of accumulator element (mi, ni, e) inside the CTA tile.
 __device__ __forceinline__ int acc_row(int mi, int e) {
   const int warp_m = (threadIdx.x >> 5) / kWarpsN, lane = threadIdx.x & 31;
@@ -236,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(const LinearCeParams p
       if (v0 >= p.vocab_size) break;
       Operand<T, true> b_op{w + v0 * p.hidden_size, p.hidden_size, p.vocab_size - v0,
                             p.hidden_size};
-      zero_acc(acc);
+      zero(acc);
       gemm_mainloop<Cfg, T, true, true>(a_op, b_op, p.hidden_size, smem, acc);
 #pragma unroll
       for (int mi = 0; mi < kMmaM; ++mi) {
@@ -375,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) dz_kernel(const LinearCeParams p,
     const T* w = static_cast<const T*>(p.weight);
     const T* bias = static_cast<const T*>(p.bias);
     float acc[kMmaM][kMmaN][4];
-    zero_acc(acc);
+    zero(acc);
     const int64_t col_valid = n_cols - c0 < p.vocab_size - v0 - c0 ? n_cols - c0
                                                                    : p.vocab_size - v0 - c0;
     if (col_valid > 0) {
@@ -467,7 +458,7 @@ __global__ void __launch_bounds__(kThreads, 2) dw_kernel(const LinearCeParams p,
     Operand<T, false> a_op{dz + i0, p.ld_dz, p.ld_dz - i0, p.n_tokens};
     Operand<T, false> b_op{x + j0, p.hidden_size, p.hidden_size - j0, p.n_tokens};
     float acc[kMmaM][kMmaN][4];
-    zero_acc(acc);
+    zero(acc);
     gemm_mainloop<Cfg, T, false, false>(a_op, b_op, p.n_tokens, smem, acc);
     T* dw = static_cast<T*>(p.d_weight);
 #pragma unroll
@@ -510,7 +501,7 @@ __global__ void __launch_bounds__(kThreads, 2) dx_kernel(const LinearCeParams p,
     Operand<T, false> b_op{w + v0 * p.hidden_size + j0, p.hidden_size, p.hidden_size - j0,
                            k_valid};
     float acc[kMmaM][kMmaN][4];
-    zero_acc(acc);
+    zero(acc);
     gemm_mainloop<Cfg, T, true, false>(a_op, b_op, k_valid, smem, acc);
 #pragma unroll
     for (int mi = 0; mi < kMmaM; ++mi)
