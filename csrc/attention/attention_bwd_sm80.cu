@@ -1,7 +1,7 @@
 // The Ampere (sm_80) attention backward (delta, dK/dV with or without atomic dQ, dQ, dQ
 // conversion), instantiated for fp16/bf16 x head dim 64/128; also run on Hopper when forced.
 #include "../static_switch.h"
-#include "attention_launch.cuh"
+#include "attention_launch_sm80.cuh"
 
 namespace fusedops {
 
