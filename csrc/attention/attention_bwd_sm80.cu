@@ -11,7 +11,7 @@ cudaError_t attention_bwd_sm80(AttnParams& p) {
   });
 }
 
-bool attention_bwd_atomic_fits(int head_dim) {
+bool attention_bwd_atomic_fits_sm80(int head_dim) {
   return head_dim == 128 ? attn::split_fits<128>() : attn::split_fits<64>();
 }
 

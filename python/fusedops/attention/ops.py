@@ -18,6 +18,8 @@ from torch import Tensor
 
 from fusedops.attention import reference
 
+_CUDA_ARCH = {"cuda-sm90": 90, "cuda-sm80": 80}
+
 
 def _stat_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -53,10 +55,10 @@ def _fwd_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, s
         from fusedops.attention import triton as ta
         return ta.attention_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                 scale, causal, window_left, window_right, softcap)
-    if backend in ("cuda-sm80", "cuda-sm90"):  # dispatch sends sm90 here only if that exists
+    if backend in _CUDA_ARCH:  # dispatch sends sm90 here only if that exists
         return torch.ops.fusedops.attention_fwd_cuda(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
-            window_left, window_right, softcap)
+            window_left, window_right, softcap, _CUDA_ARCH[backend])
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
@@ -85,10 +87,11 @@ def _bwd_impl(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
         return ta.attention_bwd(q, k, v, out, lse, dout.contiguous(), cu_seqlens_q,
                                 cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal,
                                 window_left, window_right, softcap, deterministic)
-    if backend in ("cuda-sm80", "cuda-sm90"):
+    if backend in _CUDA_ARCH:
         return torch.ops.fusedops.attention_bwd_cuda(
             q, k, v, out, lse, dout.contiguous(), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-            max_seqlen_k, scale, causal, window_left, window_right, softcap, deterministic)
+            max_seqlen_k, scale, causal, window_left, window_right, softcap, deterministic,
+            _CUDA_ARCH[backend])
     raise ValueError(f"unknown attention backend {backend!r}")
 
 
