@@ -3,7 +3,10 @@
 // Constraints (checked by linear_ce_api.cpp): element type fp16 or bf16; hidden [N, H] and
 // weight [V, H] contiguous with H % 8 == 0 and 16-byte aligned base pointers (every global load is
 // a 16-byte cp.async of 8 elements, zero-filled past the valid range); any N and V >= 1.
-// Index arithmetic on global memory is 64-bit.
+// Index arithmetic on global memory is 64-bit. Launches (linear_ce_launch.cuh): fwd_kernel,
+// dz_kernel, dw_kernel and dx_kernel take kThreads threads and Cfg::kSmemBytes of dynamic shared
+// memory, and trap when built for an architecture below Cfg::kMinArch (dispatch never launches
+// them there); combine_kernel takes one thread per token and no shared memory.
 //
 // One CTA = 8 warps (256 threads) computing a kBlockM x kBlockN = 128 x 128 tile, the warps laid
 // out 4 (M) x 2 (N), each owning 32 x 64 = 2 x 8 mma tiles. K advances kBlockK = 32 at a time
