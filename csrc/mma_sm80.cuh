@@ -1,11 +1,14 @@
 // PTX wrappers for the Ampere-class tensor-core path (also compiled for sm_90a): cp.async,
-// ldmatrix, mma.sync m16n8k16 with float32 accumulators, and bf16/fp16 packing. Shared by the
-// linear cross-entropy GEMM kernels and the attention kernels.
+// mbarrier, ldmatrix and mma.sync m16n8k16 with float32 accumulators. Shared by the linear
+// cross-entropy GEMM kernels and the attention kernels; the architecture-free helpers (packing,
+// conversions, ex2) are device_utils.cuh's.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+
+#include "device_utils.cuh"
 
 namespace fusedops {
 namespace sm80 {
@@ -82,33 +85,6 @@ __device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const uint32_t 
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-template <typename T>
-__device__ __forceinline__ float to_float(T v);
-template <>
-__device__ __forceinline__ float to_float<__nv_bfloat16>(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float to_float<__half>(__half v) { return __half2float(v); }
-
-__device__ __forceinline__ float ex2(float x) {  // 2^x, MUFU.EX2 (ex2(-inf) = 0)
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
 }
 
 }  // namespace sm80

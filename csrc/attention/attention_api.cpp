@@ -8,11 +8,10 @@
 
 #include <string>
 
+#include "../torch_utils.h"
 #include "attention_params.h"
 
-// Integers in check messages go through std::to_string: on the H200 machine (torch 2.11) a
-// TORCH_CHECK message holding an int64_t argument crashed the process instead of raising (strings,
-// dtypes and literals raised as they should).
+// Integers in check messages go through std::to_string (why: torch_utils.h).
 
 namespace fusedops {
 namespace {
@@ -92,15 +91,28 @@ AttnParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, const 
   return p;
 }
 
-void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "fusedops ", what, " launch failed: ", cudaGetErrorString(err));
+// One kernel family's entry points (attention_params.h).
+struct AttnFamily {
+  cudaError_t (*fwd)(AttnParams&);
+  cudaError_t (*bwd)(AttnParams&);
+  bool (*bwd_atomic_fits)(int head_dim);
+};
+
+// The kernel family that the op's `arch` argument names, as for linear_ce (80 or 90), picked
+// before anything is allocated. Only the sm80 family exists: a Hopper one is one more branch,
+// `if (arch == 90) return {attention_fwd_sm90, attention_bwd_sm90, ...};`, in place of the check.
+AttnFamily family(int64_t arch) {
+  check_arch(arch);
+  if (arch == 80) return {attention_fwd_sm80, attention_bwd_sm80, attention_bwd_atomic_fits_sm80};
+  TORCH_CHECK_VALUE(false, "no Hopper (sm_90) attention kernel is built yet; use arch 80");
 }
 
 std::tuple<Tensor, Tensor> attention_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
                                               const Tensor& cu_q, const Tensor& cu_k,
                                               int64_t max_q, int64_t max_k, double scale,
                                               bool causal, int64_t left, int64_t right,
-                                              double softcap) {
+                                              double softcap, int64_t arch) {
+  const AttnFamily fam = family(arch);
   c10::cuda::CUDAGuard guard(q.device());
   AttnParams p = make_params(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right,
                              softcap);
@@ -110,7 +122,7 @@ std::tuple<Tensor, Tensor> attention_fwd_cuda(const Tensor& q, const Tensor& k, 
   p.out = out.data_ptr();
   p.o_row = out.stride(0);
   p.lse = lse.data_ptr<float>();
-  check_launch(attention_fwd_sm80(p), "attention forward");
+  check_launch(fam.fwd(p), "attention forward");
   return {out, lse};
 }
 
@@ -118,7 +130,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor& lse,
     const Tensor& dout, const Tensor& cu_q, const Tensor& cu_k, int64_t max_q, int64_t max_k,
     double scale, bool causal, int64_t left, int64_t right, double softcap,
-    bool deterministic) {
+    bool deterministic, int64_t arch) {
+  const AttnFamily fam = family(arch);
   c10::cuda::CUDAGuard guard(q.device());
   AttnParams p = make_params(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right,
                              softcap);
@@ -151,7 +164,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   // separate dQ kernel recomputes the scores (bit-identical run to run). The atomic kernel needs
   // Hopper's shared memory; elsewhere the separate pass is taken (same results, within rounding).
   Tensor dq_acc;
-  if (!deterministic && attention_bwd_atomic_fits(p.head_dim)) {
+  if (!deterministic && fam.bwd_atomic_fits(p.head_dim)) {
     // Rows rounded up to a multiple of 8 for the accumulator's 8 x 8 tiles (dq_acc_index).
     dq_acc = at::zeros({(q.size(0) + 7) / 8 * 8, q.size(1), q.size(2)},
                        q.options().dtype(at::kFloat));
@@ -159,7 +172,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   }
   // Every row is written by the kernels (cu_seqlens cover the packed tensors, checked in Python
   // for user-given ones); keys that no query sees get zero gradients.
-  check_launch(attention_bwd_sm80(p), "attention backward");
+  check_launch(fam.bwd(p), "attention backward");
   return {dq, dk, dv};
 }
 
@@ -169,12 +182,12 @@ TORCH_LIBRARY_FRAGMENT(fusedops, m) {
   m.def(
       "attention_fwd_cuda(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float scale, bool causal, int window_left, "
-      "int window_right, float softcap) -> (Tensor, Tensor)");
+      "int window_right, float softcap, int arch) -> (Tensor, Tensor)");
   m.def(
       "attention_bwd_cuda(Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor dout, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float scale, "
-      "bool causal, int window_left, int window_right, float softcap, bool deterministic) -> "
-      "(Tensor, Tensor, Tensor)");
+      "bool causal, int window_left, int window_right, float softcap, bool deterministic, "
+      "int arch) -> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {

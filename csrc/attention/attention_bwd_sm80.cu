@@ -1,7 +1,7 @@
 // The Ampere (sm_80) attention backward (delta, dK/dV with or without atomic dQ, dQ, dQ
 // conversion), instantiated for fp16/bf16 x head dim 64/128; also run on Hopper when forced.
 #include "../static_switch.h"
-#include "attention_launch.cuh"
+#include "attention_launch_sm80.cuh"
 
 namespace fusedops {
 
@@ -11,7 +11,7 @@ cudaError_t attention_bwd_sm80(AttnParams& p) {
   });
 }
 
-bool attention_bwd_atomic_fits(int head_dim) {
+bool attention_bwd_atomic_fits_sm80(int head_dim) {
   return head_dim == 128 ? attn::split_fits<128>() : attn::split_fits<64>();
 }
 

@@ -2,7 +2,7 @@
 // on Hopper (the sm_90a build of the same code) until the wgmma path exists. The backward is in
 // attention_bwd_sm80.cu, a separate translation unit so that the two compile in parallel.
 #include "../static_switch.h"
-#include "attention_launch.cuh"
+#include "attention_launch_sm80.cuh"
 
 namespace fusedops {
 

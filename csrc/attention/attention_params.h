@@ -37,10 +37,14 @@ struct AttnParams {
   cudaStream_t stream = nullptr;
 };
 
+// Entry points, one set per kernel family, picked by the ops' `arch` argument (attention_api.cpp):
+// arch 80, the sm80 kernels (mma.sync + cp.async, attention_{fwd,bwd}_sm80.cu, also built for
+// sm_90a). A Hopper family adds attention_fwd_sm90 / attention_bwd_sm90 here. Each returns the
+// CUDA error code of its last launch.
 cudaError_t attention_fwd_sm80(AttnParams& p);
 cudaError_t attention_bwd_sm80(AttnParams& p);
-// Whether the kernel of the atomic-dQ backward fits the current device's shared memory (Hopper:
-// yes; Ampere: no, and the backward computes dQ in its own pass instead).
-bool attention_bwd_atomic_fits(int head_dim);
+// Whether the kernel of the sm80 atomic-dQ backward fits the current device's shared memory
+// (Hopper: yes; Ampere: no, and the backward computes dQ in its own pass instead).
+bool attention_bwd_atomic_fits_sm80(int head_dim);
 
 }  // namespace fusedops

@@ -16,28 +16,19 @@
 #include <cuda_fp16.h>
 #include <cstdint>
 
-#include "../mma_sm80.cuh"
+#include "../device_utils.cuh"
 #include "linear_ce_params.h"
 
 namespace fusedops {
 namespace rows {
 
-constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kVec = 8;     // elements per 16-byte access
 constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
 
-using sm80::ex2;  // the shared PTX wrappers (mma_sm80.cuh)
-using sm80::to_float;
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) {
-  return __float2half_rn(v);
-}
+using dev::ex2;  // the shared device helpers (device_utils.cuh)
+using dev::from_float;
+using dev::kLog2e;
+using dev::to_float;
 
 // softcap * tanh(x / softcap) with tanh(a) = 1 - 2 / (e^{2a} + 1): one ex2 and one fast
 // reciprocal; absolute error below 1e-6 * softcap (the bf16 logits carry ~4e-3 relative).

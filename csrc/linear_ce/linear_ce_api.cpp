@@ -9,6 +9,7 @@
 
 #include <string>
 
+#include "../torch_utils.h"
 #include "build_info.h"
 #include "linear_ce_params.h"
 
@@ -68,17 +69,12 @@ LinearCeParams make_params(const Tensor& hidden, const Tensor& weight,
   return p;
 }
 
-void check_launch(cudaError_t err, const char* what) {
-  TORCH_CHECK(err == cudaSuccess, "fusedops ", what, " launch failed: ", cudaGetErrorString(err));
-}
-
 std::tuple<Tensor, Tensor, Tensor> linear_ce_fwd_cuda(const Tensor& hidden, const Tensor& weight,
                                                       const std::optional<Tensor>& bias_in,
                                                       const Tensor& target, double softcap,
                                                       int64_t arch) {
   check_inputs(hidden, weight, bias_in, target);
-  TORCH_CHECK_VALUE(arch == 80 || arch == 90, "arch must be 80 or 90, got ",
-                    std::to_string(arch));
+  check_arch(arch);  // 80: the sm80 family, 90: the sm90 one
   c10::cuda::CUDAGuard guard(hidden.device());
   std::optional<Tensor> bias =
       bias_in.has_value() ? std::optional<Tensor>(bias_in->contiguous()) : std::nullopt;
@@ -103,8 +99,7 @@ std::tuple<Tensor, Tensor, Tensor> linear_ce_bwd_cuda(
     const Tensor& target, const Tensor& lse, const Tensor& d_lse, const Tensor& d_zt,
     const Tensor& d_zsum, double softcap, bool need_dh, bool need_dw, bool need_db, int64_t arch) {
   check_inputs(hidden, weight, bias_in, target);
-  TORCH_CHECK_VALUE(arch == 80 || arch == 90, "arch must be 80 or 90, got ",
-                    std::to_string(arch));
+  check_arch(arch);  // 80: the sm80 family, 90: the sm90 one
   c10::cuda::CUDAGuard guard(hidden.device());
   const int64_t n = hidden.size(0), vocab = weight.size(0);
   for (const Tensor* t : {&lse, &d_lse, &d_zt, &d_zsum}) {
@@ -166,8 +161,7 @@ void ce_rows_cuda(const Tensor& z, const std::optional<Tensor>& bias, const Tens
                     "z must be a contiguous 2-D CUDA tensor");
   TORCH_CHECK_TYPE(z.scalar_type() == at::kHalf || z.scalar_type() == at::kBFloat16,
                    "z must be float16 or bfloat16, got ", z.scalar_type());
-  TORCH_CHECK_VALUE(arch == 80 || arch == 90, "arch must be 80 or 90, got ",
-                    std::to_string(arch));
+  check_arch(arch);  // 80: the sm80 family, 90: the sm90 one
   TORCH_CHECK_VALUE(mode >= 1 && mode <= 4, "mode must be 1..4, got ", std::to_string(mode));
   const int64_t rows = z.size(0), n_cols = z.size(1);
   TORCH_CHECK_VALUE(col0 >= 0 && col0 + n_cols <= vocab, "columns [", std::to_string(col0), ", ",

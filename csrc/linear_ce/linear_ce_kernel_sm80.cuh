@@ -3,7 +3,10 @@
 // Constraints (checked by linear_ce_api.cpp): element type fp16 or bf16; hidden [N, H] and
 // weight [V, H] contiguous with H % 8 == 0 and 16-byte aligned base pointers (every global load is
 // a 16-byte cp.async of 8 elements, zero-filled past the valid range); any N and V >= 1.
-// Index arithmetic on global memory is 64-bit.
+// Index arithmetic on global memory is 64-bit. Launches (linear_ce_launch.cuh): fwd_kernel,
+// dz_kernel, dw_kernel and dx_kernel take kThreads threads and Cfg::kSmemBytes of dynamic shared
+// memory, and trap when built for an architecture below Cfg::kMinArch (dispatch never launches
+// them there); combine_kernel takes one thread per token and no shared memory.
 //
 // One CTA = 8 warps (256 threads) computing a kBlockM x kBlockN = 128 x 128 tile, the warps laid
 // out 4 (M) x 2 (N), each owning 32 x 64 = 2 x 8 mma tiles. K advances kBlockK = 32 at a time
@@ -30,7 +33,6 @@ constexpr int kWarpM = 32;  // rows of the tile per warp
 constexpr int kWarpN = 64;  // cols of the tile per warp
 constexpr int kMmaM = kWarpM / 16;
 constexpr int kMmaN = kWarpN / 8;
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <int kStages_, int kMinArch_>
 struct Config {
@@ -39,6 +41,7 @@ struct Config {
   static constexpr int kSmemBytes = kStages * (kBlockM + kBlockN) * kBlockK * 2;
 };
 
+using namespace fusedops::dev;   // kLog2e, zero, conversions (device_utils.cuh)
 using namespace fusedops::sm80;  // PTX wrappers (mma_sm80.cuh)
 
 // ---------------------------------------------------------------------------------------------
@@ -174,15 +177,6 @@ __device__ __forceinline__ void gemm_mainloop(const Operand<T, kAKMajor>& a_op,
   __syncthreads();
 }
 
-__device__ __forceinline__ void zero_acc(float (&acc)[kMmaM][kMmaN][4]) {
-#pragma unroll
-  for (int mi = 0; mi < kMmaM; ++mi)
-#pragma unroll
-    for (int ni = 0; ni < kMmaN; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[mi][ni][e] = 0.f;
-}
-
 // Position of accumulator element (mi, ni, e) inside the CTA tile.
 __device__ __forceinline__ int acc_row(int mi, int e) {
   const int warp_m = (threadIdx.x >> 5) / kWarpsN, lane = threadIdx.x & 31;
@@ -236,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 2) fwd_kernel(const LinearCeParams p
       if (v0 >= p.vocab_size) break;
       Operand<T, true> b_op{w + v0 * p.hidden_size, p.hidden_size, p.vocab_size - v0,
                             p.hidden_size};
-      zero_acc(acc);
+      zero(acc);
       gemm_mainloop<Cfg, T, true, true>(a_op, b_op, p.hidden_size, smem, acc);
 #pragma unroll
       for (int mi = 0; mi < kMmaM; ++mi) {
@@ -375,7 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1) dz_kernel(const LinearCeParams p,
     const T* w = static_cast<const T*>(p.weight);
     const T* bias = static_cast<const T*>(p.bias);
     float acc[kMmaM][kMmaN][4];
-    zero_acc(acc);
+    zero(acc);
     const int64_t col_valid = n_cols - c0 < p.vocab_size - v0 - c0 ? n_cols - c0
                                                                    : p.vocab_size - v0 - c0;
     if (col_valid > 0) {
@@ -467,7 +461,7 @@ __global__ void __launch_bounds__(kThreads, 2) dw_kernel(const LinearCeParams p,
     Operand<T, false> a_op{dz + i0, p.ld_dz, p.ld_dz - i0, p.n_tokens};
     Operand<T, false> b_op{x + j0, p.hidden_size, p.hidden_size - j0, p.n_tokens};
     float acc[kMmaM][kMmaN][4];
-    zero_acc(acc);
+    zero(acc);
     gemm_mainloop<Cfg, T, false, false>(a_op, b_op, p.n_tokens, smem, acc);
     T* dw = static_cast<T*>(p.d_weight);
 #pragma unroll
@@ -510,7 +504,7 @@ __global__ void __launch_bounds__(kThreads, 2) dx_kernel(const LinearCeParams p,
     Operand<T, false> b_op{w + v0 * p.hidden_size + j0, p.hidden_size, p.hidden_size - j0,
                            k_valid};
     float acc[kMmaM][kMmaN][4];
-    zero_acc(acc);
+    zero(acc);
     gemm_mainloop<Cfg, T, true, false>(a_op, b_op, k_valid, smem, acc);
 #pragma unroll
     for (int mi = 0; mi < kMmaM; ++mi)

@@ -18,33 +18,17 @@ cudaError_t ce_rows_sm90(CeRowsParams& p) {
 
 namespace {
 
-template <typename T>
-__device__ __forceinline__ float load_f(const T* x) { return static_cast<float>(*x); }
-template <>
-__device__ __forceinline__ float load_f<__nv_bfloat16>(const __nv_bfloat16* x) {
-  return __bfloat162float(*x);
-}
-template <>
-__device__ __forceinline__ float load_f<__half>(const __half* x) { return __half2float(*x); }
-
-template <typename T>
-__device__ __forceinline__ void store_f(T* x, float v) { *x = static_cast<T>(v); }
-template <>
-__device__ __forceinline__ void store_f<__nv_bfloat16>(__nv_bfloat16* x, float v) {
-  *x = __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ void store_f<__half>(__half* x, float v) { *x = __float2half_rn(v); }
-
 // Grid-stride x *= g; every CTA reads g first and leaves at once when g == 1 (the usual
 // loss.backward()), so the common case costs a launch and no memory traffic.
+// Constraints: T float, __nv_bfloat16 or __half; x contiguous; g one float32 on the device;
+// 256 threads per CTA, any grid; any architecture.
 template <typename T>
 __global__ void __launch_bounds__(256) scale_kernel(T* x, const float* g_ptr, int64_t n) {
   const float g = *g_ptr;
   if (g == 1.f) return;
   for (int64_t i = blockIdx.x * int64_t(256) + threadIdx.x; i < n;
        i += int64_t(gridDim.x) * 256) {
-    store_f(x + i, load_f(x + i) * g);
+    x[i] = dev::from_float<T>(dev::to_float(x[i]) * g);
   }
 }
 

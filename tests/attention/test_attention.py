@@ -326,7 +326,7 @@ def _bad_op_call(case):
         q = k = v = torch.randn(16, 4, 96, device="cuda", dtype=torch.bfloat16)
     elif case == "gqa":
         k = v = q[:, :3]
-    arch = 90 if case == "arch" else 80
+    arch = {"hopper": 90, "arch": 70}.get(case, 80)
     return torch.ops.fusedops.attention_fwd_cuda(q, k, v, cu_q, cu_k, 16, 16, 0.125, False, -1,
                                                  -1, 0.0, arch)
 
@@ -339,7 +339,8 @@ def _bad_op_call(case):
     ("k_strides", ValueError, "k must have contiguous heads"),
     ("head_dim", ValueError, "head dim 64 or 128"),
     ("gqa", ValueError, "multiple of Hkv"),
-    ("arch", ValueError, "no Hopper"),
+    ("hopper", ValueError, r"no Hopper \(sm_90\) attention kernel"),
+    ("arch", ValueError, "arch must be 80 or 90, got 70"),
 ])
 def test_cuda_op_checks_its_inputs(case, exc, match):
     """The C++ op names the argument it refuses (callers going around the Python API)."""

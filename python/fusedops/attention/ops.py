@@ -6,7 +6,7 @@ op so torch.compile sees both directions; lse is returned as a non-differentiabl
 
 `forward` is the entry of the API: under torch.compile it calls the custom op, in eager mode an
 autograd.Function over the same implementations, which skips the custom op's Python dispatch
-(about 40 us a call on the CPU, more with autograd; measured in NOTES_attention.md v8).
+(about 40 us a call on the CPU, more with autograd; measured in docs/attention.md).
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _default_dq(backend, head_dim):
-    """The faster dQ mode on the H200 (benchmarks/NOTES_attention.md, v7): Triton's separate pass
+    """The faster dQ mode on the H200 (docs/attention.md): Triton's separate pass
     is about twice as fast as its fp32 atomics; CUDA's atomics from the 8-warp dK/dV kernel are
     1.36x faster than its separate pass at D=128 and 1.12x at D=64 (run 0e63d44d). On a GPU
     whose shared memory per block is below that kernel's (193 KiB at D=128, 226 KiB at D=64: not
