@@ -4,7 +4,8 @@
 # appends its rows to $OUT/<op>.jsonl (--out $OUT), which is appended to
 # benchmarks/results/<op>.jsonl once copied back.
 # Usage (on the GPU machine): FUSEDOPS_GIT=<sha> bash benchmarks/gpu_run.sh
-#   PYTEST_ARGS (default "-m gpu tests"), TEST_TIMEOUT (s), BENCH (default bench_linear_ce.py),
+#   PYTEST_ARGS (default "-n 3 -m gpu tests": three pytest-xdist workers; the float64 oracles of
+#   the largest linear-CE cases hold about 33 GiB each, so eight workers exhaust the H200), TEST_TIMEOUT (s), BENCH (default bench_linear_ce.py),
 #   BENCH_ARGS, BENCH_TIMEOUT (s), SKIP_TESTS=1, SKIP_BENCH=1, RUN_DEMO=1,
 #   FUSEDOPS_SKIP_CUDA_BUILD=1 (Triton/torch work only)
 set -uo pipefail
@@ -23,7 +24,7 @@ if [ "${SKIP_TESTS:-0}" != "1" ]; then
   # The package lives under python/, so from the repository root the tests import the
   # installed fusedops, the one with the extension just built.
   timeout "${TEST_TIMEOUT:-400}" python3 -m pytest -q -rs -p no:cacheprovider \
-    ${PYTEST_ARGS:--m gpu tests} > "$OUT/tests.log" 2>&1
+    ${PYTEST_ARGS:--n 3 -m gpu tests} > "$OUT/tests.log" 2>&1
   rc=$?
   tail -25 "$OUT/tests.log"
   echo "tests: rc=$rc, $(( $(date +%s) - t0 )) s"
