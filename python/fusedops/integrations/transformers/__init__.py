@@ -1,0 +1,115 @@
+"""fusedops for Hugging Face transformers models: fused attention and a logits-free LM loss.
+
+    import fusedops.integrations.transformers as fo_hf
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="fusedops")
+    fo_hf.apply_fusedops(model)          # or fo_hf.apply_fusedops(LlamaForCausalLM) beforehand
+
+Importing this module registers ``attn_implementation="fusedops"`` with transformers'
+AttentionInterface and its mask function with AttentionMaskInterface, so any model that uses the
+attention interface can be loaded with it. :func:`apply_fusedops` also switches a model (or every
+model later built from a class) to it and replaces its ``ForCausalLM.forward`` by one that
+computes the training loss with fusedops.linear_ce, never forming the (tokens x vocab) logits.
+
+Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+Gemma2ForCausalLM (and subclasses).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+from fusedops.integrations.transformers import attention as _attention
+from fusedops.integrations.transformers.attention import (
+    NAME,
+    fusedops_attention_forward,
+    fusedops_attention_mask,
+)
+from fusedops.integrations.transformers.loss import fused_causal_lm_forward, patch_lm_head
+
+__all__ = ["apply_fusedops", "fusedops_attention_forward", "fusedops_attention_mask",
+           "SUPPORTED_MODELS", "NAME"]
+
+_attention.register()
+
+#: Model classes apply_fusedops accepts (they and their subclasses), by transformers module.
+SUPPORTED_MODELS = {
+    "LlamaForCausalLM": "transformers.models.llama.modeling_llama",
+    "MistralForCausalLM": "transformers.models.mistral.modeling_mistral",
+    "Qwen2ForCausalLM": "transformers.models.qwen2.modeling_qwen2",
+    "Qwen3ForCausalLM": "transformers.models.qwen3.modeling_qwen3",
+    "Gemma2ForCausalLM": "transformers.models.gemma2.modeling_gemma2",
+}
+
+_FORWARD_FLAG = "_fusedops_forward"
+_CLASS_OPTIONS = "_fusedops_options"
+
+
+def _check_supported(cls: type) -> None:
+    for base in cls.__mro__:
+        if SUPPORTED_MODELS.get(base.__name__) == base.__module__:
+            return
+    raise TypeError(f"apply_fusedops does not support {cls.__module__}.{cls.__qualname__}; "
+                    f"supported: {', '.join(SUPPORTED_MODELS)} and their subclasses")
+
+
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _patch_instance(model, attention: bool, linear_ce: bool):
+    if attention and model.config._attn_implementation != NAME:
+        model.set_attn_implementation(NAME)
+    if linear_ce:
+        patch_lm_head(model.lm_head)
+        if not getattr(model, _FORWARD_FLAG, False):
+            model.forward = types.MethodType(fused_causal_lm_forward, model)
+            setattr(model, _FORWARD_FLAG, True)
+    return model
+
+
+def _patch_class(cls: type) -> None:
+    if "__init__" in cls.__dict__ and getattr(cls.__init__, _FORWARD_FLAG, False):
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        options = getattr(cls, _CLASS_OPTIONS, None)
+        if options is not None and isinstance(self, cls):
+            _patch_instance(self, *options)
+
+    setattr(__init__, _FORWARD_FLAG, True)
+    cls.__init__ = __init__
+
+
+def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = True):
+    """Uses fusedops in a transformers causal LM; returns what it was given.
+
+    model_or_class: a built model (an instance of a supported ``*ForCausalLM``), patched in place;
+    or such a class, before ``from_pretrained`` / construction, so that every model built from it
+    afterwards is patched (as if apply_fusedops were called on it; the class's methods are not
+    changed, and models built before are not touched).
+
+    attention=True sets the model's attention implementation to "fusedops" (with
+    ``model.set_attn_implementation``; for a class, on each new model, whatever
+    attn_implementation it was loaded with). linear_ce=True gives the model a forward that
+    computes the loss with fusedops.linear_ce when it is given labels in training: the output's
+    ``logits`` is then None (see :func:`fused_causal_lm_forward` for the exact contract; without
+    labels, or in eval mode, logits are computed as usual). The LM head stays the model's own
+    module, called for the loss, so FSDP2 and DeepSpeed ZeRO-3 gather its weight as before.
+
+    Patching again is harmless; for a class the last call's flags apply to models built later.
+    Raises TypeError naming the class for an unsupported model.
+    """
+    _check_flag("attention", attention)
+    _check_flag("linear_ce", linear_ce)
+    if isinstance(model_or_class, type):
+        _check_supported(model_or_class)
+        setattr(model_or_class, _CLASS_OPTIONS, (attention, linear_ce))
+        _patch_class(model_or_class)
+        return model_or_class
+    _check_supported(type(model_or_class))
+    return _patch_instance(model_or_class, attention, linear_ce)

@@ -1,0 +1,131 @@
+"""The causal-LM loss through fusedops.linear_ce: `*ForCausalLM.forward` without logits.
+
+The LM head is reached only through its own module call, ``self.lm_head(hidden, labels=...)``:
+its `forward` is replaced on the instance by :func:`fused_head_forward`, which reads
+``self.weight`` inside the call. Forward pre-hooks that gather a sharded weight (FSDP2's
+``fully_shard``, DeepSpeed ZeRO-3) therefore run before the weight is read, exactly as for the
+stock ``self.lm_head(hidden)``.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.utils.generic import can_return_tuple
+
+from fusedops.linear_ce import linear_cross_entropy
+
+__all__ = ["fused_head_forward", "patch_lm_head", "fused_causal_lm_forward"]
+
+_HEAD_FLAG = "_fusedops_fused_head"
+
+
+def fused_head_forward(self: nn.Linear, hidden: Tensor, labels: Tensor | None = None, *,
+                       ignore_index: int = -100, softcap: float | None = None,
+                       num_items_in_batch: Tensor | int | None = None) -> Tensor:
+    """Forward of a patched LM head (an nn.Linear).
+
+    Without labels: the logits, ``hidden @ weight.T + bias``, as nn.Linear. With labels (hidden's
+    leading shape, already aligned with hidden: no shift here): the float32 cross-entropy of
+    ``softcap * tanh(logits / softcap)`` (no tanh for softcap None) computed by
+    fusedops.linear_ce without forming the logits; the mean over tokens whose label is not
+    ignore_index, or their sum divided by num_items_in_batch when that is given.
+    """
+    if labels is None:
+        return type(self).forward(self, hidden)
+    labels = labels.to(hidden.device)
+    if num_items_in_batch is None:
+        return linear_cross_entropy(hidden, self.weight, labels, self.bias,
+                                    ignore_index=ignore_index, reduction="mean", softcap=softcap)
+    loss = linear_cross_entropy(hidden, self.weight, labels, self.bias,
+                                ignore_index=ignore_index, reduction="sum", softcap=softcap)
+    if isinstance(num_items_in_batch, Tensor):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def patch_lm_head(head: nn.Module) -> nn.Module:
+    """Gives `head` (an nn.Linear) the forward of :func:`fused_head_forward`; idempotent."""
+    if getattr(head, _HEAD_FLAG, False):
+        return head
+    if not isinstance(head, nn.Linear):
+        raise TypeError(f"the fused loss needs an nn.Linear LM head, got {type(head).__name__}; "
+                        "pass linear_ce=False to keep the model's own head")
+    head.forward = types.MethodType(fused_head_forward, head)
+    setattr(head, _HEAD_FLAG, True)
+    return head
+
+
+def shifted_labels(labels: Tensor, ignore_index: int) -> Tensor:
+    """labels shifted left by one, ignore_index at the last position (transformers' shift)."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+@can_return_tuple
+def fused_causal_lm_forward(self, input_ids: torch.LongTensor | None = None,
+                            attention_mask: Tensor | None = None,
+                            position_ids: torch.LongTensor | None = None,
+                            past_key_values=None, inputs_embeds: Tensor | None = None,
+                            labels: torch.LongTensor | None = None, use_cache: bool | None = None,
+                            logits_to_keep: int | Tensor = 0, skip_logits: bool | None = None,
+                            **kwargs) -> CausalLMOutputWithPast:
+    """``*ForCausalLM.forward`` whose loss is fused with the LM head (fusedops.linear_ce).
+
+    Arguments as the model's own forward, plus `skip_logits`:
+
+    * With labels (or ``shift_labels``) in training, or with ``skip_logits=True``: the loss of
+      the next-token prediction (labels shifted left by one, the last position ignored; or
+      ``shift_labels`` as given), ``ignore_index`` (default -100) ignored, the mean over the
+      other tokens, or their sum divided by ``num_items_in_batch`` when given (what Trainer
+      passes for gradient accumulation). The logits are never formed: the output's ``logits``
+      is None. Gemma-2's final_logit_softcapping is applied inside the fused loss.
+    * Otherwise (no labels, eval mode, or ``skip_logits=False``): logits for the last
+      ``logits_to_keep`` positions (0 = all) as the stock forward, and with labels the stock
+      loss from them (e.g. for Trainer's evaluation with compute_metrics).
+
+    ``logits_to_keep`` also limits the fused loss to the kept positions. past_key_values,
+    hidden_states and attentions pass through in a CausalLMOutputWithPast.
+    """
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, past_key_values=past_key_values,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    hidden_states = outputs.last_hidden_state
+    if isinstance(logits_to_keep, int):
+        slice_indices = slice(-logits_to_keep, None)
+    else:
+        slice_indices = logits_to_keep
+    softcap = getattr(self.config, "final_logit_softcapping", None)
+    shift_labels = kwargs.get("shift_labels")
+    has_labels = labels is not None or shift_labels is not None
+    if skip_logits is None:
+        skip_logits = self.training and has_labels
+    if skip_logits and not has_labels:
+        raise ValueError("skip_logits=True needs labels or shift_labels")
+
+    loss = logits = None
+    if skip_logits:
+        ignore_index = kwargs.get("ignore_index", -100)
+        if shift_labels is None:
+            shift_labels = shifted_labels(labels, ignore_index)
+        hidden = hidden_states[:, slice_indices, :]
+        if shift_labels.shape[-1] != hidden.shape[1]:
+            shift_labels = shift_labels[:, slice_indices]
+        head = patch_lm_head(self.lm_head)
+        loss = head(hidden, shift_labels, ignore_index=ignore_index, softcap=softcap,
+                    num_items_in_batch=kwargs.get("num_items_in_batch"))
+    else:
+        logits = self.lm_head(hidden_states[:, slice_indices, :])
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if has_labels:
+            loss = self.loss_function(logits=logits, labels=labels,
+                                      vocab_size=self.config.vocab_size, **kwargs)
+
+    return CausalLMOutputWithPast(loss=loss, logits=logits,
+                                  past_key_values=outputs.past_key_values,
+                                  hidden_states=outputs.hidden_states,
+                                  attentions=outputs.attentions)

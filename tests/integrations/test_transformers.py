@@ -1,0 +1,410 @@
+"""fusedops.integrations.transformers against stock transformers, on CPU with tiny models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from hf_models import (  # noqa: E402
+    FAMILIES,
+    SEQ,
+    VOCAB,
+    batch,
+    config,
+    model_pair,
+    reference_loss,
+    rel_err,
+)
+
+import fusedops.integrations.transformers as fo_hf  # noqa: E402
+
+KINDS = ("unpadded", "right", "left", "packed")
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _run(model, inputs, labels, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(**inputs, labels=labels, use_cache=False, **kw)
+    out.loss.backward()
+    return out, _grads(model)
+
+
+def _compare(family, kind, dtype, tol, num_items=False):
+    ref, cand = model_pair(family, dtype)
+    fo_hf.apply_fusedops(cand)
+    assert cand.config._attn_implementation == "fusedops"
+    ref.train()
+    cand.train()
+    inputs, labels = batch(kind)
+    kw = {}
+    if num_items:
+        kw["num_items_in_batch"] = torch.tensor(2 * int((labels[..., 1:] != -100).sum()))
+    out, grads = _run(cand, inputs, labels, **kw)
+    assert out.logits is None
+    ref.zero_grad(set_to_none=True)
+    if dtype == torch.float64:  # stock loss rounds logits to float32: the formula in float64
+        logits = ref(**inputs, use_cache=False).logits
+        ref_loss = reference_loss(logits, labels, kw.get("num_items_in_batch"))
+    else:  # the stock loss itself
+        ref_loss = ref(**inputs, labels=labels, use_cache=False, **kw).loss
+    ref_loss.backward()
+    ref_grads = _grads(ref)
+    assert out.loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert rel_err(out.loss, ref_loss) < tol, (out.loss.item(), ref_loss.item())
+    assert grads.keys() == ref_grads.keys()
+    worst = max(grads, key=lambda n: rel_err(grads[n], ref_grads[n]))
+    assert rel_err(grads[worst], ref_grads[worst]) < tol, worst
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_loss_and_grads_float64(family, kind):
+    _compare(family, kind, torch.float64, 1e-10)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_loss_and_grads_float32(family, kind):
+    _compare(family, kind, torch.float32, 1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_num_items_in_batch(family):
+    _compare(family, "right", torch.float64, 1e-10, num_items=True)
+    _compare(family, "packed", torch.float32, 1e-5, num_items=True)
+
+
+def test_window_and_softcap_matter():
+    """The tiny models are sensitive to what the tests check: windows and softcaps change the
+    loss (so agreement above is not by accident)."""
+    inputs, labels = batch("unpadded")
+    for family, change in (("mistral", dict(sliding_window=None)),
+                           ("gemma2", dict(attn_logit_softcapping=None)),
+                           ("gemma2", dict(final_logit_softcapping=None)),
+                           ("qwen2", dict(use_sliding_window=False))):
+        a, _ = model_pair(family, torch.float64)
+        b, _ = model_pair(family, torch.float64, **change)
+        la = a(**inputs, labels=labels).loss
+        lb = b(**inputs, labels=labels).loss
+        assert abs(la.item() - lb.item()) > 1e-4, (family, change)
+
+
+def test_logits_contract():
+    ref, cand = model_pair("llama", torch.float32)
+    fo_hf.apply_fusedops(cand)
+    inputs, labels = batch("unpadded")
+    cand.train()
+    ref.train()
+    out = cand(**inputs, labels=labels)
+    assert out.logits is None and out.loss is not None
+    # No labels: logits as stock, also with logits_to_keep.
+    torch.testing.assert_close(cand(**inputs).logits, ref(**inputs).logits, rtol=1e-5, atol=1e-5)
+    kept = cand(**inputs, logits_to_keep=1).logits
+    assert kept.shape == (2, 1, VOCAB)
+    torch.testing.assert_close(kept, ref(**inputs, logits_to_keep=1).logits, rtol=1e-5,
+                               atol=1e-5)
+    # Eval with labels: logits and the stock loss; skip_logits=True forces the fused loss.
+    cand.eval()
+    ref.eval()
+    with torch.no_grad():
+        out = cand(**inputs, labels=labels)
+        ref_out = ref(**inputs, labels=labels)
+        assert out.logits is not None
+        torch.testing.assert_close(out.loss, ref_out.loss, rtol=1e-5, atol=1e-6)
+        fused = cand(**inputs, labels=labels, skip_logits=True)
+        assert fused.logits is None
+        torch.testing.assert_close(fused.loss, ref_out.loss, rtol=1e-5, atol=1e-6)
+        # shift_labels given directly, and return_dict=False
+        shift = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+        fused = cand(**inputs, shift_labels=shift, skip_logits=True, return_dict=False)
+        assert isinstance(fused, tuple)
+        torch.testing.assert_close(fused[0], ref_out.loss, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="skip_logits"):
+        cand(**inputs, skip_logits=True)
+
+
+def test_outputs_pass_through():
+    ref, cand = model_pair("qwen3", torch.float32)
+    fo_hf.apply_fusedops(cand)
+    inputs, labels = batch("unpadded")
+    cand.train()
+    out = cand(**inputs, labels=labels, output_hidden_states=True, use_cache=True)
+    ref_out = ref(**inputs, labels=labels, output_hidden_states=True, use_cache=True)
+    assert type(out) is type(ref_out)
+    assert len(out.hidden_states) == len(ref_out.hidden_states) == 3
+    assert out.past_key_values is not None
+    torch.testing.assert_close(out.hidden_states[-1], ref_out.hidden_states[-1], rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_idempotent_and_flags():
+    ref, cand = model_pair("mistral", torch.float64)
+    assert fo_hf.apply_fusedops(cand) is cand
+    forward = cand.forward
+    fo_hf.apply_fusedops(cand)
+    assert cand.forward == forward
+    inputs, labels = batch("left")
+    cand.train()
+    ref.train()
+    a = cand(**inputs, labels=labels).loss
+    b = reference_loss(ref(**inputs).logits, labels)
+    assert rel_err(a, b) < 1e-10
+    # attention only / loss only
+    _, only_attn = model_pair("llama", torch.float32)
+    fo_hf.apply_fusedops(only_attn, linear_ce=False)
+    assert only_attn.config._attn_implementation == "fusedops"
+    only_attn.train()
+    assert only_attn(**batch("right")[0], labels=batch("right")[1]).logits is not None
+    _, only_loss = model_pair("llama", torch.float32)
+    fo_hf.apply_fusedops(only_loss, attention=False)
+    assert only_loss.config._attn_implementation == "eager"
+    only_loss.train()
+    assert only_loss(**batch("right")[0], labels=batch("right")[1]).logits is None
+    with pytest.raises(TypeError, match="attention"):
+        fo_hf.apply_fusedops(only_loss, attention=1)
+
+
+def test_patch_class_before_from_pretrained(tmp_path):
+    class TinyLlama(transformers.LlamaForCausalLM):
+        pass
+
+    ref, _ = model_pair("llama", torch.float32)
+    ref.save_pretrained(tmp_path)
+    assert fo_hf.apply_fusedops(TinyLlama) is TinyLlama
+    fo_hf.apply_fusedops(TinyLlama)
+    model = TinyLlama.from_pretrained(tmp_path, attn_implementation="eager")
+    assert model.config._attn_implementation == "fusedops"
+    built = TinyLlama(config("llama"))
+    assert built.config._attn_implementation == "fusedops"
+    # The stock class is untouched.
+    assert transformers.LlamaForCausalLM(config("llama")).config._attn_implementation == "eager"
+    inputs, labels = batch("right")
+    model.train()
+    ref.train()
+    out = model(**inputs, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref(**inputs, labels=labels).loss, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_load_with_attn_implementation_fusedops(tmp_path):
+    ref, _ = model_pair("gemma2", torch.float32)
+    ref.save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path,
+                                                              attn_implementation="fusedops")
+    assert model.config._attn_implementation == "fusedops"
+    inputs, _ = batch("left")
+    valid = inputs["attention_mask"].bool()
+    torch.testing.assert_close(model(**inputs).logits[valid], ref(**inputs).logits[valid],
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_trainer_step(tmp_path):
+    pytest.importorskip("accelerate")  # Trainer needs it; transformers does not install it
+    from torch.utils.data import Dataset
+    from transformers import Trainer, TrainingArguments
+
+    class Tokens(Dataset):
+        def __init__(self):
+            g = torch.Generator().manual_seed(3)
+            self.ids = torch.randint(3, VOCAB, (8, 16), generator=g)
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    losses = {}
+    for name in ("stock", "fused"):
+        ref, cand = model_pair("llama", torch.float32)
+        model = ref if name == "stock" else fo_hf.apply_fusedops(cand)
+        args = TrainingArguments(output_dir=str(tmp_path / name), per_device_train_batch_size=4,
+                                 max_steps=4, learning_rate=3e-3, logging_steps=1,
+                                 report_to=[], use_cpu=True, save_strategy="no",
+                                 gradient_accumulation_steps=1, dataloader_num_workers=0,
+                                 disable_tqdm=True, seed=0)
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens())
+        trainer.train()
+        losses[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses["fused"]) == 4
+    assert abs(losses["fused"][0] - losses["stock"][0]) < 1e-4 * abs(losses["stock"][0])
+    assert losses["fused"][-1] < losses["fused"][0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_generate_greedy(family, dtype):
+    # Stock eager gives NaN for left-padded rows in float64 (its float32 softmax turns the
+    # float64 mask minimum into -inf): float64 compares with eager_exact.
+    ref, cand = model_pair(family, dtype)
+    fo_hf.apply_fusedops(cand)
+    ref.eval()
+    cand.eval()
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.randint(3, VOCAB, (2, 7), generator=g)
+    mask = torch.ones_like(prompts)
+    mask[1, :3] = 0
+    prompts = prompts.masked_fill(mask == 0, 0)
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        for ids, m in ((prompts, mask), (prompts[:1, 2:], mask[:1, 2:])):
+            want = ref.generate(input_ids=ids, attention_mask=m, **kw)
+            got = cand.generate(input_ids=ids, attention_mask=m, **kw)
+            assert got.shape == (ids.shape[0], ids.shape[1] + 10)
+            assert torch.equal(got, want)
+
+
+def test_packed_from_flash_kwargs():
+    """cu_seq_lens_* keyword arguments (DataCollatorWithFlattening(return_flash_attn_kwargs=True))
+    give the same loss as position_ids."""
+    _, cand = model_pair("qwen3", torch.float64)
+    fo_hf.apply_fusedops(cand)
+    cand.train()
+    inputs, labels = batch("packed")
+    a = cand(**inputs, labels=labels).loss
+    cu = torch.tensor([0, 10, 18, 24], dtype=torch.int32)
+    b = cand(**inputs, labels=labels, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=10,
+             max_length_k=10).loss
+    assert rel_err(a, b) < 1e-12
+    c = cand(input_ids=inputs["input_ids"], labels=labels).loss  # one sequence: differs
+    assert abs(a.item() - c.item()) > 1e-6
+
+
+def test_unsupported_mask():
+    _, cand = model_pair("llama", torch.float32)
+    fo_hf.apply_fusedops(cand)
+    inputs, labels = batch("unpadded")
+    mask4d = torch.zeros(2, 1, SEQ, SEQ)
+    with pytest.raises(ValueError, match="2-D padding mask"):
+        cand(**inputs, attention_mask=mask4d, labels=labels)
+    q = torch.randn(2, 4, 5, 8)
+    attn = cand.model.layers[0].self_attn
+    with pytest.raises(ValueError, match="bool or integer"):
+        fo_hf.fusedops_attention_forward(attn, q, q, q, torch.ones(2, 5))
+
+
+def test_dropout_in_training():
+    _, cand = model_pair("llama", torch.float32, attention_dropout=0.1)
+    fo_hf.apply_fusedops(cand)
+    inputs, labels = batch("unpadded")
+    cand.train()
+    with pytest.raises(NotImplementedError, match="dropout"):
+        cand(**inputs, labels=labels)
+    cand.eval()  # no dropout in eval
+    assert cand(**inputs).logits.shape == (2, SEQ, VOCAB)
+
+
+def test_unsupported_model():
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=32))
+    with pytest.raises(TypeError, match="GPT2LMHeadModel"):
+        fo_hf.apply_fusedops(gpt2)
+    with pytest.raises(TypeError, match="LlamaForSequenceClassification"):
+        fo_hf.apply_fusedops(transformers.LlamaForSequenceClassification)
+
+
+def test_lm_head_reached_through_its_module_call():
+    """What FSDP2 and DeepSpeed ZeRO-3 rely on: the head's forward hooks run around the fused
+    loss and the weight is read inside the call, so a hook that swaps the weight in (as ZeRO-3's
+    gather does) is honoured."""
+    ref, cand = model_pair("llama", torch.float64)
+    fo_hf.apply_fusedops(cand)
+    cand.train()
+    inputs, labels = batch("right")
+    head = cand.lm_head
+    full = head.weight.data
+    swapped = full * 1.5
+    calls = []
+
+    def gather(module, args, kwargs):
+        calls.append(("pre", args[0].shape, args[1] is not None if len(args) > 1 else None))
+        module.weight.data = swapped
+
+    def release(module, args, kwargs, output):
+        calls.append(("post", output.shape))
+        module.weight.data = full
+
+    h1 = head.register_forward_pre_hook(gather, with_kwargs=True)
+    h2 = head.register_forward_hook(release, with_kwargs=True)
+    head.weight.data = torch.empty(0, dtype=full.dtype)  # sharded away between calls
+    try:
+        out = cand(**inputs, labels=labels, use_cache=False)
+    finally:
+        h1.remove()
+        h2.remove()
+    assert calls == [("pre", (2, SEQ, 32), True), ("post", ())]
+    assert head.weight.data_ptr() == full.data_ptr()
+    out.loss.backward()
+    ref.lm_head.weight.data = ref.lm_head.weight.data * 1.5
+    ref_loss = reference_loss(ref(**inputs, use_cache=False).logits, labels)
+    ref_loss.backward()
+    assert rel_err(out.loss, ref_loss) < 1e-10
+    assert rel_err(head.weight.grad, ref.lm_head.weight.grad) < 1e-10
+    assert rel_err(cand.model.norm.weight.grad, ref.model.norm.weight.grad) < 1e-10
+
+
+def test_resized_head_is_patched_again():
+    _, cand = model_pair("llama", torch.float32)
+    fo_hf.apply_fusedops(cand)
+    cand.resize_token_embeddings(VOCAB + 8)
+    cand.train()
+    inputs, labels = batch("unpadded")
+    out = cand(**inputs, labels=labels)
+    assert out.logits is None and torch.isfinite(out.loss)
+
+
+def test_packed_rows_in_a_batch():
+    """Two rows, each packed with several sequences: as transformers' packed-sequence mask."""
+    ref, cand = model_pair("mistral", torch.float64)
+    fo_hf.apply_fusedops(cand)
+    ref.train()
+    cand.train()
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, VOCAB, (2, SEQ), generator=g)
+    pos = torch.stack([torch.cat([torch.arange(14), torch.arange(10)]),
+                       torch.cat([torch.arange(5), torch.arange(12), torch.arange(7)])])
+    labels = ids.masked_fill(pos == 0, -100)
+    inputs = dict(input_ids=ids, position_ids=pos)
+    out, grads = _run(cand, inputs, labels)
+    ref_loss = reference_loss(ref(**inputs, use_cache=False).logits, labels)
+    ref_loss.backward()
+    assert rel_err(out.loss, ref_loss) < 1e-10
+    for name, p in ref.named_parameters():
+        assert rel_err(grads[name], p.grad) < 1e-10, name
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("q_len", [1, 3, 9])
+def test_attention_with_cache_and_padding(q_len, window):
+    """The attention function alone: Sq queries after Sk - Sq cached keys, left padding, GQA,
+    softcap, sliding window, against the masked softmax written out."""
+    torch.manual_seed(0)
+    b, hq, hkv, sk, d = 2, 4, 2, 9, 8
+    q = torch.randn(b, hq, q_len, d, dtype=torch.float64)
+    k = torch.randn(b, hkv, sk, d, dtype=torch.float64)
+    v = torch.randn(b, hkv, sk, d, dtype=torch.float64)
+    mask = torch.ones(b, sk, dtype=torch.bool)
+    mask[1, :3] = False
+    attn = type("Attn", (torch.nn.Module,), {})()
+    attn.is_causal = True
+    out, weights = fo_hf.fusedops_attention_forward(attn, q, k, v, mask, scaling=0.3,
+                                                    sliding_window=window, softcap=2.0)
+    assert weights is None and out.shape == (b, q_len, hq, d)
+    qpos = torch.arange(sk - q_len, sk)[:, None]
+    kpos = torch.arange(sk)[None, :]
+    allowed = (kpos <= qpos) & mask[:, None, :]
+    if window is not None:
+        allowed &= kpos > qpos - window
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    s = torch.tanh(q @ kr.transpose(2, 3) * 0.3 / 2.0) * 2.0
+    s = s.masked_fill(~allowed[:, None], float("-inf"))
+    want = (s.softmax(-1) @ vr).transpose(1, 2)
+    valid = mask[:, sk - q_len:]
+    torch.testing.assert_close(out[valid], want[valid], rtol=1e-12, atol=1e-12)
+    assert (out[~valid] == 0).all()
