@@ -157,15 +157,17 @@ def why_not(backend: str, sig: InputSig) -> str | None:
         return b.unbuilt
     if sig.dtype not in b.dtypes:
         return f"dtype {sig.dtype} (the {backend} kernels take {_names(b.dtypes)})"
-    if b.kind == "cuda":
-        reason = _why_not_cuda(b, sig)
-    elif b.kind == "triton":
-        reason = _why_not_triton(b, sig)
-    else:
-        reason = None
-    if reason is None and b.limits is not None:
+    if b.limits is not None:  # static limits first: they hold on any machine
         reason = b.limits(sig)
-    return reason
+        if reason is not None:
+            return reason
+    if sig.device_type == "cuda" and b.kind != "torch" and not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    if b.kind == "cuda":
+        return _why_not_cuda(b, sig)
+    if b.kind == "triton":
+        return _why_not_triton(b, sig)
+    return None
 
 
 def forced_sm80() -> bool:
