@@ -122,3 +122,14 @@ def test_no_warning_without_a_gpu(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not _ext.warn_if_missing()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("op,inner", [("linear_ce", 64), ("attention", 64)])
+def test_cuda_inputs_without_a_gpu_get_a_reason(op, inner):
+    """Asking about CUDA inputs where no driver is present gives reasons, never a driver error;
+    static limits come first (they hold on any machine)."""
+    for name in ("cuda-sm80", "triton"):
+        assert dispatch.why_not(name, _sig(op, inner=inner)) == "no CUDA GPU is visible"
+    if op == "attention":
+        assert "head dim 96" in dispatch.why_not("cuda-sm80", _sig(op, inner=96))
