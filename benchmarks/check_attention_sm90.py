@@ -33,6 +33,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 NAN = float("nan")
+# FUSEDOPS_ATTN_SM90_SCHEDULE values (attention_launch_sm90.cuh); the first is the default.
+SCHEDULES = ("overlap", "serial")
 
 
 def cu_of(lens, dev):
@@ -111,7 +113,7 @@ def cases():
     return out
 
 
-def check_parity(dtypes, dims, do_bwd):
+def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
     from fusedops.attention import reference
     results = {}  # (dtype, d, group) -> list of failure strings (empty = pass)
     bwd_results = {}
@@ -119,40 +121,51 @@ def check_parity(dtypes, dims, do_bwd):
         for d in dims:
             tag = f"{str(dt).split('.')[-1]} D={d}"
             for ci, (group, name, ql, kl, hq, hkv, causal, left, right, cap) in enumerate(cases()):
-                key = (tag, group)
-                results.setdefault(key, [])
                 q, k, v, cu_q, cu_k = make_case(ql, kl, hq, hkv, d, dt, seed=1000 + ci)
                 mq, mk = max(ql), max(kl)
                 scale = 1.0 / math.sqrt(d)
                 args = (cu_q, cu_k, mq, mk, scale, causal, left, right, cap)
-                try:
-                    o90, l90 = fwd(q, k, v, *args, 90)
-                    torch.cuda.synchronize()
-                except Exception as exc:  # noqa: BLE001 - reported as a failure
-                    results[key].append(f"{name}: raised {type(exc).__name__}: {str(exc)[:160]}")
-                    continue
                 o80, l80 = fwd(q, k, v, *args, 80)
                 q64, k64, v64 = q.double(), k.double(), v.double()
                 o64, l64 = reference.attention_fwd(q64, k64, v64, cu_q, cu_k, scale, causal, left,
                                                    right, cap)
-                fails = []
-                if torch.isnan(o90).any() or torch.isnan(l90).any():
-                    fails.append("NaN in out/lse (unwritten rows or a NaN path)")
                 fin = torch.isfinite(l64)
-                if not torch.equal(torch.isneginf(l90), ~fin):
-                    n_bad = int((torch.isneginf(l90) != ~fin).sum())
-                    fails.append(f"lse -inf pattern differs ({n_bad} entries)")
-                nokey_rows = (~fin).t()  # (total_q, hq)
-                if nokey_rows.any() and o90[nokey_rows].abs().max().item() != 0.0:
-                    fails.append("rows that see no key are not exactly 0")
-                e90, e80 = max_err(o90, o64), max_err(o80, o64)
-                if not e90 <= 2 * e80 + 1e-3:
-                    fails.append(f"out err {e90:.3e} > 2 x sm80 {e80:.3e} + 1e-3")
-                le90 = max_err(l90, l64, fin & torch.isfinite(l90))
+                e80 = max_err(o80, o64)
                 le80 = max_err(l80, l64, fin & torch.isfinite(l80))
-                if not le90 <= 2 * le80 + 1e-3:
-                    fails.append(f"lse err {le90:.3e} > 2 x sm80 {le80:.3e} + 1e-3")
-                results[key] += [f"{name}: {f}" for f in fails]
+                outs = {}
+                for sched in schedules:
+                    key = (f"{tag} {sched}", group)
+                    results.setdefault(key, [])
+                    os.environ["FUSEDOPS_ATTN_SM90_SCHEDULE"] = sched
+                    try:
+                        o90, l90 = fwd(q, k, v, *args, 90)
+                        torch.cuda.synchronize()
+                    except Exception as exc:  # noqa: BLE001 - reported as a failure
+                        results[key].append(f"{name}: raised {type(exc).__name__}: "
+                                            f"{str(exc)[:160]}")
+                        continue
+                    finally:
+                        os.environ.pop("FUSEDOPS_ATTN_SM90_SCHEDULE", None)
+                    outs[sched] = (o90, l90)
+                    fails = []
+                    if torch.isnan(o90).any() or torch.isnan(l90).any():
+                        fails.append("NaN in out/lse (unwritten rows or a NaN path)")
+                    if not torch.equal(torch.isneginf(l90), ~fin):
+                        n_bad = int((torch.isneginf(l90) != ~fin).sum())
+                        fails.append(f"lse -inf pattern differs ({n_bad} entries)")
+                    nokey_rows = (~fin).t()  # (total_q, hq)
+                    if nokey_rows.any() and o90[nokey_rows].abs().max().item() != 0.0:
+                        fails.append("rows that see no key are not exactly 0")
+                    e90 = max_err(o90, o64)
+                    if not e90 <= 2 * e80 + 1e-3:
+                        fails.append(f"out err {e90:.3e} > 2 x sm80 {e80:.3e} + 1e-3")
+                    le90 = max_err(l90, l64, fin & torch.isfinite(l90))
+                    if not le90 <= 2 * le80 + 1e-3:
+                        fails.append(f"lse err {le90:.3e} > 2 x sm80 {le80:.3e} + 1e-3")
+                    results[key] += [f"{name}: {f}" for f in fails]
+                if not outs:
+                    continue
+                o90, l90 = next(iter(outs.values()))  # the first schedule feeds the backward
 
                 if do_bwd and max(max(ql), max(kl)) <= 1025 and k.shape[0] > 0:
                     bkey = (tag, "backward")
@@ -170,7 +183,7 @@ def check_parity(dtypes, dims, do_bwd):
                             bwd_results[bkey].append(
                                 f"{name}: {nm} err {ea:.3e} > 2 x sm80-fwd path {eb:.3e} + "
                                 f"{slack:.1e}")
-                del q, k, v, o90, l90, o80, l80, o64, l64
+                del q, k, v, o90, l90, o80, l80, o64, l64, outs
     return results, bwd_results
 
 
@@ -179,7 +192,7 @@ def report(results):
     for (tag, group), fails in results.items():
         status = "PASS" if not fails else "FAIL"
         n_fail += bool(fails)
-        print(f"{status} {tag:<14} {group:<9}" + (f" {len(fails)} failing: " + fails[0]
+        print(f"{status} {tag:<23} {group:<9}" + (f" {len(fails)} failing: " + fails[0]
                                                   if fails else ""))
         for f in fails[1:4]:
             print(f"     {f}")
@@ -210,7 +223,18 @@ def time_config(d, length, causal, rep_ms):
                 return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
         return fn
 
-    fns = {"cuda-sm90-fwd": ours(90), "cuda-sm80-fwd": ours(80),
+    def serial():
+        fn = ours(90)
+
+        def run():
+            os.environ["FUSEDOPS_ATTN_SM90_SCHEDULE"] = "serial"
+            try:
+                return fn()
+            finally:
+                os.environ.pop("FUSEDOPS_ATTN_SM90_SCHEDULE", None)
+        return run
+
+    fns = {"cuda-sm90-fwd": ours(90), "cuda-sm90-serial-fwd": serial(), "cuda-sm80-fwd": ours(80),
            "sdpa_flash-fwd": sdpa(SDPBackend.FLASH_ATTENTION),
            "sdpa_cudnn-fwd": sdpa(SDPBackend.CUDNN_ATTENTION)}
     times = {}
@@ -229,9 +253,10 @@ def timing(out_dir, rep_ms):
     meta = run_meta()
     print(f"\ntiming (bf16, TFLOP/s, median of do_bench): {meta['gpu']}, git {meta['git']}, "
           f"run {meta['run']}")
-    names = ("cuda-sm90-fwd", "cuda-sm80-fwd", "sdpa_flash-fwd", "sdpa_cudnn-fwd")
+    names = ("cuda-sm90-fwd", "cuda-sm80-fwd", "sdpa_flash-fwd", "sdpa_cudnn-fwd",
+             "cuda-sm90-serial-fwd")
     print(f"{'D':>4} {'L':>6} {'causal':>6} {'sm90':>7} {'sm80':>7} {'flash':>7} {'cudnn':>7}"
-          f" {'sm90/sm80':>9}")
+          f" {'serial':>7} {'sm90/sm80':>9}")
     for d in (64, 128):
         for length in (1024, 4096, 16384):
             for causal in (False, True):
@@ -253,9 +278,10 @@ def timing(out_dir, rep_ms):
 
 
 def sanitize_cases():
-    """Tiny runs of each instantiation (bf16/fp16 x D 64/128): dense with a tail tile, varlen
-    with an empty-key sequence, causal + window + softcap, and enough key tiles (5) to wrap the
-    3-stage pipeline; forward by arch 90 then the backward from its out/lse."""
+    """Tiny runs of each instantiation (bf16/fp16 x D 64/128 x both schedules): dense with a
+    tail tile, varlen with an empty-key sequence, causal + window + softcap, and enough key
+    tiles (5) to wrap the 3-stage pipeline; forward by arch 90, then the backward from its
+    out/lse."""
     for dt in (torch.bfloat16, torch.float16):
         for d in (64, 128):
             for ql, kl, hq, hkv, causal, left, right, cap in (
@@ -264,7 +290,10 @@ def sanitize_cases():
                     ([129], [645], 2, 1, False, -1, -1, 0.0)):
                 q, k, v, cu_q, cu_k = make_case(ql, kl, hq, hkv, d, dt, seed=3)
                 args = (cu_q, cu_k, max(ql), max(kl), d ** -0.5, causal, left, right, cap)
-                o, lse = torch.ops.fusedops.attention_fwd_cuda(q, k, v, *args, 90)
+                for sched in SCHEDULES:
+                    os.environ["FUSEDOPS_ATTN_SM90_SCHEDULE"] = sched
+                    o, lse = torch.ops.fusedops.attention_fwd_cuda(q, k, v, *args, 90)
+                os.environ.pop("FUSEDOPS_ATTN_SM90_SCHEDULE", None)
                 do = torch.randn_like(q)
                 bwd(q, k, v, o, lse, do, *args, 90)
     torch.cuda.synchronize()
@@ -307,6 +336,10 @@ def main():
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--rep-ms", type=int, default=60)
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dtypes", default="bfloat16,float16")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES),
+                    help="FUSEDOPS_ATTN_SM90_SCHEDULE values to check (overlap, serial)")
     ap.add_argument("--sanitize", action="store_true", help="only the tiny sanitizer cases")
     ap.add_argument("--sanitize-run", action="store_true",
                     help="run --sanitize under compute-sanitizer memcheck, racecheck, synccheck")
@@ -324,7 +357,9 @@ def main():
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, built archs "
           f"{';'.join(_ext.built_archs())}")
     t0 = time.time()
-    res, bres = check_parity((torch.bfloat16, torch.float16), (64, 128), not args.no_backward)
+    res, bres = check_parity(tuple(getattr(torch, t) for t in args.dtypes.split(",")),
+                             tuple(int(d) for d in args.dims.split(",")), not args.no_backward,
+                             tuple(args.schedules.split(",")))
     n_fail = report(res) + report(bres)
     total = len(res) + len(bres)
     print(f"SUMMARY parity: {total - n_fail} passed, {n_fail} failed ({time.time() - t0:.0f}s)")

@@ -33,7 +33,7 @@
 namespace fusedops {
 namespace attn {
 
-template <typename T, int D>
+template <typename T, int D, bool kOverlap>
 __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
     fwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
@@ -123,15 +123,15 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
       for (int e = 0; e < 4; ++e) o[d8][e] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, alpha_run[2] = {1.f, 1.f};
 
-    if (n_tiles > 0) mbar_wait(bar_q, 0);
-    for (int i = 0; i < n_tiles; ++i) {
+    // The steps of one key tile i (stage i % S, barrier phase (i / S) & 1), shared by both
+    // schedules below.
+    float sacc[BN / 8][4];    // S of a tile, then its probabilities in float
+    uint32_t pa[BN / 16][4];  // P as wgmma A fragments (bf16/fp16 pairs)
+    bool rescale = false;     // the last softmax moved a running maximum: O needs alpha_run
+    // S = Q K^T: D / 16 k-steps of 16 head-dim elements (32 bytes inside a 128-byte row).
+    auto issue_qk = [&](int i) {
       const int s = i % S;
-      const uint32_t ph = (i / S) & 1;
-      const int n0 = (t_lo + i) * BN;
-
-      // S = Q K^T: D / 16 k-steps of 16 head-dim elements (32 bytes inside a 128-byte row).
-      float sacc[BN / 8][4];
-      mbar_wait(bar_kfull(s), ph);
+      mbar_wait(bar_kfull(s), (i / S) & 1);
       reg_fence(sacc);
       wgmma_fence();
 #pragma unroll
@@ -143,19 +143,36 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
         Wgmma<T, BN>::ss(sacc, da, db, kk > 0 ? 1 : 0);
       }
       wgmma_commit();
-      wgmma_wait<0>();
-      reg_fence(sacc);
-      // The warpgroup's reads of this K stage are complete: hand it back to the producer.
+    };
+    // O += P V: BN / 16 k-steps of 16 keys (2048 bytes of V rows); B is MN-major, its N (head
+    // dim) split into 64-wide column blocks BN * 128 bytes apart (the LBO).
+    auto issue_pv = [&](int i) {
+      const int s = i % S;
+      mbar_wait(bar_vfull(s), (i / S) & 1);
+      reg_fence(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const uint64_t db = make_desc_sw128(sV + s * C::kKvBytes + kk * 16 * 128, BN * 128, 1024);
+        Wgmma<T, D>::rs_mn(o, pa[kk], db, 1);
+      }
+      wgmma_commit();
+    };
+    // After the wgmma reading a stage has completed (this warp's wait_group), the warp hands
+    // the stage back to the producer.
+    auto release = [&](uint32_t bar) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(bar_kempty(s));
-
+      if (lane == 0) mbar_arrive(bar);
+    };
+    // Softmax of tile i in place (sacc becomes probabilities), as fwd_kernel (sm80) with one
+    // row tile: Path<0> (every pair visible, no softcap, a positive scale) takes the maximum of
+    // the raw scores and folds the scale into one FFMA per exponential; the masked paths mask
+    // by index (a select, so that scores of another sequence's keys never reach P).
+    auto softmax = [&](int i) {
+      const int n0 = (t_lo + i) * BN;
       const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16, n0, n0 + BN, p);
-      bool rescale = false;
-      // As fwd_kernel (sm80) with one row tile: Path<0> (every pair visible, no softcap, a
-      // positive scale) takes the maximum of the raw scores and folds the scale into one FFMA
-      // per exponential; the masked paths mask by index (select, so that scores of another
-      // sequence's keys never reach P).
-      auto softmax_tile = [&](auto path) {
+      bool moved = false;
+      auto tile = [&](auto path) {
         constexpr int kPath = decltype(path)::value;
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -180,7 +197,7 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
             m_run[r] = mx[r];
             l_run[r] *= alpha;
             alpha_run[r] = alpha;
-            rescale = true;
+            moved = true;
           }
           mu[r] = m_run[r] == -INFINITY ? 0.f : m_run[r];  // nothing visible yet: p = 0
         }
@@ -194,21 +211,25 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
             l_run[e >> 1] += pv;
           }
       };
-      run_path(full && score.scale_log2() > 0.f, score.capped(), softmax_tile);
-      if (__any_sync(0xffffffffu, rescale)) {  // warp-uniform; O is not in flight here
+      run_path(full && score.scale_log2() > 0.f, score.capped(), tile);
+      rescale = __any_sync(0xffffffffu, moved);  // warp-uniform
+    };
+    // O *= alpha_run where a maximum moved; only while no wgmma writing O is in flight.
+    auto rescale_o = [&] {
+      if (!rescale) return;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+      for (int r = 0; r < 2; ++r) {
 #pragma unroll
-          for (int d8 = 0; d8 < D / 8; ++d8) {
-            o[d8][2 * r] *= alpha_run[r];
-            o[d8][2 * r + 1] *= alpha_run[r];
-          }
-          alpha_run[r] = 1.f;
+        for (int d8 = 0; d8 < D / 8; ++d8) {
+          o[d8][2 * r] *= alpha_run[r];
+          o[d8][2 * r + 1] *= alpha_run[r];
         }
+        alpha_run[r] = 1.f;
       }
-      // P as wgmma A fragments: keys [16 kk, 16 kk + 16) are the accumulator's 8-column blocks
-      // 2 kk and 2 kk + 1, already in the m16n8k16 A layout (as acc_to_a in the sm80 kernel).
-      uint32_t pa[BN / 16][4];
+    };
+    // P as wgmma A fragments: keys [16 kk, 16 kk + 16) are the accumulator's 8-column blocks
+    // 2 kk and 2 kk + 1, already in the m16n8k16 A layout (as acc_to_a in the sm80 kernel).
+    auto to_p = [&] {
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
         pa[kk][0] = pack2<T>(sacc[2 * kk][0], sacc[2 * kk][1]);
@@ -216,22 +237,57 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
         pa[kk][2] = pack2<T>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
         pa[kk][3] = pack2<T>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
       }
+    };
 
-      // O += P V: BN / 16 k-steps of 16 keys (2048 bytes of V rows); B is MN-major, its N (head
-      // dim) split into 64-wide column blocks BN * 128 bytes apart (the LBO).
-      mbar_wait(bar_vfull(s), ph);
-      reg_fence(o);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        const uint64_t db = make_desc_sw128(sV + s * C::kKvBytes + kk * 16 * 128, BN * 128, 1024);
-        Wgmma<T, D>::rs_mn(o, pa[kk], db, 1);
+    if (n_tiles > 0) mbar_wait(bar_q, 0);
+    if constexpr (!kOverlap) {
+      // Serial: each tile's two products and its softmax one after another (the other
+      // consumer warpgroup's work fills the tensor cores meanwhile).
+      for (int i = 0; i < n_tiles; ++i) {
+        issue_qk(i);
+        wgmma_wait<0>();
+        reg_fence(sacc);
+        release(bar_kempty(i % S));
+        softmax(i);
+        rescale_o();
+        to_p();
+        issue_pv(i);
+        wgmma_wait<0>();
+        reg_fence(o);
+        release(bar_vempty(i % S));
       }
-      wgmma_commit();
+    } else if (n_tiles > 0) {
+      // Overlapped (FlashAttention-3's intra-warpgroup pipelining): S of tile i + 1 and
+      // P_i V_i are issued together, and the softmax of tile i + 1 runs while P_i V_i is still
+      // on the tensor cores. The groups complete in order, so wait_group 1 means S_{i+1} is
+      // done; O (being written) and pa (being read) are touched only after wait_group 0.
+      issue_qk(0);
+      wgmma_wait<0>();
+      reg_fence(sacc);
+      release(bar_kempty(0));
+      softmax(0);
+      rescale_o();
+      to_p();
+      // The last tile is peeled off so that every wait_group sits on straight-line code:
+      // ptxas checks (path-insensitively) that no accumulator of an unfinished wgmma is read,
+      // and a conditional S_{i+1} made it serialise every wgmma (C7514).
+      for (int i = 0; i + 1 < n_tiles; ++i) {
+        issue_qk(i + 1);
+        issue_pv(i);
+        wgmma_wait<1>();
+        reg_fence(sacc);
+        release(bar_kempty((i + 1) % S));
+        softmax(i + 1);
+        wgmma_wait<0>();
+        reg_fence(o);
+        release(bar_vempty(i % S));
+        rescale_o();
+        to_p();
+      }
+      issue_pv(n_tiles - 1);
       wgmma_wait<0>();
       reg_fence(o);
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar_vempty(s));
+      release(bar_vempty((n_tiles - 1) % S));
     }
 
     // ---- epilogue: normalise, lse (natural log), store rows < lq ----

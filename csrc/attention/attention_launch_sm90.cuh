@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "attention_config_sm90.h"
@@ -70,7 +72,11 @@ cudaError_t run_fwd_sm90(const AttnParams& p) {
       !make_tensor_map(&tm_v, no_keys ? p.q : p.v, kBf16, D, no_keys ? p.hq : p.hkv,
                        no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.v_row, C::kBlockN))
     return cudaErrorInvalidValue;  // the driver refused a tensor map (attention_api.cpp says)
-  auto kernel = fwd_kernel_sm90<T, D>;
+  // FUSEDOPS_ATTN_SM90_SCHEDULE=serial picks the schedule without intra-warpgroup overlap (the
+  // simpler one, kept to tell a pipelining fault from a layout fault); default: overlapped.
+  const char* sched = std::getenv("FUSEDOPS_ATTN_SM90_SCHEDULE");
+  const bool serial = sched != nullptr && std::strcmp(sched, "serial") == 0;
+  auto kernel = serial ? fwd_kernel_sm90<T, D, false> : fwd_kernel_sm90<T, D, true>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(C::kSmem));
   if (err != cudaSuccess) return err;
