@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -35,6 +36,37 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 NAN = float("nan")
 # FUSEDOPS_ATTN_SM90_SCHEDULE values (attention_launch_sm90.cuh); the first is the default.
 SCHEDULES = ("overlap", "serial")
+
+
+class Watchdog:
+    """Ends the process (exit 3) naming the case when one takes longer than `seconds`: a
+    deadlocked mbarrier pipeline would otherwise hang the run with no word of where."""
+
+    def __init__(self):
+        self.timer = None
+
+    def arm(self, what, seconds=60.0):
+        self.disarm()
+
+        def fire():
+            print(f"HANG: {what} did not finish within {seconds:.0f}s (a pipeline deadlock?)",
+                  flush=True)
+            os._exit(3)
+        self.timer = threading.Timer(seconds, fire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def disarm(self):
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+WATCHDOG = Watchdog()
+
+
+class ContextLost(RuntimeError):
+    """A CUDA error from the sm90 kernel: the context is unusable, later cases cannot run."""
 
 
 def cu_of(lens, dev):
@@ -75,6 +107,23 @@ def max_err(a, ref, mask=None):
     if mask is not None:
         diff = diff[mask]
     return diff.max().item() if diff.numel() else 0.0
+
+
+def where(out, ref, cu_q):
+    """Where the output errors are, to tell layout faults apart: the largest error per 64-wide
+    head-dim block (a wrong V column-block offset), per 64-query half of the kernel's 128-query
+    blocks (a wrong consumer warpgroup offset) and per 16-row warp slice."""
+    err = (out.double() - ref.double()).abs().nan_to_num(nan=1e9)  # (total_q, hq, D)
+    starts = cu_q.tolist()
+    pos = torch.empty(out.shape[0], dtype=torch.long, device=out.device)
+    for a, b in zip(starts, starts[1:], strict=False):
+        pos[a:b] = torch.arange(b - a, device=out.device)
+    by_d = [f"{err[..., c:c + 64].max().item():.1e}" for c in range(0, out.shape[2], 64)]
+    by_half = [f"{err[(pos % 128) // 64 == w].max().item():.1e}" if ((pos % 128) // 64 == w).any()
+               else "-" for w in (0, 1)]
+    by_warp = [f"{err[(pos % 64) // 16 == w].max().item():.0e}" if ((pos % 64) // 16 == w).any()
+               else "-" for w in range(4)]
+    return f"by d-block {by_d}, by query half {by_half}, by warp {by_warp}"
 
 
 # (group, name, q_lens, k_lens, hq, hkv, causal, left, right, softcap)
@@ -137,14 +186,18 @@ def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
                     key = (f"{tag} {sched}", group)
                     results.setdefault(key, [])
                     os.environ["FUSEDOPS_ATTN_SM90_SCHEDULE"] = sched
+                    WATCHDOG.arm(f"{tag} {sched} {group} {name}")
                     try:
                         o90, l90 = fwd(q, k, v, *args, 90)
                         torch.cuda.synchronize()
                     except Exception as exc:  # noqa: BLE001 - reported as a failure
                         results[key].append(f"{name}: raised {type(exc).__name__}: "
                                             f"{str(exc)[:160]}")
+                        if "CUDA" in str(exc) or "cuda" in str(exc):
+                            raise ContextLost(f"{tag} {sched} {group} {name}: {exc}") from exc
                         continue
                     finally:
+                        WATCHDOG.disarm()
                         os.environ.pop("FUSEDOPS_ATTN_SM90_SCHEDULE", None)
                     outs[sched] = (o90, l90)
                     fails = []
@@ -158,7 +211,8 @@ def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
                         fails.append("rows that see no key are not exactly 0")
                     e90 = max_err(o90, o64)
                     if not e90 <= 2 * e80 + 1e-3:
-                        fails.append(f"out err {e90:.3e} > 2 x sm80 {e80:.3e} + 1e-3")
+                        fails.append(f"out err {e90:.3e} > 2 x sm80 {e80:.3e} + 1e-3 "
+                                     f"({where(o90, o64, cu_q)})")
                     le90 = max_err(l90, l64, fin & torch.isfinite(l90))
                     if not le90 <= 2 * le80 + 1e-3:
                         fails.append(f"lse err {le90:.3e} > 2 x sm80 {le80:.3e} + 1e-3")
@@ -357,9 +411,15 @@ def main():
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, built archs "
           f"{';'.join(_ext.built_archs())}")
     t0 = time.time()
-    res, bres = check_parity(tuple(getattr(torch, t) for t in args.dtypes.split(",")),
-                             tuple(int(d) for d in args.dims.split(",")), not args.no_backward,
-                             tuple(args.schedules.split(",")))
+    try:
+        res, bres = check_parity(tuple(getattr(torch, t) for t in args.dtypes.split(",")),
+                                 tuple(int(d) for d in args.dims.split(",")),
+                                 not args.no_backward, tuple(args.schedules.split(",")))
+    except ContextLost as exc:
+        print(f"FAIL the sm90 forward raised a CUDA error, the context is lost: {str(exc)[:400]}")
+        print("SUMMARY parity: 0 passed, 1 failed (stopped at the first CUDA error; try "
+              "--schedules serial, --dims 64, and --sanitize-run)")
+        return 1
     n_fail = report(res) + report(bres)
     total = len(res) + len(bres)
     print(f"SUMMARY parity: {total - n_fail} passed, {n_fail} failed ({time.time() - t0:.0f}s)")
