@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 NAN = float("nan")
 # FUSEDOPS_ATTN_SM90_SCHEDULE values (attention_launch_sm90.cuh); the first is the default.
-SCHEDULES = ("overlap", "serial")
+SCHEDULES = ("overlap", "serial", "pingpong")
 
 
 class Watchdog:
@@ -277,18 +277,19 @@ def time_config(d, length, causal, rep_ms):
                 return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
         return fn
 
-    def serial():
+    def scheduled(sched):
         fn = ours(90)
 
         def run():
-            os.environ["FUSEDOPS_ATTN_SM90_SCHEDULE"] = "serial"
+            os.environ["FUSEDOPS_ATTN_SM90_SCHEDULE"] = sched
             try:
                 return fn()
             finally:
                 os.environ.pop("FUSEDOPS_ATTN_SM90_SCHEDULE", None)
         return run
 
-    fns = {"cuda-sm90-fwd": ours(90), "cuda-sm90-serial-fwd": serial(), "cuda-sm80-fwd": ours(80),
+    fns = {"cuda-sm90-fwd": ours(90), "cuda-sm90-serial-fwd": scheduled("serial"),
+           "cuda-sm90-pingpong-fwd": scheduled("pingpong"), "cuda-sm80-fwd": ours(80),
            "sdpa_flash-fwd": sdpa(SDPBackend.FLASH_ATTENTION),
            "sdpa_cudnn-fwd": sdpa(SDPBackend.CUDNN_ATTENTION)}
     times = {}
@@ -308,9 +309,10 @@ def timing(out_dir, rep_ms):
     print(f"\ntiming (bf16, TFLOP/s, median of do_bench): {meta['gpu']}, git {meta['git']}, "
           f"run {meta['run']}")
     names = ("cuda-sm90-fwd", "cuda-sm80-fwd", "sdpa_flash-fwd", "sdpa_cudnn-fwd",
-             "cuda-sm90-serial-fwd")
+             "cuda-sm90-serial-fwd", "cuda-sm90-pingpong-fwd")
+    print("sm90 = the default schedule (overlap); serial and pingpong: the other schedules")
     print(f"{'D':>4} {'L':>6} {'causal':>6} {'sm90':>7} {'sm80':>7} {'flash':>7} {'cudnn':>7}"
-          f" {'serial':>7} {'sm90/sm80':>9}")
+          f" {'serial':>7} {'pingpong':>8} {'sm90/sm80':>9}")
     for d in (64, 128):
         for length in (1024, 4096, 16384):
             for causal in (False, True):
@@ -326,7 +328,8 @@ def timing(out_dir, rep_ms):
                                fwd_tflops=round(tf[n], 1), **meta)
                     append_rows("attention", [row], out_dir)
                 print(f"{d:>4} {length:>6} {str(causal):>6} " +
-                      " ".join(f"{tf[n]:>7.1f}" for n in names) +
+                      " ".join(f"{tf[n]:>7.1f}" for n in names[:-1]) +
+                      f" {tf[names[-1]]:>8.1f}" +
                       f" {tf[names[0]] / tf[names[1]]:>9.2f}")
                 torch.cuda.empty_cache()
 
@@ -393,7 +396,7 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--schedules", default=",".join(SCHEDULES),
-                    help="FUSEDOPS_ATTN_SM90_SCHEDULE values to check (overlap, serial)")
+                    help="FUSEDOPS_ATTN_SM90_SCHEDULE values to check (overlap, serial, pingpong)")
     ap.add_argument("--sanitize", action="store_true", help="only the tiny sanitizer cases")
     ap.add_argument("--sanitize-run", action="store_true",
                     help="run --sanitize under compute-sanitizer memcheck, racecheck, synccheck")

@@ -64,6 +64,18 @@ __device__ __forceinline__ void tma_prefetch_desc(const void* tmap) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
 }
 
+// ---- named barriers (ids 1..15; 0 is __syncthreads) ----------------------------------------
+// bar.sync waits until `threads` threads (a multiple of 32) have arrived at barrier `id`,
+// counting itself; bar.arrive counts itself and goes on.
+template <int kThreads>
+__device__ __forceinline__ void named_bar_sync(int id) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+template <int kThreads>
+__device__ __forceinline__ void named_bar_arrive(int id) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
+}
+
 // ---- register reallocation between warpgroups ---------------------------------------------
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {

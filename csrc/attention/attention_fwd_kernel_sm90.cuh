@@ -33,7 +33,7 @@
 namespace fusedops {
 namespace attn {
 
-template <typename T, int D, bool kOverlap>
+template <typename T, int D, int kSchedule>
 __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
     fwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
@@ -239,8 +239,22 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
       }
     };
 
+    // Ping-pong (kSchedule 2): the two consumer warpgroups take turns at issuing their wgmmas,
+    // each waiting at its own named barrier (ids 1, 2: 128 threads waiting + 128 arriving) until
+    // the other has issued, so that one's softmax runs while the other's products do. Warpgroup
+    // 0 goes first; every turn taken is handed over, except warpgroup 1's last, which nobody
+    // would wait for (both warpgroups take n_tiles + 1 turns).
+    constexpr bool kPingPong = kSchedule == 2;
+    auto take_turn = [&] {
+      if constexpr (kPingPong) named_bar_sync<256>(1 + cw);
+    };
+    auto hand_over = [&](bool last) {
+      if constexpr (kPingPong)
+        if (!(last && cw == 1)) named_bar_arrive<256>(2 - cw);
+    };
+
     if (n_tiles > 0) mbar_wait(bar_q, 0);
-    if constexpr (!kOverlap) {
+    if constexpr (kSchedule == 0) {
       // Serial: each tile's two products and its softmax one after another (the other
       // consumer warpgroup's work fills the tensor cores meanwhile).
       for (int i = 0; i < n_tiles; ++i) {
@@ -261,7 +275,10 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
       // P_i V_i are issued together, and the softmax of tile i + 1 runs while P_i V_i is still
       // on the tensor cores. The groups complete in order, so wait_group 1 means S_{i+1} is
       // done; O (being written) and pa (being read) are touched only after wait_group 0.
+      if (kPingPong && cw == 1) named_bar_arrive<256>(1);  // warpgroup 0's first turn
+      take_turn();
       issue_qk(0);
+      hand_over(false);
       wgmma_wait<0>();
       reg_fence(sacc);
       release(bar_kempty(0));
@@ -272,8 +289,10 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
       // ptxas checks (path-insensitively) that no accumulator of an unfinished wgmma is read,
       // and a conditional S_{i+1} made it serialise every wgmma (C7514).
       for (int i = 0; i + 1 < n_tiles; ++i) {
+        take_turn();
         issue_qk(i + 1);
         issue_pv(i);
+        hand_over(false);
         wgmma_wait<1>();
         reg_fence(sacc);
         release(bar_kempty((i + 1) % S));
@@ -284,7 +303,9 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
         rescale_o();
         to_p();
       }
+      take_turn();
       issue_pv(n_tiles - 1);
+      hand_over(true);
       wgmma_wait<0>();
       reg_fence(o);
       release(bar_vempty((n_tiles - 1) % S));

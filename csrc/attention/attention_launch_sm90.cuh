@@ -55,6 +55,19 @@ inline bool make_tensor_map(CUtensorMap* map, const void* ptr, bool bf16, int he
   return res == CUDA_SUCCESS;
 }
 
+// The consumers' schedule (attention_fwd_kernel_sm90.cuh), from FUSEDOPS_ATTN_SM90_SCHEDULE:
+// "serial" 0 (no overlap; kept to tell a pipelining fault from a layout fault), "overlap" 1
+// (the default: intra-warpgroup overlap), "pingpong" 2 (overlap, and the two consumer
+// warpgroups alternate at the tensor cores). Read at every call (a getenv), so that a test can
+// switch it.
+inline int sm90_schedule() {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_SCHEDULE");
+  if (s == nullptr) return 1;
+  if (std::strcmp(s, "serial") == 0) return 0;
+  if (std::strcmp(s, "pingpong") == 0) return 2;
+  return 1;
+}
+
 template <typename T, int D>
 cudaError_t run_fwd_sm90(const AttnParams& p) {
   using C = TilesSm90<D>;
@@ -72,11 +85,12 @@ cudaError_t run_fwd_sm90(const AttnParams& p) {
       !make_tensor_map(&tm_v, no_keys ? p.q : p.v, kBf16, D, no_keys ? p.hq : p.hkv,
                        no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.v_row, C::kBlockN))
     return cudaErrorInvalidValue;  // the driver refused a tensor map (attention_api.cpp says)
-  // FUSEDOPS_ATTN_SM90_SCHEDULE=serial picks the schedule without intra-warpgroup overlap (the
-  // simpler one, kept to tell a pipelining fault from a layout fault); default: overlapped.
-  const char* sched = std::getenv("FUSEDOPS_ATTN_SM90_SCHEDULE");
-  const bool serial = sched != nullptr && std::strcmp(sched, "serial") == 0;
-  auto kernel = serial ? fwd_kernel_sm90<T, D, false> : fwd_kernel_sm90<T, D, true>;
+  auto kernel = fwd_kernel_sm90<T, D, 1>;
+  switch (sm90_schedule()) {
+    case 0: kernel = fwd_kernel_sm90<T, D, 0>; break;
+    case 2: kernel = fwd_kernel_sm90<T, D, 2>; break;
+    default: break;
+  }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(C::kSmem));
   if (err != cudaSuccess) return err;
