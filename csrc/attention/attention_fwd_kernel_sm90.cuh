@@ -2,14 +2,16 @@
 // for both products, online softmax in registers (the sm80 kernel's algorithm, kSlack lazy
 // rescaling included), lse in natural log, rows that see no key -> zeros and lse -inf.
 //
-// Roles (warp specialisation, FlashAttention-3's scheme without its ping-pong and intra-warpgroup
-// overlap): warpgroup 0 is the producer, one of its threads issuing every TMA load -- Q once, then
-// the K and V tiles of the CTA's key range into kStages stages, each stage guarded by a "full"
-// barrier (TMA transaction bytes) and an "empty" barrier (one arrival per consumer warp).
+// Roles (warp specialisation, FlashAttention-3's scheme): warpgroup 0 is the producer, one of
+// its threads issuing every TMA load -- Q once, then the K and V tiles of the CTA's key range
+// into kStages stages, each stage guarded by a "full" barrier (TMA transaction bytes) and an
+// "empty" barrier (one arrival per consumer warp).
 // Warpgroups 1 and 2 each own 64 query rows: S = Q K^T by wgmma from shared memory (both
 // K-major), the softmax in registers, P converted to bf16/fp16 in registers and O += P V by wgmma
 // with A from registers and V MN-major in shared memory. The output is normalised and written
-// straight from the accumulator registers.
+// straight from the accumulator registers. kSchedule: 0 serial (each wgmma waited for at once),
+// 1 intra-warpgroup overlap (the softmax of tile i + 1 while P_i V_i runs), 2 the same with the
+// two consumer warpgroups taking turns at the tensor cores (ping-pong).
 //
 // Constraints: T is __half or __nv_bfloat16; D is 64 or 128 (TilesSm90); the packed layout of
 // attention_params.h with row strides that are multiples of 8 elements and 16-byte aligned
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
       for (int e = 0; e < 4; ++e) o[d8][e] = 0.f;
     float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, alpha_run[2] = {1.f, 1.f};
 
-    // The steps of one key tile i (stage i % S, barrier phase (i / S) & 1), shared by both
+    // The steps of one key tile i (stage i % S, barrier phase (i / S) & 1), shared by the
     // schedules below.
     float sacc[BN / 8][4];    // S of a tile, then its probabilities in float
     uint32_t pa[BN / 16][4];  // P as wgmma A fragments (bf16/fp16 pairs)
