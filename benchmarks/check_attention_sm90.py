@@ -1,8 +1,9 @@
 """Parity and speed check of the Hopper (sm90) attention forward on an H200, self-judging.
 
-    pip install --no-build-isolation .            # the tree, built for 8.0;9.0a
-    python benchmarks/check_attention_sm90.py --out $OUT          # parity, backward, timing
-    python benchmarks/check_attention_sm90.py --sanitize-run       # compute-sanitizer x 3 tools
+    FUSEDOPS_GIT=<sha> SKIP_TESTS=1 BENCH=check_attention_sm90.py BENCH_TIMEOUT=420 \
+        bash benchmarks/gpu_run.sh                  # build, then parity, backward, timing
+    python3 benchmarks/check_attention_sm90.py --sanitize-run      # compute-sanitizer x 3 tools
+    (options: --schedules serial, --dims 64, --dtypes bfloat16, --no-timing, --no-backward)
 
 The sm90 forward is not reachable through dispatch yet (backends.py refuses cuda-sm90), so it is
 called as torch.ops.fusedops.attention_fwd_cuda(..., 90). Rule (docs/CONVENTIONS): against the
