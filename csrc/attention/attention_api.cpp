@@ -9,6 +9,7 @@
 #include <string>
 
 #include "../torch_utils.h"
+#include "build_info.h"
 #include "attention_params.h"
 
 // Integers in check messages go through std::to_string (why: torch_utils.h).
@@ -99,12 +100,34 @@ struct AttnFamily {
 };
 
 // The kernel family that the op's `arch` argument names, as for linear_ce (80 or 90), picked
-// before anything is allocated. Only the sm80 family exists: a Hopper one is one more branch,
-// `if (arch == 90) return {attention_fwd_sm90, attention_bwd_sm90, ...};`, in place of the check.
+// before anything is allocated. The Hopper family has its own forward (wgmma + TMA) and the
+// sm80 backward, which reads the (Hq, total_q) natural-log lse that both forwards write.
 AttnFamily family(int64_t arch) {
   check_arch(arch);
   if (arch == 80) return {attention_fwd_sm80, attention_bwd_sm80, attention_bwd_atomic_fits_sm80};
-  TORCH_CHECK_VALUE(false, "no Hopper (sm_90) attention kernel is built yet; use arch 80");
+  return {attention_fwd_sm90, attention_bwd_sm80, attention_bwd_atomic_fits_sm80};
+}
+
+// What the Hopper forward needs beyond make_params' checks: its sm_90a machine code (built only
+// when setup.py's arch list has 9.0a) runs on compute capability 9.0 alone, and its TMA tensor
+// maps read rows of q, k and v as (rows, heads, D) boxes, so a row must not overlap the next.
+void check_fwd_sm90(const Tensor& q, const Tensor& k, const Tensor& v) {
+  TORCH_CHECK_VALUE(std::string(FUSEDOPS_BUILT_ARCHS).find("9.0a") != std::string::npos,
+                    "the sm90 attention forward is not built (built archs ", FUSEDOPS_BUILT_ARCHS,
+                    "; rebuild with FUSEDOPS_CUDA_ARCHS including 9.0a)");
+  int major = 0, minor = 0;
+  const int dev = q.get_device();
+  TORCH_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) ==
+                      cudaSuccess &&
+                  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) ==
+                      cudaSuccess,
+              "could not read the GPU's compute capability");
+  TORCH_CHECK_VALUE(major == 9 && minor == 0,
+                    "the sm90 attention forward needs a compute capability 9.0 GPU (got ",
+                    std::to_string(major), ".", std::to_string(minor), "); use arch 80");
+  for (const Tensor* t : {&q, &k, &v})
+    TORCH_CHECK_VALUE(t->size(0) <= 1 || t->stride(0) >= t->size(1) * t->size(2),
+                      "the sm90 attention forward needs rows of q, k and v that do not overlap");
 }
 
 std::tuple<Tensor, Tensor> attention_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -116,6 +139,7 @@ std::tuple<Tensor, Tensor> attention_fwd_cuda(const Tensor& q, const Tensor& k, 
   c10::cuda::CUDAGuard guard(q.device());
   AttnParams p = make_params(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right,
                              softcap);
+  if (arch == 90) check_fwd_sm90(q, k, v);
   Tensor out = at::empty(q.sizes(), q.options());
   Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
   if (p.total_q == 0 || p.batch == 0 || p.max_q == 0) return {out, lse.fill_(-INFINITY)};

@@ -39,9 +39,11 @@ struct AttnParams {
 
 // Entry points, one set per kernel family, picked by the ops' `arch` argument (attention_api.cpp):
 // arch 80, the sm80 kernels (mma.sync + cp.async, attention_{fwd,bwd}_sm80.cu, also built for
-// sm_90a). A Hopper family adds attention_fwd_sm90 / attention_bwd_sm90 here. Each returns the
-// CUDA error code of its last launch.
+// sm_90a); arch 90, the Hopper forward (wgmma + TMA, attention_fwd_sm90.cu, cc 9.0 only) with
+// the sm80 backward, which reads the lse it writes. Each returns the CUDA error code of its last
+// launch.
 cudaError_t attention_fwd_sm80(AttnParams& p);
+cudaError_t attention_fwd_sm90(AttnParams& p);
 cudaError_t attention_bwd_sm80(AttnParams& p);
 // Whether the kernel of the sm80 atomic-dQ backward fits the current device's shared memory
 // (Hopper: yes; Ampere: no, and the backward computes dQ in its own pass instead).

@@ -1,0 +1,436 @@
+"""Parity and speed check of the Hopper (sm90) attention forward on an H200, self-judging.
+
+    FUSEDOPS_GIT=<sha> SKIP_TESTS=1 BENCH=check_attention_sm90.py BENCH_TIMEOUT=420 \
+        bash benchmarks/gpu_run.sh                  # build, then parity, backward, timing
+    python3 benchmarks/check_attention_sm90.py --sanitize-run      # compute-sanitizer x 3 tools
+    (options: --schedules serial, --dims 64, --dtypes bfloat16, --no-timing, --no-backward)
+
+The sm90 forward is not reachable through dispatch yet (backends.py refuses cuda-sm90), so it is
+called as torch.ops.fusedops.attention_fwd_cuda(..., 90). Rule (docs/CONVENTIONS): against the
+float64 reference, the sm90 error must be at most 2x the sm80 kernel's error + 1e-3, for out and
+for lse (finite entries; -inf exactly where the reference has -inf); no NaN anywhere. Outputs
+are poisoned first (a NaN-filled block of the same size is freed just before the call, so that
+the caching allocator hands it to the kernel): an unwritten row shows as NaN. The backward
+(arch 90 = the sm80 backward) is checked from the sm90 forward's out/lse against the sm80
+forward's, both against float64 gradients (slack 1e-3 x the largest reference gradient).
+
+One PASS/FAIL line per group, then a summary; then TFLOP/s of sm90 vs sm80, SDPA flash and cuDNN
+(bf16, B*L = 16384, H*D = 2048), rows appended to <out>/attention.jsonl (method cuda-sm90-fwd
+etc.). Exit status 1 when any parity group fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+NAN = float("nan")
+# FUSEDOPS_ATTN_SM90_SCHEDULE values (attention_launch_sm90.cuh); the first is the default.
+SCHEDULES = ("overlap", "serial", "pingpong")
+
+
+class Watchdog:
+    """Ends the process (exit 3) naming the case when one takes longer than `seconds`: a
+    deadlocked mbarrier pipeline would otherwise hang the run with no word of where."""
+
+    def __init__(self):
+        self.timer = None
+
+    def arm(self, what, seconds=60.0):
+        self.disarm()
+
+        def fire():
+            print(f"HANG: {what} did not finish within {seconds:.0f}s (a pipeline deadlock?)",
+                  flush=True)
+            os._exit(3)
+        self.timer = threading.Timer(seconds, fire)
+        self.timer.daemon = True
+        self.timer.start()
+
+    def disarm(self):
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+WATCHDOG = Watchdog()
+
+
+class ContextLost(RuntimeError):
+    """A CUDA error from the sm90 kernel: the context is unusable, later cases cannot run."""
+
+
+def cu_of(lens, dev):
+    c = [0]
+    for n in lens:
+        c.append(c[-1] + n)
+    return torch.tensor(c, dtype=torch.int32, device=dev)
+
+
+def make_case(q_lens, k_lens, hq, hkv, d, dt, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(sum(q_lens), hq, d, device="cuda", dtype=dt, generator=g)
+    k = torch.randn(max(sum(k_lens), 0), hkv, d, device="cuda", dtype=dt, generator=g)
+    v = torch.randn(max(sum(k_lens), 0), hkv, d, device="cuda", dtype=dt, generator=g)
+    return q, k, v, cu_of(q_lens, "cuda"), cu_of(k_lens, "cuda")
+
+
+def poison(*shapes_dtypes):
+    """Fills freshly allocated blocks of these shapes with NaN and frees them, so that the next
+    allocations of the same sizes (the kernel's outputs) start as NaN."""
+    bufs = [torch.full(s, NAN, dtype=t, device="cuda") for s, t in shapes_dtypes]
+    del bufs
+
+
+def fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
+    poison((q.shape, q.dtype), ((q.shape[1], q.shape[0]), torch.float32))
+    return torch.ops.fusedops.attention_fwd_cuda(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left,
+                                                 right, softcap, arch)
+
+
+def bwd(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
+    return torch.ops.fusedops.attention_bwd_cuda(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale,
+                                                 causal, left, right, softcap, False, arch)
+
+
+def max_err(a, ref, mask=None):
+    diff = (a.double() - ref.double()).abs()
+    if mask is not None:
+        diff = diff[mask]
+    return diff.max().item() if diff.numel() else 0.0
+
+
+def where(out, ref, cu_q):
+    """Where the output errors are, to tell layout faults apart: the largest error per 64-wide
+    head-dim block (a wrong V column-block offset), per 64-query half of the kernel's 128-query
+    blocks (a wrong consumer warpgroup offset) and per 16-row warp slice."""
+    err = (out.double() - ref.double()).abs().nan_to_num(nan=1e9)  # (total_q, hq, D)
+    starts = cu_q.tolist()
+    pos = torch.empty(out.shape[0], dtype=torch.long, device=out.device)
+    for a, b in zip(starts, starts[1:], strict=False):
+        pos[a:b] = torch.arange(b - a, device=out.device)
+    by_d = [f"{err[..., c:c + 64].max().item():.1e}" for c in range(0, out.shape[2], 64)]
+    by_half = [f"{err[(pos % 128) // 64 == w].max().item():.1e}" if ((pos % 128) // 64 == w).any()
+               else "-" for w in (0, 1)]
+    by_warp = [f"{err[(pos % 64) // 16 == w].max().item():.0e}" if ((pos % 64) // 16 == w).any()
+               else "-" for w in range(4)]
+    return f"by d-block {by_d}, by query half {by_half}, by warp {by_warp}"
+
+
+# (group, name, q_lens, k_lens, hq, hkv, causal, left, right, softcap)
+def cases():
+    out = []
+    for s in (1, 97, 128, 1025, 4096):
+        out.append(("dense", f"S={s}", [s, s], [s, s], 4, 4, False, -1, -1, 0.0))
+    out += [("sq!=sk", "300x1025", [300, 300], [1025, 1025], 4, 4, False, -1, -1, 0.0),
+            ("sq!=sk", "1025x300", [1025, 1025], [300, 300], 4, 4, False, -1, -1, 0.0),
+            ("sq!=sk", "1x700", [1, 1], [700, 700], 4, 4, False, -1, -1, 0.0),
+            ("gqa", "4:1 S=1025", [1025, 1025], [1025, 1025], 8, 2, False, -1, -1, 0.0),
+            ("gqa", "4:1 causal 300x777", [300, 300], [777, 777], 8, 2, True, -1, -1, 0.0),
+            ("causal", "S=1025", [1025, 1025], [1025, 1025], 4, 4, True, -1, -1, 0.0),
+            ("causal", "S=4096", [4096], [4096], 4, 4, True, -1, -1, 0.0),
+            ("causal", "300x1025", [300, 300], [1025, 1025], 4, 4, True, -1, -1, 0.0),
+            # bottom-right alignment: the first 725 queries see no key (out 0, lse -inf)
+            ("causal", "1025x300 (rows w/o keys)", [1025, 1025], [300, 300], 4, 4, True, -1, -1,
+             0.0),
+            ("window", "(32,16) S=1025", [1025, 1025], [1025, 1025], 4, 4, False, 32, 16, 0.0),
+            ("window", "(64,-1) S=1025", [1025, 1025], [1025, 1025], 4, 4, False, 64, -1, 0.0),
+            ("window", "(32,16) 300x1025", [300, 300], [1025, 1025], 4, 4, False, 32, 16, 0.0),
+            ("window", "(64,0) causal-band S=700", [700], [700], 4, 4, True, 64, -1, 0.0),
+            ("softcap", "20 S=1025", [1025, 1025], [1025, 1025], 4, 4, False, -1, -1, 20.0),
+            ("softcap", "20 causal S=1025", [1025, 1025], [1025, 1025], 4, 4, True, -1, -1, 20.0),
+            ("varlen", "1,300,1025", [1, 300, 1025], [1, 300, 1025], 4, 4, False, -1, -1, 0.0),
+            ("varlen", "q 1,300,1025 k 7,500,900", [1, 300, 1025], [7, 500, 900], 4, 2, False, -1,
+             -1, 0.0),
+            ("varlen", "causal 1,300,1025", [1, 300, 1025], [1, 300, 1025], 4, 4, True, -1, -1,
+             0.0),
+            ("varlen", "window+softcap", [1, 300, 1025], [5, 290, 1100], 4, 4, False, 48, 8, 20.0),
+            ("nokey", "middle seq has no keys", [70, 33, 200], [90, 0, 260], 4, 4, False, -1, -1,
+             0.0),
+            ("nokey", "no keys at all", [50, 20], [0, 0], 4, 4, False, -1, -1, 0.0),
+            # off = -260: query i sees keys [i - 270, i - 255], none for i < 255
+            ("nokey", "window leaves rows empty", [300], [40], 4, 4, False, 10, 5, 0.0)]
+    return out
+
+
+def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
+    from fusedops.attention import reference
+    results = {}  # (dtype, d, group) -> list of failure strings (empty = pass)
+    bwd_results = {}
+    for dt in dtypes:
+        for d in dims:
+            tag = f"{str(dt).split('.')[-1]} D={d}"
+            for ci, (group, name, ql, kl, hq, hkv, causal, left, right, cap) in enumerate(cases()):
+                q, k, v, cu_q, cu_k = make_case(ql, kl, hq, hkv, d, dt, seed=1000 + ci)
+                mq, mk = max(ql), max(kl)
+                scale = 1.0 / math.sqrt(d)
+                args = (cu_q, cu_k, mq, mk, scale, causal, left, right, cap)
+                o80, l80 = fwd(q, k, v, *args, 80)
+                q64, k64, v64 = q.double(), k.double(), v.double()
+                o64, l64 = reference.attention_fwd(q64, k64, v64, cu_q, cu_k, scale, causal, left,
+                                                   right, cap)
+                fin = torch.isfinite(l64)
+                e80 = max_err(o80, o64)
+                le80 = max_err(l80, l64, fin & torch.isfinite(l80))
+                outs = {}
+                for sched in schedules:
+                    key = (f"{tag} {sched}", group)
+                    results.setdefault(key, [])
+                    os.environ["FUSEDOPS_ATTN_SM90_SCHEDULE"] = sched
+                    WATCHDOG.arm(f"{tag} {sched} {group} {name}")
+                    try:
+                        o90, l90 = fwd(q, k, v, *args, 90)
+                        torch.cuda.synchronize()
+                    except Exception as exc:  # noqa: BLE001 - reported as a failure
+                        results[key].append(f"{name}: raised {type(exc).__name__}: "
+                                            f"{str(exc)[:160]}")
+                        if "CUDA" in str(exc) or "cuda" in str(exc):
+                            raise ContextLost(f"{tag} {sched} {group} {name}: {exc}") from exc
+                        continue
+                    finally:
+                        WATCHDOG.disarm()
+                        os.environ.pop("FUSEDOPS_ATTN_SM90_SCHEDULE", None)
+                    outs[sched] = (o90, l90)
+                    fails = []
+                    if torch.isnan(o90).any() or torch.isnan(l90).any():
+                        fails.append("NaN in out/lse (unwritten rows or a NaN path)")
+                    if not torch.equal(torch.isneginf(l90), ~fin):
+                        n_bad = int((torch.isneginf(l90) != ~fin).sum())
+                        fails.append(f"lse -inf pattern differs ({n_bad} entries)")
+                    nokey_rows = (~fin).t()  # (total_q, hq)
+                    if nokey_rows.any() and o90[nokey_rows].abs().max().item() != 0.0:
+                        fails.append("rows that see no key are not exactly 0")
+                    e90 = max_err(o90, o64)
+                    if not e90 <= 2 * e80 + 1e-3:
+                        fails.append(f"out err {e90:.3e} > 2 x sm80 {e80:.3e} + 1e-3 "
+                                     f"({where(o90, o64, cu_q)})")
+                    le90 = max_err(l90, l64, fin & torch.isfinite(l90))
+                    if not le90 <= 2 * le80 + 1e-3:
+                        fails.append(f"lse err {le90:.3e} > 2 x sm80 {le80:.3e} + 1e-3")
+                    results[key] += [f"{name}: {f}" for f in fails]
+                if not outs:
+                    continue
+                o90, l90 = next(iter(outs.values()))  # the first schedule feeds the backward
+
+                if do_bwd and max(max(ql), max(kl)) <= 1025 and k.shape[0] > 0:
+                    bkey = (tag, "backward")
+                    bwd_results.setdefault(bkey, [])
+                    g = torch.Generator(device="cuda").manual_seed(7 + ci)
+                    do = torch.randn(q.shape, device="cuda", dtype=dt, generator=g)
+                    g64 = reference.attention_bwd(q64, k64, v64, o64, l64, do.double(), cu_q,
+                                                  cu_k, scale, causal, left, right, cap)
+                    g80 = bwd(q, k, v, o80, l80, do, *args, 80)
+                    g90 = bwd(q, k, v, o90, l90, do, *args, 90)
+                    for nm, a, b, r in zip(("dq", "dk", "dv"), g90, g80, g64, strict=True):
+                        slack = 1e-3 * max(1.0, r.abs().max().item())
+                        ea, eb = max_err(a, r), max_err(b, r)
+                        if torch.isnan(a).any() or not ea <= 2 * eb + slack:
+                            bwd_results[bkey].append(
+                                f"{name}: {nm} err {ea:.3e} > 2 x sm80-fwd path {eb:.3e} + "
+                                f"{slack:.1e}")
+                del q, k, v, o90, l90, o80, l80, o64, l64, outs
+    return results, bwd_results
+
+
+def report(results):
+    n_fail = 0
+    for (tag, group), fails in results.items():
+        status = "PASS" if not fails else "FAIL"
+        n_fail += bool(fails)
+        print(f"{status} {tag:<23} {group:<9}" + (f" {len(fails)} failing: " + fails[0]
+                                                  if fails else ""))
+        for f in fails[1:4]:
+            print(f"     {f}")
+    return n_fail
+
+
+def time_config(d, length, causal, rep_ms):
+    """{method: forward ms} of one shape (bf16, B*L = 16384, H*D = 2048); NaN when a method
+    cannot run it."""
+    import torch.nn.functional as F
+    from common import time_ms
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    b, h = 16384 // length, 2048 // d
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b * length, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * length
+    scale = 1.0 / math.sqrt(d)
+    qs, ks, vs = (t.view(b, length, h, d).transpose(1, 2) for t in (q, k, v))
+
+    def ours(arch):
+        return lambda: torch.ops.fusedops.attention_fwd_cuda(
+            q, k, v, cu, cu, length, length, scale, causal, -1, -1, 0.0, arch)
+
+    def sdpa(backend):
+        def fn():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+        return fn
+
+    def scheduled(sched):
+        fn = ours(90)
+
+        def run():
+            os.environ["FUSEDOPS_ATTN_SM90_SCHEDULE"] = sched
+            try:
+                return fn()
+            finally:
+                os.environ.pop("FUSEDOPS_ATTN_SM90_SCHEDULE", None)
+        return run
+
+    fns = {"cuda-sm90-fwd": ours(90), "cuda-sm90-serial-fwd": scheduled("serial"),
+           "cuda-sm90-pingpong-fwd": scheduled("pingpong"), "cuda-sm80-fwd": ours(80),
+           "sdpa_flash-fwd": sdpa(SDPBackend.FLASH_ATTENTION),
+           "sdpa_cudnn-fwd": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    times = {}
+    for name, fn in fns.items():
+        try:
+            with torch.no_grad():
+                times[name] = time_ms(fn, rep_ms)
+        except Exception as exc:  # noqa: BLE001 - e.g. an SDPA backend missing
+            print(f"  {name} D={d} L={length}: {type(exc).__name__}: {str(exc)[:120]}")
+            times[name] = float("nan")
+    return times
+
+
+def timing(out_dir, rep_ms):
+    from common import append_rows, run_meta
+    meta = run_meta()
+    print(f"\ntiming (bf16, TFLOP/s, median of do_bench): {meta['gpu']}, git {meta['git']}, "
+          f"run {meta['run']}")
+    names = ("cuda-sm90-fwd", "cuda-sm80-fwd", "sdpa_flash-fwd", "sdpa_cudnn-fwd",
+             "cuda-sm90-serial-fwd", "cuda-sm90-pingpong-fwd")
+    print("sm90 = the default schedule (overlap); serial and pingpong: the other schedules")
+    print(f"{'D':>4} {'L':>6} {'causal':>6} {'sm90':>7} {'sm80':>7} {'flash':>7} {'cudnn':>7}"
+          f" {'serial':>7} {'pingpong':>8} {'sm90/sm80':>9}")
+    for d in (64, 128):
+        for length in (1024, 4096, 16384):
+            for causal in (False, True):
+                b, h = 16384 // length, 2048 // d
+                flops = 4 * b * h * length * length * d / (2 if causal else 1)
+                times = time_config(d, length, causal, rep_ms)
+                tf = {n: flops / times[n] / 1e9 for n in names}
+                for n in names:
+                    if math.isnan(times[n]):
+                        continue
+                    row = dict(op="attention", method=n, B=b, H=h, L=length, D=d,
+                               causal=causal, dtype="bfloat16", fwd_ms=round(times[n], 4),
+                               fwd_tflops=round(tf[n], 1), **meta)
+                    append_rows("attention", [row], out_dir)
+                print(f"{d:>4} {length:>6} {str(causal):>6} " +
+                      " ".join(f"{tf[n]:>7.1f}" for n in names[:-1]) +
+                      f" {tf[names[-1]]:>8.1f}" +
+                      f" {tf[names[0]] / tf[names[1]]:>9.2f}")
+                torch.cuda.empty_cache()
+
+
+def sanitize_cases():
+    """Tiny runs of each instantiation (bf16/fp16 x D 64/128 x both schedules): dense with a
+    tail tile, varlen with an empty-key sequence, causal + window + softcap, and enough key
+    tiles (5) to wrap the 3-stage pipeline; forward by arch 90, then the backward from its
+    out/lse."""
+    for dt in (torch.bfloat16, torch.float16):
+        for d in (64, 128):
+            for ql, kl, hq, hkv, causal, left, right, cap in (
+                    ([77, 130], [93, 600], 4, 2, False, -1, -1, 0.0),
+                    ([70, 1, 33], [90, 0, 40], 2, 2, True, 30, -1, 20.0),
+                    ([129], [645], 2, 1, False, -1, -1, 0.0)):
+                q, k, v, cu_q, cu_k = make_case(ql, kl, hq, hkv, d, dt, seed=3)
+                args = (cu_q, cu_k, max(ql), max(kl), d ** -0.5, causal, left, right, cap)
+                for sched in SCHEDULES:
+                    os.environ["FUSEDOPS_ATTN_SM90_SCHEDULE"] = sched
+                    o, lse = torch.ops.fusedops.attention_fwd_cuda(q, k, v, *args, 90)
+                os.environ.pop("FUSEDOPS_ATTN_SM90_SCHEDULE", None)
+                do = torch.randn_like(q)
+                bwd(q, k, v, o, lse, do, *args, 90)
+    torch.cuda.synchronize()
+    print("sanitize cases ran")
+
+
+def sanitize_run():
+    exe = shutil.which("compute-sanitizer")
+    if exe is None:
+        for root in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+            cand = os.path.join(root, "bin", "compute-sanitizer")
+            if root and os.path.exists(cand):
+                exe = cand
+                break
+    if exe is None:
+        print("FAIL sanitize: compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda)")
+        return 1
+    bad = 0
+    for tool in ("memcheck", "racecheck", "synccheck"):
+        env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+        t0 = time.time()
+        proc = subprocess.run([exe, "--tool", tool, "--error-exitcode", "3", sys.executable,
+                               os.path.abspath(__file__), "--sanitize"], env=env,
+                              capture_output=True, text=True, timeout=600)
+        text = proc.stdout + proc.stderr
+        ok = proc.returncode == 0 and "sanitize cases ran" in text
+        bad += not ok
+        summary = [ln for ln in text.splitlines() if "ERROR SUMMARY" in ln or "RACECHECK" in ln]
+        print(f"{'PASS' if ok else 'FAIL'} sanitize {tool:<9} rc={proc.returncode} "
+              f"{time.time() - t0:.0f}s {' | '.join(summary[-2:])}")
+        if not ok:
+            print("\n".join(text.splitlines()[-25:]))
+    return bad
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT") or None,
+                    help="folder of attention.jsonl (default $OUT, else benchmarks/results)")
+    ap.add_argument("--no-timing", action="store_true")
+    ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--rep-ms", type=int, default=60)
+    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dtypes", default="bfloat16,float16")
+    ap.add_argument("--schedules", default=",".join(SCHEDULES),
+                    help="FUSEDOPS_ATTN_SM90_SCHEDULE values to check (overlap, serial, pingpong)")
+    ap.add_argument("--sanitize", action="store_true", help="only the tiny sanitizer cases")
+    ap.add_argument("--sanitize-run", action="store_true",
+                    help="run --sanitize under compute-sanitizer memcheck, racecheck, synccheck")
+    args = ap.parse_args()
+    from fusedops import _ext  # loads fusedops._C, which registers the ops
+    if not _ext.available():
+        print(f"FAIL: fusedops._C is not loaded ({_ext.EXT_ERROR}); pip install "
+              "--no-build-isolation . on a machine with nvcc")
+        return 1
+    if args.sanitize:
+        sanitize_cases()
+        return 0
+    if args.sanitize_run:
+        return 1 if sanitize_run() else 0
+    print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, built archs "
+          f"{';'.join(_ext.built_archs())}")
+    t0 = time.time()
+    try:
+        res, bres = check_parity(tuple(getattr(torch, t) for t in args.dtypes.split(",")),
+                                 tuple(int(d) for d in args.dims.split(",")),
+                                 not args.no_backward, tuple(args.schedules.split(",")))
+    except ContextLost as exc:
+        print(f"FAIL the sm90 forward raised a CUDA error, the context is lost: {str(exc)[:400]}")
+        print("SUMMARY parity: 0 passed, 1 failed (stopped at the first CUDA error; try "
+              "--schedules serial, --dims 64, and --sanitize-run)")
+        return 1
+    n_fail = report(res) + report(bres)
+    total = len(res) + len(bres)
+    print(f"SUMMARY parity: {total - n_fail} passed, {n_fail} failed ({time.time() - t0:.0f}s)")
+    if not args.no_timing:
+        timing(args.out, args.rep_ms)
+    return 1 if n_fail else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

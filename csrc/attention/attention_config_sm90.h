@@ -1,0 +1,53 @@
+// Tile table of the Hopper (sm_90a) attention forward: block sizes, pipeline depth, warp roles
+// and the shared memory they take (read by attention_fwd_kernel_sm90.cuh and
+// attention_launch_sm90.cuh).
+#pragma once
+
+#include <cstddef>
+
+namespace fusedops {
+namespace attn {
+
+// Not yet measured on the H200: the first choices follow FlashAttention-3's published shapes for
+// these head dims (128 queries x 128 keys at D=128 causal, 128 x 128 at D=64 here too) and the
+// register budget; each is to be revisited against its neighbours with benchmarks/
+// check_attention_sm90.py's timing part.
+template <int D>
+struct TilesSm90 {
+  static_assert(D == 64 || D == 128, "the sm90 forward takes head dim 64 or 128");
+  // Queries per CTA: two consumer warpgroups of 64 rows (wgmma's M), sharing each K/V tile, so
+  // that a tile streamed once from L2 feeds 128 rows.
+  static constexpr int kBlockM = 128;
+  // Keys per tile: S = Q K^T is one m64n128 accumulator (64 floats per thread) and the P V
+  // product 8 k-steps; 128 keeps S + O (64 + 64 floats at D=128) and the bf16 P (32 registers)
+  // within the consumers' 240 registers.
+  static constexpr int kBlockN = 128;
+  // K/V stages: 2 at D=128 (Q 32 KiB + 2 x (K 32 + V 32) = 160 KiB of the 227 KiB); 3 at D=64,
+  // where the tiles are half the size and more loads in flight hide more latency.
+  static constexpr int kStages = D == 64 ? 3 : 2;
+  // Warpgroup 0 produces (one thread issues every TMA load), warpgroups 1 and 2 compute.
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+  // setmaxnreg: 24 + 2 x 240 registers per lane of a warpgroup = 504 <= 512 (64 Ki registers
+  // over 128-lane warpgroups); the kernel's cap at entry is 65536 / 384 rounded down to 8, 168.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+
+  // Shared memory (bytes, 2-byte elements). Every tile is stored as D / 64 column blocks of
+  // rows x 128 bytes (TMA boxes of 64 elements, 128-byte swizzle), each 1024-byte aligned.
+  static constexpr int kElem = 2;
+  static constexpr int kQBytes = kBlockM * D * kElem;
+  static constexpr int kKvBytes = kBlockN * D * kElem;  // one K or one V tile
+  static constexpr int kQOff = 0;
+  static constexpr int kKOff = kQOff + kQBytes;
+  static constexpr int kVOff = kKOff + kStages * kKvBytes;
+  static constexpr int kBarOff = kVOff + kStages * kKvBytes;
+  // Barriers: Q full; per stage K full, K empty, V full, V empty.
+  static constexpr int kNumBars = 1 + 4 * kStages;
+  // + 1024: the dynamic shared memory base is rounded up to 1024 bytes in the kernel.
+  static constexpr size_t kSmem = kBarOff + kNumBars * 8 + 1024;
+  static_assert(kQBytes % 1024 == 0 && kKvBytes % 1024 == 0);
+  static_assert(kSmem <= 227 * 1024, "exceeds Hopper's shared memory per block");
+};
+
+}  // namespace attn
+}  // namespace fusedops

@@ -1,0 +1,345 @@
+// The Hopper (sm_90a) attention forward kernel: TMA loads through an mbarrier pipeline, wgmma
+// for both products, online softmax in registers (the sm80 kernel's algorithm, kSlack lazy
+// rescaling included), lse in natural log, rows that see no key -> zeros and lse -inf.
+//
+// Roles (warp specialisation, FlashAttention-3's scheme): warpgroup 0 is the producer, one of
+// its threads issuing every TMA load -- Q once, then the K and V tiles of the CTA's key range
+// into kStages stages, each stage guarded by a "full" barrier (TMA transaction bytes) and an
+// "empty" barrier (one arrival per consumer warp).
+// Warpgroups 1 and 2 each own 64 query rows: S = Q K^T by wgmma from shared memory (both
+// K-major), the softmax in registers, P converted to bf16/fp16 in registers and O += P V by wgmma
+// with A from registers and V MN-major in shared memory. The output is normalised and written
+// straight from the accumulator registers. kSchedule: 0 serial (each wgmma waited for at once),
+// 1 intra-warpgroup overlap (the softmax of tile i + 1 while P_i V_i runs), 2 the same with the
+// two consumer warpgroups taking turns at the tensor cores (ping-pong).
+//
+// Constraints: T is __half or __nv_bfloat16; D is 64 or 128 (TilesSm90); the packed layout of
+// attention_params.h with row strides that are multiples of 8 elements and 16-byte aligned
+// tensors (TMA's rules; attention_api.cpp checks them), hq a multiple of hkv, every sequence no
+// longer than max_q (the grid's x). Tensor maps (attention_launch_sm90.cuh): 3-D (D, heads,
+// rows) over the packed tensors, boxes of 64 x 1 x rows, 128-byte swizzle. A tile that crosses a
+// sequence's end reads the next sequence's rows (TMA zero-fills only past the tensor's end): key
+// columns >= lk are masked to -inf by index, so P is 0 there, and query rows >= lq are never
+// stored. Launch: TilesSm90<D>::kThreads threads, kSmem bytes of dynamic shared memory, one CTA
+// per SM. The body is empty (a trap) unless compiled for sm_90a.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (a type only; nothing links against the driver)
+
+#include <cstdint>
+
+#include "../hopper_ptx.cuh"
+#include "attention_common.cuh"
+#include "attention_config_sm90.h"
+
+namespace fusedops {
+namespace attn {
+
+template <typename T, int D, int kSchedule>
+__global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
+    fwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
+                    const __grid_constant__ CUtensorMap tm_k,
+                    const __grid_constant__ CUtensorMap tm_v) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace fusedops::sm90;
+  using C = TilesSm90<D>;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, S = C::kStages;
+  constexpr int kBlocks = D / 64;  // 64-element (128-byte) column blocks per row
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // The swizzle atoms must start 1024-byte aligned (kSmem has the slack for this).
+  const uint32_t raw_u32 = smem_u32(smem_raw);
+  const uint32_t base = (raw_u32 + 1023u) & ~1023u;
+  const uint32_t sQ = base + C::kQOff, sK = base + C::kKOff, sV = base + C::kVOff;
+  const uint32_t bars = base + C::kBarOff;
+  // Barrier addresses: Q full, then K full / K empty / V full / V empty per stage.
+  const uint32_t bar_q = bars;
+  auto bar_kfull = [&](int s) { return bars + 8u * (1 + s); };
+  auto bar_kempty = [&](int s) { return bars + 8u * (1 + S + s); };
+  auto bar_vfull = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
+  auto bar_vempty = [&](int s) { return bars + 8u * (1 + 3 * S + s); };
+
+  // Query blocks run last to first (as in the sm80 kernel): under a causal mask the last blocks
+  // see the most keys, and starting them first leaves the light ones for the grid's tail.
+  const int b = blockIdx.z, h = blockIdx.y, m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+  const Seq sq(p, b);
+  if (m0 >= sq.lq) return;  // uniform over the CTA, before any barrier is initialised
+  const int hk = h / (p.hq / p.hkv);
+  int n_lo, n_hi;
+  sq.keys_of(m0, min(m0 + BM, sq.lq), p, n_lo, n_hi);
+  const int t_lo = n_lo / BN, t_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : t_lo;
+  const int n_tiles = t_hi - t_lo;
+
+  if (threadIdx.x == 0) {
+    mbar_init(bar_q, 1);
+    for (int s = 0; s < S; ++s) {
+      mbar_init(bar_kfull(s), 1);
+      mbar_init(bar_vfull(s), 1);
+      mbar_init(bar_kempty(s), 4 * C::kConsumerWarpgroups);  // lane 0 of every consumer warp
+      mbar_init(bar_vempty(s), 4 * C::kConsumerWarpgroups);
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {
+    // ---- producer ----
+    setmaxnreg_dec<C::kProducerRegs>();
+    if (threadIdx.x == 0 && n_tiles > 0) {
+      tma_prefetch_desc(&tm_q);
+      tma_prefetch_desc(&tm_k);
+      tma_prefetch_desc(&tm_v);
+      mbar_arrive_expect_tx(bar_q, C::kQBytes);
+#pragma unroll
+      for (int c = 0; c < kBlocks; ++c)
+        tma_load_3d(sQ + c * BM * 128, &tm_q, bar_q, 64 * c, h, sq.q_start + m0);
+      for (int i = 0; i < n_tiles; ++i) {
+        const int s = i % S;
+        const uint32_t ph = (i / S) & 1;
+        const int row = sq.k_start + (t_lo + i) * BN;
+        mbar_wait(bar_kempty(s), ph ^ 1);
+        mbar_arrive_expect_tx(bar_kfull(s), C::kKvBytes);
+#pragma unroll
+        for (int c = 0; c < kBlocks; ++c)
+          tma_load_3d(sK + s * C::kKvBytes + c * BN * 128, &tm_k, bar_kfull(s), 64 * c, hk, row);
+        mbar_wait(bar_vempty(s), ph ^ 1);
+        mbar_arrive_expect_tx(bar_vfull(s), C::kKvBytes);
+#pragma unroll
+        for (int c = 0; c < kBlocks; ++c)
+          tma_load_3d(sV + s * C::kKvBytes + c * BN * 128, &tm_v, bar_vfull(s), 64 * c, hk, row);
+      }
+    }
+  } else {
+    // ---- consumers ----
+    setmaxnreg_inc<C::kConsumerRegs>();
+    const int cw = wg - 1;  // consumer warpgroup: query rows [64 cw, 64 cw + 64) of the block
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    const int row0 = 64 * cw + 16 * warp;  // the warp's first row in the block
+    const int i0 = m0 + row0 + g;          // the lane's first query (+8: its second)
+    const Score score(p);
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int d8 = 0; d8 < D / 8; ++d8)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[d8][e] = 0.f;
+    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, alpha_run[2] = {1.f, 1.f};
+
+    // The steps of one key tile i (stage i % S, barrier phase (i / S) & 1), shared by the
+    // schedules below.
+    float sacc[BN / 8][4];    // S of a tile, then its probabilities in float
+    uint32_t pa[BN / 16][4];  // P as wgmma A fragments (bf16/fp16 pairs)
+    bool rescale = false;     // the last softmax moved a running maximum: O needs alpha_run
+    // S = Q K^T: D / 16 k-steps of 16 head-dim elements (32 bytes inside a 128-byte row).
+    auto issue_qk = [&](int i) {
+      const int s = i % S;
+      mbar_wait(bar_kfull(s), (i / S) & 1);
+      reg_fence(sacc);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t blk = kk / 4, in_row = (kk % 4) * 32;
+        const uint64_t da = make_desc_sw128(sQ + blk * BM * 128 + cw * 64 * 128 + in_row, 16, 1024);
+        const uint64_t db =
+            make_desc_sw128(sK + s * C::kKvBytes + blk * BN * 128 + in_row, 16, 1024);
+        Wgmma<T, BN>::ss(sacc, da, db, kk > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+    };
+    // O += P V: BN / 16 k-steps of 16 keys (2048 bytes of V rows); B is MN-major, its N (head
+    // dim) split into 64-wide column blocks BN * 128 bytes apart (the LBO).
+    auto issue_pv = [&](int i) {
+      const int s = i % S;
+      mbar_wait(bar_vfull(s), (i / S) & 1);
+      reg_fence(o);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        const uint64_t db = make_desc_sw128(sV + s * C::kKvBytes + kk * 16 * 128, BN * 128, 1024);
+        Wgmma<T, D>::rs_mn(o, pa[kk], db, 1);
+      }
+      wgmma_commit();
+    };
+    // After the wgmma reading a stage has completed (this warp's wait_group), the warp hands
+    // the stage back to the producer.
+    auto release = [&](uint32_t bar) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar);
+    };
+    // Softmax of tile i in place (sacc becomes probabilities), as fwd_kernel (sm80) with one
+    // row tile: Path<0> (every pair visible, no softcap, a positive scale) takes the maximum of
+    // the raw scores and folds the scale into one FFMA per exponential; the masked paths mask
+    // by index (a select, so that scores of another sequence's keys never reach P).
+    auto softmax = [&](int i) {
+      const int n0 = (t_lo + i) * BN;
+      const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16, n0, n0 + BN, p);
+      bool moved = false;
+      auto tile = [&](auto path) {
+        constexpr int kPath = decltype(path)::value;
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if constexpr (kPath > 0) {
+              float unused;
+              const float x = score.at<kPath == 2>(sacc[ni][e], unused);
+              sacc[ni][e] =
+                  sq.visible(i0 + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p) ? x : -INFINITY;
+            }
+            mx[e >> 1] = fmaxf(mx[e >> 1], sacc[ni][e]);
+          }
+        float mu[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          mx[r] = quad_max(mx[r]);
+          if constexpr (kPath == 0) mx[r] *= score.scale_log2();
+          if (mx[r] > m_run[r] + kSlack) {
+            const float alpha = ex2(m_run[r] - mx[r]);
+            m_run[r] = mx[r];
+            l_run[r] *= alpha;
+            alpha_run[r] = alpha;
+            moved = true;
+          }
+          mu[r] = m_run[r] == -INFINITY ? 0.f : m_run[r];  // nothing visible yet: p = 0
+        }
+#pragma unroll
+        for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float pv = kPath > 0 ? ex2(sacc[ni][e] - mu[e >> 1])
+                                       : ex2(fmaf(sacc[ni][e], score.scale_log2(), -mu[e >> 1]));
+            sacc[ni][e] = pv;
+            l_run[e >> 1] += pv;
+          }
+      };
+      run_path(full && score.scale_log2() > 0.f, score.capped(), tile);
+      rescale = __any_sync(0xffffffffu, moved);  // warp-uniform
+    };
+    // O *= alpha_run where a maximum moved; only while no wgmma writing O is in flight.
+    auto rescale_o = [&] {
+      if (!rescale) return;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+#pragma unroll
+        for (int d8 = 0; d8 < D / 8; ++d8) {
+          o[d8][2 * r] *= alpha_run[r];
+          o[d8][2 * r + 1] *= alpha_run[r];
+        }
+        alpha_run[r] = 1.f;
+      }
+    };
+    // P as wgmma A fragments: keys [16 kk, 16 kk + 16) are the accumulator's 8-column blocks
+    // 2 kk and 2 kk + 1, already in the m16n8k16 A layout (as acc_to_a in the sm80 kernel).
+    auto to_p = [&] {
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        pa[kk][0] = pack2<T>(sacc[2 * kk][0], sacc[2 * kk][1]);
+        pa[kk][1] = pack2<T>(sacc[2 * kk][2], sacc[2 * kk][3]);
+        pa[kk][2] = pack2<T>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
+        pa[kk][3] = pack2<T>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
+      }
+    };
+
+    // Ping-pong (kSchedule 2): the two consumer warpgroups take turns at issuing their wgmmas,
+    // each waiting at its own named barrier (ids 1, 2: 128 threads waiting + 128 arriving) until
+    // the other has issued, so that one's softmax runs while the other's products do. Warpgroup
+    // 0 goes first; every turn taken is handed over, except warpgroup 1's last, which nobody
+    // would wait for (both warpgroups take n_tiles + 1 turns).
+    constexpr bool kPingPong = kSchedule == 2;
+    auto take_turn = [&] {
+      if constexpr (kPingPong) named_bar_sync<256>(1 + cw);
+    };
+    auto hand_over = [&](bool last) {
+      if constexpr (kPingPong)
+        if (!(last && cw == 1)) named_bar_arrive<256>(2 - cw);
+    };
+
+    if (n_tiles > 0) mbar_wait(bar_q, 0);
+    if constexpr (kSchedule == 0) {
+      // Serial: each tile's two products and its softmax one after another (the other
+      // consumer warpgroup's work fills the tensor cores meanwhile).
+      for (int i = 0; i < n_tiles; ++i) {
+        issue_qk(i);
+        wgmma_wait<0>();
+        reg_fence(sacc);
+        release(bar_kempty(i % S));
+        softmax(i);
+        rescale_o();
+        to_p();
+        issue_pv(i);
+        wgmma_wait<0>();
+        reg_fence(o);
+        release(bar_vempty(i % S));
+      }
+    } else if (n_tiles > 0) {
+      // Overlapped (FlashAttention-3's intra-warpgroup pipelining): S of tile i + 1 and
+      // P_i V_i are issued together, and the softmax of tile i + 1 runs while P_i V_i is still
+      // on the tensor cores. The groups complete in order, so wait_group 1 means S_{i+1} is
+      // done; O (being written) and pa (being read) are touched only after wait_group 0.
+      if (kPingPong && cw == 1) named_bar_arrive<256>(1);  // warpgroup 0's first turn
+      take_turn();
+      issue_qk(0);
+      hand_over(false);
+      wgmma_wait<0>();
+      reg_fence(sacc);
+      release(bar_kempty(0));
+      softmax(0);
+      rescale_o();
+      to_p();
+      // The last tile is peeled off so that every wait_group sits on straight-line code:
+      // ptxas checks (path-insensitively) that no accumulator of an unfinished wgmma is read,
+      // and a conditional S_{i+1} made it serialise every wgmma (C7514).
+      for (int i = 0; i + 1 < n_tiles; ++i) {
+        take_turn();
+        issue_qk(i + 1);
+        issue_pv(i);
+        hand_over(false);
+        wgmma_wait<1>();
+        reg_fence(sacc);
+        release(bar_kempty((i + 1) % S));
+        softmax(i + 1);
+        wgmma_wait<0>();
+        reg_fence(o);
+        release(bar_vempty(i % S));
+        rescale_o();
+        to_p();
+      }
+      take_turn();
+      issue_pv(n_tiles - 1);
+      hand_over(true);
+      wgmma_wait<0>();
+      reg_fence(o);
+      release(bar_vempty((n_tiles - 1) % S));
+    }
+
+    // ---- epilogue: normalise, lse (natural log), store rows < lq ----
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float l = quad_sum(l_run[r]);
+      inv[r] = l > 0.f ? 1.f / l : 0.f;
+      const int i = i0 + r * 8;
+      if (tq == 0 && i < sq.lq)
+        p.lse[static_cast<int64_t>(h) * p.total_q + sq.q_start + i] =
+            l > 0.f ? (m_run[r] + __log2f(l)) * kLn2 : -INFINITY;
+    }
+    T* O = static_cast<T*>(p.out) + sq.q_start * p.o_row + static_cast<int64_t>(h) * D;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int i = i0 + r * 8;
+      if (i >= sq.lq) continue;
+      T* dst = O + static_cast<int64_t>(i) * p.o_row + 2 * tq;
+#pragma unroll
+      for (int d8 = 0; d8 < D / 8; ++d8)
+        *reinterpret_cast<uint32_t*>(dst + d8 * 8) =
+            pack2<T>(o[d8][2 * r] * inv[r], o[d8][2 * r + 1] * inv[r]);
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built for an architecture without wgmma: the host never launches this
+#endif
+}
+
+}  // namespace attn
+}  // namespace fusedops

@@ -1,0 +1,16 @@
+// The Hopper (sm_90a) attention forward, instantiated for fp16/bf16 x head dim 64/128. The
+// kernel body exists only in the sm_90a build (setup.py also compiles this file for sm_80, where
+// it traps; attention_api.cpp launches it only on compute capability 9.0). The backward of the
+// sm90 family is the sm80 one (same AttnParams, same lse layout).
+#include "../static_switch.h"
+#include "attention_launch_sm90.cuh"
+
+namespace fusedops {
+
+cudaError_t attention_fwd_sm90(AttnParams& p) {
+  return FP16_BF16_SWITCH(p.is_bf16, [&] {
+    return HEADDIM_SWITCH(p.head_dim, [&] { return attn::run_fwd_sm90<elem_t, kD>(p); });
+  });
+}
+
+}  // namespace fusedops

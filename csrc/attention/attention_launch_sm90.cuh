@@ -1,0 +1,102 @@
+// Host-side launch of the Hopper attention forward: the TMA tensor maps (made once per call
+// through the driver entry point that the CUDA runtime hands out, so nothing links against
+// libcuda), the grid and the launch (tile sizes and shared memory: attention_config_sm90.h).
+#pragma once
+
+#include <cuda.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "attention_config_sm90.h"
+#include "attention_fwd_kernel_sm90.cuh"
+
+namespace fusedops {
+namespace attn {
+
+// cuTensorMapEncodeTiled from the driver (the ABI of CUDA 12.0, which later drivers keep), or
+// null when the driver does not have it.
+inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      ptr = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// A tensor map over a packed (rows, heads, D) tensor of 2-byte elements, rows `row_stride`
+// elements apart and heads D apart, read in boxes of 64 (head dim) x 1 (head) x box_rows (rows),
+// 128-byte swizzle (the layout the kernel's wgmma descriptors assume); out-of-range rows read
+// as zeros. False when the driver refuses it.
+inline bool make_tensor_map(CUtensorMap* map, const void* ptr, bool bf16, int head_dim,
+                            int heads, int rows, int64_t row_stride, int box_rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[3] = {static_cast<cuuint64_t>(head_dim), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_dim) * 2,  // bytes, dims 1 and 2
+                                 static_cast<cuuint64_t>(row_stride) * 2};
+  const cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(box_rows)};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult res = encode(
+      map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 3,
+      const_cast<void*>(ptr), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return res == CUDA_SUCCESS;
+}
+
+// The consumers' schedule (attention_fwd_kernel_sm90.cuh), from FUSEDOPS_ATTN_SM90_SCHEDULE:
+// "serial" 0 (no overlap; kept to tell a pipelining fault from a layout fault), "overlap" 1
+// (the default: intra-warpgroup overlap), "pingpong" 2 (overlap, and the two consumer
+// warpgroups alternate at the tensor cores). Read at every call (a getenv), so that a test can
+// switch it.
+inline int sm90_schedule() {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_SCHEDULE");
+  if (s == nullptr) return 1;
+  if (std::strcmp(s, "serial") == 0) return 0;
+  if (std::strcmp(s, "pingpong") == 0) return 2;
+  return 1;
+}
+
+template <typename T, int D>
+cudaError_t run_fwd_sm90(const AttnParams& p) {
+  using C = TilesSm90<D>;
+  static_assert(sizeof(T) == C::kElem);
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  const dim3 grid((p.max_q + C::kBlockM - 1) / C::kBlockM, p.hq, p.batch);
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
+  CUtensorMap tm_q, tm_k, tm_v;
+  // With no keys at all (total_k == 0) no CTA reads K or V; the maps then describe one row of q
+  // so that they stay valid.
+  const bool no_keys = p.total_k == 0;
+  if (!make_tensor_map(&tm_q, p.q, kBf16, D, p.hq, p.total_q, p.q_row, C::kBlockM) ||
+      !make_tensor_map(&tm_k, no_keys ? p.q : p.k, kBf16, D, no_keys ? p.hq : p.hkv,
+                       no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.k_row, C::kBlockN) ||
+      !make_tensor_map(&tm_v, no_keys ? p.q : p.v, kBf16, D, no_keys ? p.hq : p.hkv,
+                       no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.v_row, C::kBlockN))
+    return cudaErrorInvalidValue;  // the driver refused a tensor map (attention_api.cpp says)
+  auto kernel = fwd_kernel_sm90<T, D, 1>;
+  switch (sm90_schedule()) {
+    case 0: kernel = fwd_kernel_sm90<T, D, 0>; break;
+    case 2: kernel = fwd_kernel_sm90<T, D, 2>; break;
+    default: break;
+  }
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(C::kSmem));
+  if (err != cudaSuccess) return err;
+  kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v);
+  return cudaGetLastError();
+}
+
+}  // namespace attn
+}  // namespace fusedops
