@@ -62,6 +62,12 @@ def flex():
     return fn
 
 
+def fa4():
+    """FlashAttention-4 (flash-attn-4, CuTe DSL; its sm_90 kernels on Hopper), (B, S, H, D)."""
+    from flash_attn.cute import flash_attn_func
+    return lambda q, k, v, causal: flash_attn_func(q, k, v, causal=causal)[0]
+
+
 def fused(backend):
     from fusedops.attention import attention
     return lambda q, k, v, causal: attention(q, k, v, causal=causal, backend=backend)
@@ -83,9 +89,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="1024,4096,16384")
     ap.add_argument("--dims", default="64,128")
-    ap.add_argument("--methods", default="cuda-sm80,cuda-sm80-deterministic,triton,"
-                                          "triton-atomic-dq,torch,sdpa_flash,sdpa_cudnn,"
-                                          "sdpa_efficient,flex")
+    ap.add_argument("--methods", default="cuda-sm90,cuda-sm90-deterministic,cuda-sm80,triton,"
+                                          "torch,sdpa_flash,sdpa_cudnn,sdpa_efficient,flex,fa4")
     ap.add_argument("--flex-lengths", default="4096", help="FlexAttention compiles per shape")
     ap.add_argument("--torch-max-length", type=int, default=1024)
     ap.add_argument("--rep-ms", type=int, default=100)
@@ -93,13 +98,20 @@ def main():
     args = ap.parse_args()
     meta = run_meta()
     path = results_path("attention", args.out)
-    makers = {"cuda-sm80": lambda: fused("cuda-sm80"),
+    makers = {"cuda-sm90": lambda: fused("cuda-sm90"),
+              "cuda-sm90-deterministic": lambda: fused("cuda-sm90"),
+              "cuda-sm80": lambda: fused("cuda-sm80"),
               "cuda-sm80-deterministic": lambda: fused("cuda-sm80"),
               "triton": lambda: fused("triton"), "torch": lambda: fused("torch"),
               "triton-atomic-dq": lambda: fused("triton"),
               "sdpa_flash": lambda: sdpa("sdpa_flash"), "sdpa_cudnn": lambda: sdpa("sdpa_cudnn"),
-              "sdpa_efficient": lambda: sdpa("sdpa_efficient"), "flex": flex}
-    fns = {m: makers[m]() for m in args.methods.split(",")}
+              "sdpa_efficient": lambda: sdpa("sdpa_efficient"), "flex": flex, "fa4": fa4}
+    fns = {}
+    for m in args.methods.split(","):
+        try:
+            fns[m] = makers[m]()
+        except ImportError as exc:  # an anchor library that is not installed here
+            print(f"{m}: skipped ({exc})", file=sys.stderr)
     rows = []
     for d in map(int, args.dims.split(",")):
         for length in map(int, args.lengths.split(",")):
@@ -122,7 +134,8 @@ def main():
                     elif name.endswith("-deterministic"):
                         os.environ["FUSEDOPS_ATTN_DQ"] = "separate"
                     backend = name.split("-atomic")[0].split("-determ")[0]
-                    dq = dq_mode(backend, d) if backend in ("cuda-sm80", "triton") else None
+                    dq = (dq_mode(backend, d) if backend in ("cuda-sm90", "cuda-sm80", "triton")
+                          else None)
                     try:
                         fwd, tot, peak = measure(fn, q, k, v, do, causal, args.rep_ms)
                     except Exception as exc:

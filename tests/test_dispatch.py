@@ -45,8 +45,19 @@ def test_dtype_reason_names_what_the_backend_takes():
     assert "float64" in dispatch.why_not("triton", _sig("attention", torch.float64))
 
 
-def test_unbuilt_backend_says_so_whatever_the_input():
-    assert "no Hopper" in dispatch.why_not("cuda-sm90", _sig("attention", device="cpu"))
+def test_unbuilt_backend_says_so_whatever_the_input(monkeypatch):
+    """A declared backend without kernels yet is refused with its own reason; auto skips it."""
+    table = dispatch.OpBackends("toy", "size", (
+        dispatch.Backend("cuda-sm90", "cuda", (torch.bfloat16,), "not yet", arch=90,
+                         unbuilt="no toy kernel for Hopper yet"),
+        dispatch.Backend("torch", "torch", (torch.bfloat16,), "reference")),
+        lambda sig, forced: ["cuda-sm90", "torch"])
+    monkeypatch.setitem(dispatch._OPS, "toy", table)
+    assert dispatch.why_not("cuda-sm90", _sig("toy")) == "no toy kernel for Hopper yet"
+    assert dispatch.why_not("cuda-sm80", _sig("toy")) == "toy has no cuda-sm80 backend"
+    assert dispatch.select_name("toy", "cpu", -1, "bfloat16", 8, None) == "torch"
+    with pytest.raises(RuntimeError, match="no toy kernel for Hopper yet"):
+        dispatch.select_name("toy", "cpu", -1, "bfloat16", 8, "cuda-sm90")
 
 
 @pytest.mark.parametrize("op", ["linear_ce", "attention"])

@@ -47,7 +47,7 @@ def _params():
             if INTERPRET and HAS_TRITON and not HAS_GPU:
                 out.append(pytest.param("triton", "cpu", torch.float32, lead, f,
                                         id=f"triton-cpu-{'x'.join(map(str, lead))}-{f}"))
-    for backend in ("cuda-sm80", "triton", "torch"):
+    for backend in ("cuda-sm90", "cuda-sm80", "triton", "torch"):
         for dtype in (torch.bfloat16, torch.float16):
             for lead in GPU_SHAPES:
                 if backend.startswith("cuda") and lead[-1] not in CUDA_DIMS:
@@ -72,7 +72,8 @@ def test_parity(backend, device, dtype, shape, feature):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_EXT)])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_EXT),
+                                     pytest.param("cuda-sm90", marks=NEEDS_EXT)])
 @pytest.mark.parametrize("feature", ["plain", "causal_window", "varlen_everything"])
 def test_deterministic_backward_is_bitwise_repeatable(feature, backend):
     """Under torch.use_deterministic_algorithms(True) dQ comes from the separate pass (no
@@ -97,13 +98,14 @@ def _other_dq_mode_params():
     for feature in ("plain", "causal", "causal_window", "varlen_everything", "softcap"):
         out.append(pytest.param("triton", "atomic", torch.bfloat16, (2, 1025, 1025, 8, 2, 128),
                                 feature, id=f"triton-atomic-bfloat16-D128-{feature}"))
-        for dtype in (torch.bfloat16, torch.float16):
-            for shape in ((2, 1025, 1025, 8, 2, 128), (2, 97, 211, 4, 2, 64),
-                          (2, 211, 97, 4, 1, 64)):
-                out.append(pytest.param(
-                    "cuda-sm80", "separate", dtype, shape, feature, marks=NEEDS_EXT,
-                    id=f"cuda-sm80-separate-{str(dtype)[6:]}-{'x'.join(map(str, shape))}-"
-                       f"{feature}"))
+        for cuda in ("cuda-sm80", "cuda-sm90"):
+            for dtype in (torch.bfloat16, torch.float16):
+                for shape in ((2, 1025, 1025, 8, 2, 128), (2, 97, 211, 4, 2, 64),
+                              (2, 211, 97, 4, 1, 64)):
+                    out.append(pytest.param(
+                        cuda, "separate", dtype, shape, feature, marks=NEEDS_EXT,
+                        id=f"{cuda}-separate-{str(dtype)[6:]}-{'x'.join(map(str, shape))}-"
+                           f"{feature}"))
     return out
 
 
@@ -280,7 +282,8 @@ def test_dense_seqlens_kept_from_inference_mode_work_with_autograd():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_EXT)])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_EXT),
+                                     pytest.param("cuda-sm90", marks=NEEDS_EXT)])
 def test_compile_gpu(backend):
     def f(q, k, v):
         return attention(q, k, v, causal=True, backend=backend).float().square().sum()
@@ -366,14 +369,13 @@ def test_select_is_kept_per_inputs_and_override_variables(monkeypatch):
 
 
 @pytest.mark.parametrize("cap,forced,head_dim,causal,first", [
-    ((9, 0), False, 64, False, "triton"), ((9, 0), False, 64, True, "cuda-sm90"),
+    ((9, 0), False, 64, False, "cuda-sm90"), ((9, 0), False, 64, True, "cuda-sm90"),
     ((9, 0), False, 128, False, "cuda-sm90"), ((9, 0), False, 96, True, "triton"),
     ((9, 0), True, 64, False, "cuda-sm80"), ((8, 0), False, 64, False, "cuda-sm90")])
 def test_auto_dispatch_order_for_attention(cap, forced, head_dim, causal, first, monkeypatch):
-    """On Hopper, auto tries Triton before the Ampere CUDA kernels except at head dim 128 and at
-    head dim 64 with a causal mask (where those are faster there), unless the Ampere path is
-    forced; elsewhere the CUDA backends come first. (cuda-sm90 is listed first and refused by
-    support(): no Hopper attention kernel.)"""
+    """On Hopper, auto tries the sm90 kernels first at head dims 64 and 128 and Triton first at
+    the others (no CUDA kernels there), unless the Ampere path is forced; elsewhere the CUDA
+    backends come first (cuda-sm90 is then refused for the capability)."""
     monkeypatch.setattr(dispatch, "capability", lambda sig: cap)
     if forced:
         monkeypatch.setenv("FUSEDOPS_CUDA_ARCH", "sm80")

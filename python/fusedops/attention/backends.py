@@ -26,9 +26,9 @@ def _triton_limits(sig: InputSig) -> str | None:
 
 BACKENDS = (
     Backend("cuda-sm90", "cuda", _HALF, arch=90, cc_range=((9, 0), (9, 0)),
-            limits=_cuda_limits, summary="Hopper kernels (wgmma, TMA)",
-            unbuilt="no Hopper (wgmma/TMA) attention kernel yet (cuda-sm80 runs on Hopper "
-                    "GPUs)"),
+            limits=_cuda_limits,
+            summary="Hopper forward (wgmma + TMA, a producer warpgroup and two consumer "
+                    "warpgroups), head dims 64 and 128; the backward is cuda-sm80's"),
     Backend("cuda-sm80", "cuda", _HALF, arch=80, cc_range=((8, 0), (9, 0)),
             limits=_cuda_limits,
             summary="mma.sync + cp.async kernels, head dims 64 and 128; dQ by float32 atomics "
@@ -46,13 +46,17 @@ def order(sig: InputSig, forced_sm80: bool) -> list[str]:
     cuda = ["cuda-sm80"] if forced_sm80 else ["cuda-sm90", "cuda-sm80"]
     if sig.device_type != "cuda":
         return cuda + ["torch"]
-    if (not forced_sm80 and dispatch.capability(sig) >= (9, 0)
-            and not (sig.inner_dim == 128 or (sig.inner_dim == 64 and sig.causal))):
-        # On the H200 a forward + backward step of the sm80 kernels is faster than Triton's at
-        # D=128 (5-6%) and at D=64 causal (4%), 7% slower at D=64 non-causal (L=4096, rows
-        # with runs 753fb837 and d21bd3e1 in benchmarks/results/attention.jsonl), and they
-        # have no other head dims: Triton first in those other cases only.
+    hopper = dispatch.capability(sig) >= (9, 0)
+    if hopper and sig.inner_dim in CUDA_HEAD_DIMS and not forced_sm80:
+        # The sm90 forward is 1.2-1.9x the sm80 one at D=64 and D=128 from L=4096 (equal at
+        # D=64 causal L=1024) and the backward is the same kernel, so a step is faster than
+        # cuda-sm80's everywhere, and than Triton's (forward 410 against 324 TFLOP/s at D=64
+        # L=4096, where Triton's backward is 2% ahead): rows of runs 161853ac and 753fb837 in
+        # benchmarks/results/attention.jsonl.
+        return cuda + ["triton", "torch"]
+    if hopper and not forced_sm80:  # other head dims: no CUDA kernels
         return ["triton"] + cuda + ["torch"]
+    # Ampere, or FUSEDOPS_CUDA_ARCH=sm80 (the sm80 kernels asked for by name).
     return cuda + ["triton", "torch"]
 
 
