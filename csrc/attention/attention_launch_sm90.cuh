@@ -1,6 +1,6 @@
 // Host-side launch of the Hopper attention forward: the TMA tensor maps (made once per call
 // through the driver entry point that the CUDA runtime hands out, so nothing links against
-// libcuda), the schedule and epilogue switches, the grid and the launch (tile sizes and shared
+// libcuda), the schedule and epilogue choices, the grid and the launch (tile sizes and shared
 // memory: attention_config_sm90.h).
 #pragma once
 
@@ -56,17 +56,20 @@ inline bool make_tensor_map(CUtensorMap* map, const void* ptr, bool bf16, int he
   return res == CUDA_SUCCESS;
 }
 
-// The consumers' schedule (attention_fwd_kernel_sm90.cuh), from FUSEDOPS_ATTN_SM90_SCHEDULE:
-// "serial" 0 (no overlap; kept to tell a pipelining fault from a layout fault), "overlap" 1
-// (the default: intra-warpgroup overlap), "pingpong" 2 (overlap, and the two consumer
-// warpgroups alternate at the tensor cores). Read at every call (a getenv), so that a test can
-// switch it.
-inline int sm90_schedule() {
+// The consumers' schedule: sm90_auto_schedule (attention_config_sm90.h, from measurements)
+// unless FUSEDOPS_ATTN_SM90_SCHEDULE names one, for measurement and debugging: "serial" 0 (no
+// overlap; tells a pipelining fault from a layout fault), "overlap" 1 (intra-warpgroup
+// overlap), "pingpong" 2 (overlap, and the two consumer warpgroups alternate at the tensor
+// cores); anything else, "auto" included, is the table's choice. Read at every call (a getenv),
+// so that a test can switch it.
+inline int sm90_schedule(const AttnParams& p) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_SCHEDULE");
-  if (s == nullptr) return 1;
-  if (std::strcmp(s, "serial") == 0) return 0;
-  if (std::strcmp(s, "pingpong") == 0) return 2;
-  return 1;
+  if (s != nullptr) {
+    if (std::strcmp(s, "serial") == 0) return 0;
+    if (std::strcmp(s, "overlap") == 0) return 1;
+    if (std::strcmp(s, "pingpong") == 0) return 2;
+  }
+  return sm90_auto_schedule(p.head_dim, /*causal=*/p.right == 0, p.max_k);
 }
 
 // The epilogue: a TMA store of O through shared memory (the default), or with
@@ -97,7 +100,7 @@ cudaError_t run_fwd_sm90(const AttnParams& p) {
       !make_tensor_map(&tm_o, p.out, kBf16, D, p.hq, p.total_q, p.o_row, 64))
     return cudaErrorInvalidValue;  // the driver refused a tensor map (attention_api.cpp says)
   auto kernel = fwd_kernel_sm90<T, D, 1>;
-  switch (sm90_schedule()) {
+  switch (sm90_schedule(p)) {
     case 0: kernel = fwd_kernel_sm90<T, D, 0>; break;
     case 2: kernel = fwd_kernel_sm90<T, D, 2>; break;
     default: break;
