@@ -3,20 +3,24 @@
     FUSEDOPS_GIT=<sha> SKIP_TESTS=1 BENCH=check_attention_sm90.py BENCH_TIMEOUT=420 \
         bash benchmarks/gpu_run.sh                  # build, then parity, backward, timing
     python3 benchmarks/check_attention_sm90.py --sanitize-run      # compute-sanitizer x 3 tools
-    (options: --schedules serial, --dims 64, --dtypes bfloat16, --no-timing, --no-backward)
+    (options: --schedules serial,ovl-regs, --dims 64, --dtypes bfloat16, --no-timing,
+    --no-backward)
 
-The sm90 forward is not reachable through dispatch yet (backends.py refuses cuda-sm90), so it is
-called as torch.ops.fusedops.attention_fwd_cuda(..., 90). Rule (docs/CONVENTIONS): against the
-float64 reference, the sm90 error must be at most 2x the sm80 kernel's error + 1e-3, for out and
-for lse (finite entries; -inf exactly where the reference has -inf); no NaN anywhere. Outputs
-are poisoned first (a NaN-filled block of the same size is freed just before the call, so that
-the caching allocator hands it to the kernel): an unwritten row shows as NaN. The backward
-(arch 90 = the sm80 backward) is checked from the sm90 forward's out/lse against the sm80
-forward's, both against float64 gradients (slack 1e-3 x the largest reference gradient).
+Dispatch runs cuda-sm90 on compute capability 9.0; here the kernel is called directly as
+torch.ops.fusedops.attention_fwd_cuda(..., 90), once per variant (VARIANTS below: the schedule and
+epilogue overrides FUSEDOPS_ATTN_SM90_SCHEDULE / FUSEDOPS_ATTN_SM90_EPILOGUE, for measurement only;
+unset, the launcher picks from its measured table). Rule (docs/CONVENTIONS): against the float64
+reference, the sm90 error must be at most 2x the sm80 kernel's error + 1e-3, for out and for lse
+(finite entries; -inf exactly where the reference has -inf); no NaN anywhere. Outputs are poisoned
+first (a NaN-filled block of the same size is freed just before the call, so that the caching
+allocator hands it to the kernel): an unwritten row shows as NaN. The backward (arch 90 = the sm80
+backward) is checked from the sm90 forward's out/lse against the sm80 forward's, both against
+float64 gradients (slack 1e-3 x the largest reference gradient).
 
-One PASS/FAIL line per group, then a summary; then TFLOP/s of sm90 vs sm80, SDPA flash and cuDNN
-(bf16, B*L = 16384, H*D = 2048), rows appended to <out>/attention.jsonl (method cuda-sm90-fwd
-etc.). Exit status 1 when any parity group fails.
+One PASS/FAIL line per variant and group, then a summary; then TFLOP/s of every sm90 variant side by
+side with sm80, SDPA flash and cuDNN (bf16, B*L = 16384, H*D = 2048), rows appended to
+<out>/attention.jsonl (method cuda-sm90-fwd = auto, cuda-sm90-<variant>-fwd). Exit status 1 when any
+parity group fails.
 """
 
 from __future__ import annotations
@@ -35,8 +39,39 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 NAN = float("nan")
-# FUSEDOPS_ATTN_SM90_SCHEDULE values (attention_launch_sm90.cuh); the first is the default.
-SCHEDULES = ("overlap", "serial", "pingpong")
+# The sm90 forward's variants, as the environment overrides that select them
+# (attention_launch_sm90.cuh): FUSEDOPS_ATTN_SM90_SCHEDULE (serial / overlap / pingpong; unset:
+# the measured table sm90_auto_schedule of attention_config_sm90.h) and
+# FUSEDOPS_ATTN_SM90_EPILOGUE (regs: O stored from registers; unset: TMA store). "auto" is what
+# dispatch runs; parity checks the explicit ones (auto picks one of them).
+VARIANTS = {
+    "auto": {},
+    "overlap": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap"},
+    "serial": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "serial"},
+    "pingpong": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "pingpong"},
+    "ovl-regs": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap", "FUSEDOPS_ATTN_SM90_EPILOGUE": "regs"},
+}
+SCHEDULES = ("overlap", "serial", "pingpong", "ovl-regs")  # checked for parity, in this order
+
+
+class variant_env:
+    """Sets a variant's environment overrides for the duration of a with block."""
+
+    def __init__(self, name):
+        self.env = VARIANTS[name]
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in VARIANTS["ovl-regs"]}
+        for k in self.saved:
+            os.environ.pop(k, None)
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class Watchdog:
@@ -186,10 +221,10 @@ def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
                 for sched in schedules:
                     key = (f"{tag} {sched}", group)
                     results.setdefault(key, [])
-                    os.environ["FUSEDOPS_ATTN_SM90_SCHEDULE"] = sched
                     WATCHDOG.arm(f"{tag} {sched} {group} {name}")
                     try:
-                        o90, l90 = fwd(q, k, v, *args, 90)
+                        with variant_env(sched):
+                            o90, l90 = fwd(q, k, v, *args, 90)
                         torch.cuda.synchronize()
                     except Exception as exc:  # noqa: BLE001 - reported as a failure
                         results[key].append(f"{name}: raised {type(exc).__name__}: "
@@ -199,7 +234,6 @@ def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
                         continue
                     finally:
                         WATCHDOG.disarm()
-                        os.environ.pop("FUSEDOPS_ATTN_SM90_SCHEDULE", None)
                     outs[sched] = (o90, l90)
                     fails = []
                     if torch.isnan(o90).any() or torch.isnan(l90).any():
@@ -278,21 +312,18 @@ def time_config(d, length, causal, rep_ms):
                 return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
         return fn
 
-    def scheduled(sched):
+    def variant(name):
         fn = ours(90)
 
         def run():
-            os.environ["FUSEDOPS_ATTN_SM90_SCHEDULE"] = sched
-            try:
+            with variant_env(name):
                 return fn()
-            finally:
-                os.environ.pop("FUSEDOPS_ATTN_SM90_SCHEDULE", None)
         return run
 
-    fns = {"cuda-sm90-fwd": ours(90), "cuda-sm90-serial-fwd": scheduled("serial"),
-           "cuda-sm90-pingpong-fwd": scheduled("pingpong"), "cuda-sm80-fwd": ours(80),
-           "sdpa_flash-fwd": sdpa(SDPBackend.FLASH_ATTENTION),
-           "sdpa_cudnn-fwd": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    fns = {"cuda-sm90-fwd": variant("auto")}
+    fns.update({f"cuda-sm90-{n}-fwd": variant(n) for n in VARIANTS if n != "auto"})
+    fns.update({"cuda-sm80-fwd": ours(80), "sdpa_flash-fwd": sdpa(SDPBackend.FLASH_ATTENTION),
+                "sdpa_cudnn-fwd": sdpa(SDPBackend.CUDNN_ATTENTION)})
     times = {}
     for name, fn in fns.items():
         try:
@@ -309,11 +340,15 @@ def timing(out_dir, rep_ms):
     meta = run_meta()
     print(f"\ntiming (bf16, TFLOP/s, median of do_bench): {meta['gpu']}, git {meta['git']}, "
           f"run {meta['run']}")
-    names = ("cuda-sm90-fwd", "cuda-sm80-fwd", "sdpa_flash-fwd", "sdpa_cudnn-fwd",
-             "cuda-sm90-serial-fwd", "cuda-sm90-pingpong-fwd")
-    print("sm90 = the default schedule (overlap); serial and pingpong: the other schedules")
-    print(f"{'D':>4} {'L':>6} {'causal':>6} {'sm90':>7} {'sm80':>7} {'flash':>7} {'cudnn':>7}"
-          f" {'serial':>7} {'pingpong':>8} {'sm90/sm80':>9}")
+    cols = [("auto", "cuda-sm90-fwd")] + [(n, f"cuda-sm90-{n}-fwd") for n in VARIANTS
+                                           if n != "auto"]
+    cols += [("sm80", "cuda-sm80-fwd"), ("flash", "sdpa_flash-fwd"), ("cudnn", "sdpa_cudnn-fwd")]
+    names = [m for _, m in cols]
+    print("auto = the measured table (what dispatch runs); overlap/serial/pingpong: forced "
+          "schedules with the TMA-store epilogue; ovl-regs: overlap with register stores of O; "
+          "vs best = auto / max(flash, cudnn)")
+    print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{c:>8}" for c, _ in cols) +
+          f" {'vs best':>7}")
     for d in (64, 128):
         for length in (1024, 4096, 16384):
             for causal in (False, True):
@@ -328,18 +363,18 @@ def timing(out_dir, rep_ms):
                                causal=causal, dtype="bfloat16", fwd_ms=round(times[n], 4),
                                fwd_tflops=round(tf[n], 1), **meta)
                     append_rows("attention", [row], out_dir)
+                best = max(tf["sdpa_flash-fwd"], tf["sdpa_cudnn-fwd"])
                 print(f"{d:>4} {length:>6} {str(causal):>6} " +
-                      " ".join(f"{tf[n]:>7.1f}" for n in names[:-1]) +
-                      f" {tf[names[-1]]:>8.1f}" +
-                      f" {tf[names[0]] / tf[names[1]]:>9.2f}")
+                      " ".join(f"{tf[n]:>8.1f}" for n in names) +
+                      f" {tf['cuda-sm90-fwd'] / best:>7.2f}", flush=True)
                 torch.cuda.empty_cache()
 
 
 def sanitize_cases():
-    """Tiny runs of each instantiation (bf16/fp16 x D 64/128 x both schedules): dense with a
-    tail tile, varlen with an empty-key sequence, causal + window + softcap, and enough key
-    tiles (5) to wrap the 3-stage pipeline; forward by arch 90, then the backward from its
-    out/lse."""
+    """Tiny runs of each instantiation (bf16/fp16 x D 64/128 x every schedule, both
+    epilogues): dense with a tail tile, varlen with an empty-key sequence, causal + window +
+    softcap, and enough key tiles (5) to wrap the 3-stage pipeline; forward by arch 90, then the
+    backward from its out/lse."""
     for dt in (torch.bfloat16, torch.float16):
         for d in (64, 128):
             for ql, kl, hq, hkv, causal, left, right, cap in (
@@ -349,9 +384,8 @@ def sanitize_cases():
                 q, k, v, cu_q, cu_k = make_case(ql, kl, hq, hkv, d, dt, seed=3)
                 args = (cu_q, cu_k, max(ql), max(kl), d ** -0.5, causal, left, right, cap)
                 for sched in SCHEDULES:
-                    os.environ["FUSEDOPS_ATTN_SM90_SCHEDULE"] = sched
-                    o, lse = torch.ops.fusedops.attention_fwd_cuda(q, k, v, *args, 90)
-                os.environ.pop("FUSEDOPS_ATTN_SM90_SCHEDULE", None)
+                    with variant_env(sched):
+                        o, lse = torch.ops.fusedops.attention_fwd_cuda(q, k, v, *args, 90)
                 do = torch.randn_like(q)
                 bwd(q, k, v, o, lse, do, *args, 90)
     torch.cuda.synchronize()
@@ -397,7 +431,8 @@ def main():
     ap.add_argument("--dims", default="64,128")
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--schedules", default=",".join(SCHEDULES),
-                    help="FUSEDOPS_ATTN_SM90_SCHEDULE values to check (overlap, serial, pingpong)")
+                    help="sm90 variants to check (VARIANTS: overlap, serial, pingpong, ovl-regs, "
+                    "auto)")
     ap.add_argument("--sanitize", action="store_true", help="only the tiny sanitizer cases")
     ap.add_argument("--sanitize-run", action="store_true",
                     help="run --sanitize under compute-sanitizer memcheck, racecheck, synccheck")

@@ -1,5 +1,5 @@
 // PTX wrappers for the Hopper (sm_90a) tensor-core path: mbarrier transactions, TMA tile loads
-// (cp.async.bulk.tensor), wgmma with shared-memory descriptors (128-byte swizzle) and its
+// and stores (cp.async.bulk.tensor), wgmma with shared-memory descriptors (128-byte swizzle) and its
 // fence / commit / wait, and setmaxnreg. Raw PTX rather than CuTe atoms, so that the extension
 // keeps no build dependency beyond torch; every layout assumption is written out below.
 //
@@ -62,6 +62,33 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const void* tmap, uint
 }
 __device__ __forceinline__ void tma_prefetch_desc(const void* tmap) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)) : "memory");
+}
+
+// A 3-D tile from shared memory at `src` (the same 128-byte-swizzled layout the loads write)
+// to the tensor map's tile at the given coordinates; rows past the tensor's end are not written.
+// Completion is tracked per thread by bulk groups: commit, then wait (".read": until the shared
+// memory has been read, after which it may be reused or the CTA may exit).
+__device__ __forceinline__ void tma_store_3d(const void* tmap, uint32_t src, int c0, int c1,
+                                             int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+      ::"l"(reinterpret_cast<uint64_t>(tmap)), "r"(src), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Orders this thread's generic-proxy shared-memory writes before later async-proxy accesses
+// (a TMA store reading them), once the writers have also synchronised with the issuing thread.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
 
 // ---- named barriers (ids 1..15; 0 is __syncthreads) ----------------------------------------

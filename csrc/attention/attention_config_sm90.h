@@ -49,5 +49,20 @@ struct TilesSm90 {
   static_assert(kSmem <= 227 * 1024, "exceeds Hopper's shared memory per block");
 };
 
+// The consumers' schedule (attention_fwd_kernel_sm90.cuh's kSchedule: 0 serial, 1 overlap,
+// 2 ping-pong) for a call, from the first H200 timing (git 2a112fd, 2026-12-01, bf16,
+// B*L = 16384, H*D = 2048, TFLOP/s overlap / pingpong):
+//   D=64: ping-pong wins or ties everywhere -- L=1024 335/342, causal 217/230; 4096 410/415,
+//     causal 352/356; 16384 433/434, causal 412/422.
+//   D=128 non-causal: overlap -- 1024 473/471, 4096 632/586, 16384 617/614.
+//   D=128 causal: ping-pong up to L=2048 (1024: 320/336), overlap beyond (4096: 495/462;
+//     16384 601/607 is within the run's spread, and 4096 is not).
+// FUSEDOPS_ATTN_SM90_SCHEDULE overrides it, for measurement (attention_launch_sm90.cuh).
+constexpr int sm90_auto_schedule(int head_dim, bool causal, int max_k) {
+  if (head_dim == 64) return 2;
+  if (!causal) return 1;
+  return max_k <= 2048 ? 2 : 1;
+}
+
 }  // namespace attn
 }  // namespace fusedops

@@ -8,8 +8,9 @@
 // "empty" barrier (one arrival per consumer warp).
 // Warpgroups 1 and 2 each own 64 query rows: S = Q K^T by wgmma from shared memory (both
 // K-major), the softmax in registers, P converted to bf16/fp16 in registers and O += P V by wgmma
-// with A from registers and V MN-major in shared memory. The output is normalised and written
-// straight from the accumulator registers. kSchedule: 0 serial (each wgmma waited for at once),
+// with A from registers and V MN-major in shared memory. The output is normalised, staged in
+// the warpgroup's Q rows of shared memory and written by a TMA store (register stores for a
+// slab that crosses the sequence's end, or with tma_store == 0). kSchedule: 0 serial (each wgmma waited for at once),
 // 1 intra-warpgroup overlap (the softmax of tile i + 1 while P_i V_i runs), 2 the same with the
 // two consumer warpgroups taking turns at the tensor cores (ping-pong).
 //
@@ -17,11 +18,12 @@
 // attention_params.h with row strides that are multiples of 8 elements and 16-byte aligned
 // tensors (TMA's rules; attention_api.cpp checks them), hq a multiple of hkv, every sequence no
 // longer than max_q (the grid's x). Tensor maps (attention_launch_sm90.cuh): 3-D (D, heads,
-// rows) over the packed tensors, boxes of 64 x 1 x rows, 128-byte swizzle. A tile that crosses a
-// sequence's end reads the next sequence's rows (TMA zero-fills only past the tensor's end): key
-// columns >= lk are masked to -inf by index, so P is 0 there, and query rows >= lq are never
-// stored. Launch: TilesSm90<D>::kThreads threads, kSmem bytes of dynamic shared memory, one CTA
-// per SM. The body is empty (a trap) unless compiled for sm_90a.
+// rows) over the packed tensors, boxes of 64 x 1 x rows (tm_o: 64 rows, one warpgroup's),
+// 128-byte swizzle. A tile that crosses a sequence's end reads the next sequence's rows (TMA
+// zero-fills only past the tensor's end): key columns >= lk are masked to -inf by index, so P
+// is 0 there, and query rows >= lq are never stored. Launch: TilesSm90<D>::kThreads threads,
+// kSmem bytes of dynamic shared memory, one CTA per SM. The body is empty (a trap) unless
+// compiled for sm_90a.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only; nothing links against the driver)
@@ -39,7 +41,8 @@ template <typename T, int D, int kSchedule>
 __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
     fwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
-                    const __grid_constant__ CUtensorMap tm_v) {
+                    const __grid_constant__ CUtensorMap tm_v,
+                    const __grid_constant__ CUtensorMap tm_o, const int tma_store) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fusedops::sm90;
   using C = TilesSm90<D>;
@@ -324,16 +327,47 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
         p.lse[static_cast<int64_t>(h) * p.total_q + sq.q_start + i] =
             l > 0.f ? (m_run[r] + __log2f(l)) * kLn2 : -INFINITY;
     }
-    T* O = static_cast<T*>(p.out) + sq.q_start * p.o_row + static_cast<int64_t>(h) * D;
+    // O through shared memory and a TMA store when the warpgroup's 64 rows all lie inside the
+    // sequence (a TMA store clips only at the tensor's end, so a slab crossing lq would write
+    // the next sequence's rows): the rows go into the warpgroup's own Q rows (its last Q K^T
+    // has completed; the other warpgroup reads only its own rows), in the 128-byte swizzle the
+    // tensor map expects -- row r's 16-byte chunk c at chunk c ^ (r % 8), conflict-free for the
+    // accumulator layout -- then one thread stores the D / 64 column blocks. Otherwise, and
+    // with tma_store == 0 (FUSEDOPS_ATTN_SM90_EPILOGUE=regs), 4-byte stores from registers.
+    const bool slab_in_seq = m0 + 64 * cw + 64 <= sq.lq;  // warpgroup-uniform
+    if (tma_store && slab_in_seq) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int i = i0 + r * 8;
-      if (i >= sq.lq) continue;
-      T* dst = O + static_cast<int64_t>(i) * p.o_row + 2 * tq;
+      for (int r = 0; r < 2; ++r) {
+        const int row = 64 * cw + 16 * warp + g + 8 * r;  // row of the block; row % 8 == g
 #pragma unroll
-      for (int d8 = 0; d8 < D / 8; ++d8)
-        *reinterpret_cast<uint32_t*>(dst + d8 * 8) =
-            pack2<T>(o[d8][2 * r] * inv[r], o[d8][2 * r + 1] * inv[r]);
+        for (int d8 = 0; d8 < D / 8; ++d8) {
+          const uint32_t addr =
+              sQ + (d8 / 8) * BM * 128 + row * 128 + (((d8 % 8) ^ g) << 4) + 4 * tq;
+          st_shared_u32(addr, pack2<T>(o[d8][2 * r] * inv[r], o[d8][2 * r + 1] * inv[r]));
+        }
+      }
+      fence_proxy_async_smem();
+      named_bar_sync<128>(3 + cw);  // the warpgroup's 128 threads (ids 1, 2: ping-pong)
+      if (threadIdx.x % 128 == 0) {
+#pragma unroll
+        for (int c = 0; c < kBlocks; ++c)
+          tma_store_3d(&tm_o, sQ + c * BM * 128 + cw * 64 * 128, 64 * c, h,
+                       sq.q_start + m0 + 64 * cw);
+        tma_store_commit();
+        tma_store_wait_read<0>();  // the shared memory stays the CTA's until read
+      }
+    } else {
+      T* O = static_cast<T*>(p.out) + sq.q_start * p.o_row + static_cast<int64_t>(h) * D;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = i0 + r * 8;
+        if (i >= sq.lq) continue;
+        T* dst = O + static_cast<int64_t>(i) * p.o_row + 2 * tq;
+#pragma unroll
+        for (int d8 = 0; d8 < D / 8; ++d8)
+          *reinterpret_cast<uint32_t*>(dst + d8 * 8) =
+              pack2<T>(o[d8][2 * r] * inv[r], o[d8][2 * r + 1] * inv[r]);
+      }
     }
   }
 #elif defined(__CUDA_ARCH__)

@@ -1,6 +1,7 @@
 // Host-side launch of the Hopper attention forward: the TMA tensor maps (made once per call
 // through the driver entry point that the CUDA runtime hands out, so nothing links against
-// libcuda), the grid and the launch (tile sizes and shared memory: attention_config_sm90.h).
+// libcuda), the schedule and epilogue choices, the grid and the launch (tile sizes and shared
+// memory: attention_config_sm90.h).
 #pragma once
 
 #include <cuda.h>
@@ -55,17 +56,29 @@ inline bool make_tensor_map(CUtensorMap* map, const void* ptr, bool bf16, int he
   return res == CUDA_SUCCESS;
 }
 
-// The consumers' schedule (attention_fwd_kernel_sm90.cuh), from FUSEDOPS_ATTN_SM90_SCHEDULE:
-// "serial" 0 (no overlap; kept to tell a pipelining fault from a layout fault), "overlap" 1
-// (the default: intra-warpgroup overlap), "pingpong" 2 (overlap, and the two consumer
-// warpgroups alternate at the tensor cores). Read at every call (a getenv), so that a test can
-// switch it.
-inline int sm90_schedule() {
+// The consumers' schedule: sm90_auto_schedule (attention_config_sm90.h, from measurements)
+// unless FUSEDOPS_ATTN_SM90_SCHEDULE names one, for measurement and debugging: "serial" 0 (no
+// overlap; tells a pipelining fault from a layout fault), "overlap" 1 (intra-warpgroup
+// overlap), "pingpong" 2 (overlap, and the two consumer warpgroups alternate at the tensor
+// cores); anything else, "auto" included, is the table's choice. Read at every call (a getenv),
+// so that a test can switch it.
+inline int sm90_schedule(const AttnParams& p) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_SCHEDULE");
-  if (s == nullptr) return 1;
-  if (std::strcmp(s, "serial") == 0) return 0;
-  if (std::strcmp(s, "pingpong") == 0) return 2;
-  return 1;
+  if (s != nullptr) {
+    if (std::strcmp(s, "serial") == 0) return 0;
+    if (std::strcmp(s, "overlap") == 0) return 1;
+    if (std::strcmp(s, "pingpong") == 0) return 2;
+  }
+  return sm90_auto_schedule(p.head_dim, /*causal=*/p.right == 0, p.max_k);
+}
+
+// The epilogue: a TMA store of O through shared memory (the default), or with
+// FUSEDOPS_ATTN_SM90_EPILOGUE=regs the 4-byte stores from registers (for measurement; the same
+// code also stores the slabs a TMA store cannot). A kernel argument, not a template parameter:
+// no extra instantiations.
+inline int sm90_tma_store() {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_EPILOGUE");
+  return s != nullptr && std::strcmp(s, "regs") == 0 ? 0 : 1;
 }
 
 template <typename T, int D>
@@ -75,7 +88,7 @@ cudaError_t run_fwd_sm90(const AttnParams& p) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   const dim3 grid((p.max_q + C::kBlockM - 1) / C::kBlockM, p.hq, p.batch);
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
-  CUtensorMap tm_q, tm_k, tm_v;
+  CUtensorMap tm_q, tm_k, tm_v, tm_o;
   // With no keys at all (total_k == 0) no CTA reads K or V; the maps then describe one row of q
   // so that they stay valid.
   const bool no_keys = p.total_k == 0;
@@ -83,10 +96,11 @@ cudaError_t run_fwd_sm90(const AttnParams& p) {
       !make_tensor_map(&tm_k, no_keys ? p.q : p.k, kBf16, D, no_keys ? p.hq : p.hkv,
                        no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.k_row, C::kBlockN) ||
       !make_tensor_map(&tm_v, no_keys ? p.q : p.v, kBf16, D, no_keys ? p.hq : p.hkv,
-                       no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.v_row, C::kBlockN))
+                       no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.v_row, C::kBlockN) ||
+      !make_tensor_map(&tm_o, p.out, kBf16, D, p.hq, p.total_q, p.o_row, 64))
     return cudaErrorInvalidValue;  // the driver refused a tensor map (attention_api.cpp says)
   auto kernel = fwd_kernel_sm90<T, D, 1>;
-  switch (sm90_schedule()) {
+  switch (sm90_schedule(p)) {
     case 0: kernel = fwd_kernel_sm90<T, D, 0>; break;
     case 2: kernel = fwd_kernel_sm90<T, D, 2>; break;
     default: break;
@@ -94,7 +108,8 @@ cudaError_t run_fwd_sm90(const AttnParams& p) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(C::kSmem));
   if (err != cudaSuccess) return err;
-  kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v);
+  kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_o,
+                                                     sm90_tma_store());
   return cudaGetLastError();
 }
 
