@@ -83,7 +83,7 @@ def cuda_extension():
 ext_modules, cmdclass = cuda_extension()
 
 setup(
-    packages=["fusedops", "fusedops.linear_ce", "fusedops.attention"],
+    packages=["fusedops", "fusedops.linear_ce", "fusedops.attention", "fusedops.memory"],
     package_dir={"fusedops": "python/fusedops"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

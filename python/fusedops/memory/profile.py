@@ -1,0 +1,248 @@
+"""profile_step: one training step, and what held its peak memory."""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable
+
+import torch
+
+from fusedops.memory import classify
+from fusedops.memory.classify import Block, breakdown
+from fusedops.memory.probe import Probe, optimizer_tensors, tensors_in
+from fusedops.memory.report import MemoryReport
+from fusedops.memory.tracker import _KIND_RANK, CpuTracker
+
+CPU_NOTES = (
+    "CPU: measured by a TorchDispatchMode tracker of tensor storages (fusedops.memory.tracker): "
+    "exact for what ATen ops return, blind to workspace inside single kernels and to allocator "
+    "overhead, so the peak is a lower bound of the process's; storages that existed before the "
+    "step count only when they are parameters, gradients, optimizer state, buffers or the batch."
+)
+
+
+def default_step(model, batch, optimizer) -> None:
+    """model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)."""
+    model(**batch).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def model_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+def _to_device(batch, device):
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device) for v in batch)
+    if isinstance(batch, torch.Tensor) and batch.device != device:
+        return batch.to(device)
+    return batch
+
+
+def _replay(base, events):
+    """(peak bytes, index of the allocation that reached it, or -1 when it is the start)."""
+    cur = sum(b.size for b in base)
+    best, best_i = cur, -1
+    for i, (sign, b) in enumerate(events):
+        cur += sign * b.size
+        if sign > 0 and cur > best:
+            best, best_i = cur, i
+    return best, best_i
+
+
+def _live_after(base, events, upto):
+    live = dict.fromkeys(base)
+    for sign, b in events[: upto + 1]:
+        if sign > 0:
+            live[b] = None
+        else:
+            live.pop(b, None)
+    return list(live)
+
+
+def _totals(model, probe: Probe) -> dict:
+    seen = set()
+    params = 0
+    for p in model.parameters():
+        key = (p.untyped_storage().data_ptr(), p.device)
+        if key not in seen:
+            seen.add(key)
+            params += p.untyped_storage().nbytes()
+    return dict(parameters=params, gradients=sum(probe.grad_bytes.values()),
+                optimizer_state=probe.state_bytes)
+
+
+def _report(base, events, forward_end_index, *, device, method, label, seconds, totals,
+            notes, max_allocated=None, snapshot=None) -> MemoryReport:
+    peak, peak_i = _replay(base, events)
+    live = _live_after(base, events, peak_i)
+    cats, details = breakdown(live)
+    at_peak: Block | None = events[peak_i][1] if peak_i >= 0 else None
+    phase = "start of the step" if at_peak is None else at_peak.phase
+    if at_peak is not None and (at_peak.frame_region or at_peak.region):
+        phase += f" ({at_peak.frame_region or at_peak.region})"
+    fwd = {}
+    if forward_end_index is not None:
+        fwd, _ = breakdown(_live_after(base, events, forward_end_index - 1))
+    largest = [dict(bytes=b.size, category=b.category(), phase=b.phase,
+                    region=b.frame_region or b.region, where=b.where)
+               for b in sorted(live, key=lambda b: -b.size)[:12]]
+    return MemoryReport(**cats, peak_bytes=peak, peak_phase=phase, device=str(device),
+                        method=method, label=label, step_seconds=seconds,
+                        max_allocated_bytes=max_allocated, details=details,
+                        at_forward_end=fwd, totals=totals, notes=list(notes),
+                        largest=largest, snapshot=snapshot)
+
+
+def profile_step(model, batch, optimizer=None, *, step_fn: Callable | None = None,
+                 device=None, warmup: int = 1, label: str = "",
+                 max_entries: int = 2_000_000) -> MemoryReport:
+    """Runs one training step of `model` on `batch` and reports its peak memory by category.
+
+    * batch: the keyword arguments of the model (a dict; tensors are moved to the device), or
+      whatever `step_fn` takes.
+    * optimizer: default AdamW(lr=1e-4) over the parameters that require grad.
+    * step_fn(model, batch, optimizer): the step; default `default_step`:
+      ``model(**batch).loss.backward(); optimizer.step(); optimizer.zero_grad(set_to_none=True)``.
+    * warmup: steps run first, unmeasured, so that the measured one is a steady-state step (the
+      optimizer state exists, caches are warm). warmup=0 measures the first step, whose forward
+      and backward run before AdamW has allocated its state. Every step, warm-up included,
+      updates the model's parameters.
+    * device: where the step runs (default: the device of the model's parameters).
+
+    On CUDA the allocator's memory history is recorded (`torch.cuda.memory._record_memory_history`
+    with Python stacks, at most `max_entries` events) and the blocks live at the peak of the
+    replayed trace are attributed (fusedops.memory.classify explains the rules); the report
+    keeps the snapshot (`report.save_snapshot(path)`, for pytorch.org/memory_viz) and
+    torch.cuda.max_memory_allocated of the step as a cross-check. On the CPU the same
+    attribution runs over the storages a TorchDispatchMode sees (fusedops.memory.tracker, whose
+    docstring says what it cannot see).
+
+    Known limits: allocations are labelled by phase and region from hooks on the model, its LM
+    head, the autograd nodes and the optimizer: code that computes the loss outside the model
+    and outside F.cross_entropy, or attention outside the functions classify.py names, lands in
+    activations (or, in the backward pass, other); gradients are identified through
+    post-accumulate-grad hooks, so a gradient that never reaches a parameter's .grad (e.g. one
+    reduced into a flat buffer by a data-parallel wrapper) counts as other; on CUDA, labels
+    assume that one thread allocates at a time (true for a plain step: the main thread waits
+    while autograd's device thread runs the backward).
+    """
+    device = torch.device(device) if device is not None else model_device(model)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    batch = _to_device(batch, device)
+    if optimizer is None:
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                      lr=1e-4)
+    step = step_fn or default_step
+    for _ in range(warmup):
+        step(model, batch, optimizer)
+    gc.collect()
+    if device.type == "cuda":
+        return _profile_cuda(model, batch, optimizer, step, device, label, max_entries)
+    return _profile_cpu(model, batch, optimizer, step, device, label)
+
+
+def _profile_cpu(model, batch, optimizer, step, device, label) -> MemoryReport:
+    tracker = CpuTracker()
+    probe = Probe(model, optimizer, seq_now=lambda: tracker.seq, mark=tracker.mark)
+    probe.on_forward_end = tracker.mark_forward_end
+    tracker.probe = probe
+    for p in model.parameters():
+        tracker.add_existing(p, "parameters")
+        if p.grad is not None:
+            tracker.add_existing(p.grad, "gradients")
+    for t in optimizer_tensors(optimizer):
+        tracker.add_existing(t, "optimizer_state")
+    for b in model.buffers():
+        tracker.add_existing(b, "buffer")
+    for t in tensors_in(batch):
+        tracker.add_existing(t, "input")
+    try:
+        with probe, tracker:
+            t0 = time.perf_counter()
+            step(model, batch, optimizer)
+            seconds = time.perf_counter() - t0
+        probe.mark_known()
+    finally:
+        tracker.stop()
+    notes = [CPU_NOTES]
+    if tracker.forward_end_event is None:
+        notes.append("no forward pass of the model was seen (the hooks sit on the model passed)")
+    return _report(tracker.base, tracker.events, tracker.forward_end_event, device=device,
+                   method="cpu-dispatch-tracker", label=label, seconds=seconds,
+                   totals=_totals(model, probe), notes=notes)
+
+
+def _profile_cuda(model, batch, optimizer, step, device, label, max_entries) -> MemoryReport:
+    from fusedops.memory.cuda import Timeline, alloc_count, events_from_trace
+
+    idx = device.index
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start_allocated = torch.cuda.memory_allocated(device)
+    timeline = Timeline()
+    marks = []
+    state = {"count0": 0}
+
+    def seq_now():
+        return alloc_count(device) - state["count0"]
+
+    def mark(t, kind):
+        if isinstance(t, torch.Tensor) and t.is_cuda and t.device.index == idx:
+            s = t.untyped_storage()
+            marks.append((seq_now(), s.data_ptr(), s.nbytes(), kind))
+
+    probe = Probe(model, optimizer, seq_now=seq_now, mark=mark, on_change=timeline.add)
+    record = torch.cuda.memory._record_memory_history
+    with torch.cuda.device(device):
+        record(enabled="all", context="all", stacks="python", max_entries=max_entries,
+               clear_history=True)
+        try:
+            initial = torch.cuda.memory._snapshot()
+            state["count0"] = alloc_count(device)
+            timeline.add(0, classify.SETUP, classify.NONE)
+            probe.mark_known()
+            for t in tensors_in(batch):
+                mark(t, "input")
+            for b in model.buffers():
+                mark(b, "buffer")
+            with probe:
+                t0 = time.perf_counter()
+                step(model, batch, optimizer)
+                torch.cuda.synchronize(device)
+                seconds = time.perf_counter() - t0
+            probe.mark_known()
+            final = torch.cuda.memory._snapshot()
+            count = alloc_count(device) - state["count0"]
+        finally:
+            record(enabled=None)
+    base, events, n_alloc, facts = events_from_trace(initial, final, idx, timeline, marks,
+                                                     _KIND_RANK)
+    notes = []
+    if facts["trace_entries"] >= max_entries:
+        notes.append(f"the trace reached max_entries={max_entries} and lost its oldest events: "
+                     "the breakdown is unreliable; pass a larger max_entries")
+    if n_alloc != count:
+        notes.append(f"the trace holds {n_alloc} allocations but the allocator counted {count}: "
+                     "phase and region labels may be shifted (stack frames still apply)")
+    fwd_index = None
+    if probe.forward_end_seq is not None:
+        fwd_index = next((i for i, (s, b) in enumerate(events)
+                          if s > 0 and b.seq > probe.forward_end_seq), len(events))
+    max_allocated = torch.cuda.max_memory_allocated(device)
+    base_bytes = sum(b.size for b in base)
+    if base_bytes != start_allocated:
+        notes.append(f"blocks at the start ({base_bytes} B) differ from memory_allocated "
+                     f"({start_allocated} B)")
+    return _report(base, events, fwd_index, device=device, method="cuda-snapshot", label=label,
+                   seconds=seconds, totals=_totals(model, probe), notes=notes,
+                   max_allocated=max_allocated, snapshot=final)
