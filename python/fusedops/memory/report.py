@@ -135,9 +135,9 @@ class MemoryReport:
         return path
 
     def plot(self, path: str, other: MemoryReport | None = None, *, plans=None) -> str:
-        """Stacked bars of the categories at the peak (GiB), this report next to `other` (e.g.
-        fusedops off vs on) when given; `plans` (one MemoryPlan per bar, or None) adds the
-        planner's total as a marker. Needs matplotlib."""
+        """Stacked bars of the categories at the peak (GiB or MiB), this report next to `other`
+        (e.g. fusedops off vs on) when given; `plans` (one MemoryPlan per bar, or None) adds
+        the planner's total as a marker. Needs matplotlib."""
         reports = [self] if other is None else [self, other]
         return plot_reports(path, reports, plans=plans)
 
@@ -152,24 +152,26 @@ def plot_reports(path: str, reports, *, plans=None, title: str | None = None) ->
     except ImportError as exc:
         raise ImportError("MemoryReport.plot needs matplotlib: pip install matplotlib") from exc
     reports = list(reports)
+    top = max([r.peak_bytes for r in reports] + [p.peak_bytes for p in plans or () if p])
+    unit, scale = ("GiB", GIB) if top >= GIB else ("MiB", MIB)
     fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(reports), 4.8))
     xs = range(len(reports))
     bottoms = [0.0] * len(reports)
     for k in CATEGORIES:
-        vals = [r.categories()[k] / GIB for r in reports]
+        vals = [r.categories()[k] / scale for r in reports]
         ax.bar(xs, vals, bottom=bottoms, color=COLORS[k], label=LABELS[k], width=0.6)
         bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
     for x, r in zip(xs, reports, strict=True):
-        ax.text(x, r.peak_bytes / GIB, f"{r.peak_bytes / GIB:.2f}", ha="center", va="bottom",
-                fontsize=9)
+        ax.text(x, r.peak_bytes / scale, f"{r.peak_bytes / scale:.2f}", ha="center",
+                va="bottom", fontsize=9)
     if plans:
         for x, p in zip(xs, plans, strict=False):
             if p is not None:
-                ax.plot([x - 0.35, x + 0.35], [p.peak_bytes / GIB] * 2, "k--", lw=1)
+                ax.plot([x - 0.35, x + 0.35], [p.peak_bytes / scale] * 2, "k--", lw=1)
         ax.plot([], [], "k--", lw=1, label="planner estimate")
     ax.set_xticks(list(xs))
     ax.set_xticklabels([r.label or f"run {i}" for i, r in enumerate(reports)])
-    ax.set_ylabel("GiB at the peak")
+    ax.set_ylabel(f"{unit} at the peak")
     ax.set_title(title or "peak memory of one training step", fontsize=10)
     handles, labels = ax.get_legend_handles_labels()
     ax.legend(handles[::-1], labels[::-1], fontsize=8, loc="upper left",
