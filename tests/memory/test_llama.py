@@ -112,3 +112,30 @@ def test_bench_train_step_tiny_on_the_cpu(tmp_path):
                 "loss_head_gib", "oom"):
         assert key in rows[0]
     assert "planner" in out.stdout
+
+
+def _demo():
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        import demo
+    finally:
+        sys.path.pop(0)
+    return demo
+
+
+def test_demo_learns_and_both_runs_agree(capsys):
+    pytest.importorskip("fusedops.integrations.transformers")
+    rc = _demo().main(["--device", "cpu", "--steps", "10", "--seq", "64"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "fusedops backends: linear_ce torch, attention torch" in out and "ok:" in out
+
+
+def test_demo_without_the_integration_exits_2(capsys):
+    try:
+        import fusedops.integrations.transformers  # noqa: F401
+        pytest.skip("the integration is installed")
+    except ImportError:
+        pass
+    assert _demo().main(["--device", "cpu", "--steps", "4"]) == 2
+    assert "fusedops.integrations.transformers" in capsys.readouterr().err
