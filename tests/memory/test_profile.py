@@ -2,14 +2,17 @@
 classification rules, the CUDA trace replay on a synthetic snapshot, and MemoryReport."""
 
 import json
+import sys
 import types
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from fusedops.memory import CATEGORIES, MemoryReport, profile_step
+from fusedops.memory import CATEGORIES, MemoryReport, default_step, profile_step
 from fusedops.memory.classify import (
     ATTENTION,
     BACKWARD,
@@ -21,6 +24,8 @@ from fusedops.memory.classify import (
     stack_facts,
 )
 from fusedops.memory.cuda import Timeline, events_from_trace
+from fusedops.memory.probe import optimizer_tensors
+from fusedops.memory.profile import _profile_cuda
 from fusedops.memory.tracker import _KIND_RANK, CpuTracker
 
 
@@ -165,9 +170,10 @@ def test_block_category_precedence():
 def test_cuda_trace_replay_on_a_synthetic_snapshot():
     """Address reuse within the step: the gradient mark must pick the allocation live at the
     mark, not the earlier one at the same address."""
-    initial = {"segments": [{"device": 0, "blocks": [
-        {"address": 0x1000, "size": 512, "state": "active_allocated"},  # a parameter
-        {"address": 0x9000, "size": 512, "state": "inactive"}]}]}
+    initial = {"segments": [{"device": 0, "address": 0x0E00, "total_size": 2048, "blocks": [
+        {"size": 512, "state": "inactive"},
+        {"size": 512, "state": "active_allocated"},  # at 0x1000: a parameter
+        {"size": 1024, "state": "inactive"}]}]}
     sdpa = [{"filename": "/t/transformers/integrations/sdpa_attention.py", "line": 1,
              "name": "sdpa_attention_forward"}]
     trace = [
@@ -216,3 +222,115 @@ def test_report_table_json_plot_and_snapshot(tmp_path):
                          peak_bytes=report.peak_bytes - report.activations, label="other")
     path = report.plot(str(tmp_path / "m.png"), other)
     assert (tmp_path / "m.png").stat().st_size > 1000 and path.endswith("m.png")
+
+
+class FakeCudaRecorder(TorchDispatchMode):
+    """Stands in for the CUDA allocator's memory history on the CPU: the storages ATen ops
+    return become 'alloc' entries (address = data_ptr, Python frames innermost first) and their
+    frees 'free_requested'/'free_completed' entries, numbered by a counter like the allocator's
+    allocation count. profile.py's CUDA path then runs unchanged on top of it."""
+
+    index = 0
+
+    def __init__(self, existing):
+        super().__init__()
+        self.existing = existing
+        self.trace, self.n_alloc, self.live, self.fins = [], 0, {}, []
+        self.current = self.peak = 0
+
+    def owns(self, t):
+        return t.device.type == "cpu"
+
+    def sync(self):
+        pass
+
+    def allocated(self):
+        return sum(s.nbytes() for s in self._existing_storages())
+
+    def max_allocated(self):
+        return self.peak
+
+    def count(self):
+        return self.n_alloc
+
+    def _existing_storages(self):
+        seen = {}
+        for t in self.existing:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s
+        return list(seen.values())
+
+    def _watch(self, s):
+        ptr, size = s.data_ptr(), s.nbytes()
+        self.live[ptr] = size
+        self.current += size
+        self.peak = max(self.peak, self.current)
+
+        def freed():
+            if self.live.pop(ptr, None) is not None:
+                self.current -= size
+                self.trace.append(dict(action="free_requested", addr=ptr, size=size))
+                self.trace.append(dict(action="free_completed", addr=ptr, size=size))
+        self.fins.append(weakref.finalize(s, freed))
+
+    def start(self):
+        segments = []
+        for s in self._existing_storages():
+            segments.append(dict(device=0, address=s.data_ptr(), total_size=s.nbytes(),
+                                 blocks=[dict(size=s.nbytes(), state="active_allocated")]))
+            self._watch(s)
+        self.__enter__()
+        return {"segments": segments, "device_traces": [[]]}
+
+    def stop(self):
+        return {"segments": [], "device_traces": [list(self.trace)]}
+
+    def close(self):
+        self.__exit__(None, None, None)
+        for f in self.fins:
+            f.detach()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves(
+            (args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            s = t.untyped_storage()
+            if s.nbytes() == 0 or s.data_ptr() in inputs or s.data_ptr() in self.live:
+                continue
+            frames, f = [], sys._getframe(1)
+            while f is not None:
+                frames.append(dict(filename=f.f_code.co_filename, line=f.f_lineno,
+                                   name=f.f_code.co_name))
+                f = f.f_back
+            self.n_alloc += 1
+            self.trace.append(dict(action="alloc", addr=s.data_ptr(), size=s.nbytes(),
+                                   frames=frames))
+            self._watch(s)
+        return out
+
+
+def test_cuda_path_on_a_fake_allocator_history_matches_the_cpu_tracker():
+    """profile.py's CUDA path (allocation-count timeline, marks resolved in the replay) gives
+    the same breakdown as the CPU tracker for the same step."""
+    batch = _batch()
+    torch.manual_seed(0)
+    cpu_report = profile_step(TinyLM(), batch, warmup=1)
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    default_step(model, batch, opt)  # the same warm-up step
+    existing = [*model.parameters(), *optimizer_tensors(opt), *model.buffers(),
+                *batch.values()]
+    rec = FakeCudaRecorder(existing)
+    report = _profile_cuda(model, batch, opt, default_step, torch.device("cpu"), "fake", 10**6,
+                           recorder=rec)
+    assert report.method == "cuda-snapshot"
+    assert report.notes == []  # trace and counter agree, the replay peak is the recorder's
+    assert report.peak_bytes == cpu_report.peak_bytes == rec.peak
+    assert report.categories() == cpu_report.categories()
+    assert report.at_forward_end == cpu_report.at_forward_end
+    assert report.peak_phase == cpu_report.peak_phase

@@ -20,8 +20,59 @@ from fusedops.memory.classify import BEFORE, NONE, SETUP, Block, snapshot_stack_
 
 def alloc_count(device: torch.device) -> int:
     """Allocations made so far on `device` (the allocator's cumulative counter)."""
-    stats = torch.cuda.memory_stats(device)
-    return int(stats.get("allocation.all.allocated", 0))
+    raw = getattr(torch._C, "_cuda_memoryStats", None)
+    if raw is not None:  # the nested dict, without memory_stats' flattening (called often)
+        try:
+            return int(raw(device.index)["allocation"]["all"]["allocated"])
+        except (KeyError, TypeError, RuntimeError):
+            pass
+    return int(torch.cuda.memory_stats(device).get("allocation.all.allocated", 0))
+
+
+class CudaRecorder:
+    """The allocator's memory history on one CUDA device: start() enables recording and returns
+    the snapshot of what exists, stop() returns the snapshot whose trace holds what happened
+    since, close() disables recording."""
+
+    def __init__(self, device: torch.device, max_entries: int):
+        self.device = device
+        self.index = device.index
+        self.max_entries = max_entries
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return t.is_cuda and t.device.index == self.index
+
+    def sync(self):
+        torch.cuda.synchronize(self.device)
+
+    def allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
+
+    def max_allocated(self) -> int:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def count(self) -> int:
+        return alloc_count(self.device)
+
+    def start(self) -> dict:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        record = torch.cuda.memory._record_memory_history
+        with torch.cuda.device(self.device):
+            try:
+                record(enabled="all", context="all", stacks="python",
+                       max_entries=self.max_entries, clear_history=True)
+            except TypeError:  # a torch without clear_history
+                record(enabled="all", context="all", stacks="python",
+                       max_entries=self.max_entries)
+            return torch.cuda.memory._snapshot()
+
+    def stop(self) -> dict:
+        with torch.cuda.device(self.device):
+            return torch.cuda.memory._snapshot()
+
+    def close(self):
+        with torch.cuda.device(self.device):
+            torch.cuda.memory._record_memory_history(enabled=None)
 
 
 class Timeline:
@@ -41,13 +92,18 @@ class Timeline:
 
 
 def _initial_blocks(snapshot: dict, device_index: int) -> dict[int, Block]:
+    """The allocated blocks of a snapshot's segments, by address (a segment's blocks lie one
+    after the other from the segment's address)."""
     blocks = {}
     for seg in snapshot.get("segments", []):
         if seg.get("device", device_index) != device_index:
             continue
+        addr = int(seg["address"])
         for b in seg.get("blocks", []):
+            addr = int(b.get("address", addr))
             if b.get("state") == "active_allocated":
-                blocks[int(b["address"])] = Block(size=int(b["size"]), seq=0, phase=BEFORE)
+                blocks[addr] = Block(size=int(b["size"]), seq=0, phase=BEFORE)
+            addr += int(b["size"])
     return blocks
 
 
@@ -84,6 +140,9 @@ def events_from_trace(initial: dict, final: dict, device_index: int, timeline: T
     resolve_upto(0)
     traces = final.get("device_traces", [])
     trace = traces[device_index] if device_index < len(traces) else []
+    before = initial.get("device_traces", [])
+    skip = len(before[device_index]) if device_index < len(before) else 0
+    trace = trace[skip:]  # history from before the start, when it could not be cleared
     events: list[tuple[int, Block]] = []
     seq = 0
     for e in trace:

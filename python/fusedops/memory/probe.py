@@ -96,7 +96,6 @@ class Probe:
         self.head_depth = 0
         self.special: list[str] = []
         self.forward_end_seq: int | None = None
-        self.on_forward_end: Callable[[], None] | None = None
         self.active = False
         self.grad_bytes: dict[int, int] = {}
         self.state_bytes = 0
@@ -147,8 +146,6 @@ class Probe:
         if self.fwd_depth == 0:
             if self.forward_end_seq is None:
                 self.forward_end_seq = self.seq_now()
-                if self.on_forward_end is not None:
-                    self.on_forward_end()
             self.set_phase(AFTER)
 
     def _head_pre(self, module, args):

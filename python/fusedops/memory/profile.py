@@ -80,7 +80,7 @@ def _totals(model, probe: Probe) -> dict:
                 optimizer_state=probe.state_bytes)
 
 
-def _report(base, events, forward_end_index, *, device, method, label, seconds, totals,
+def _report(base, events, forward_end_seq, *, device, method, label, seconds, totals,
             notes, max_allocated=None, snapshot=None) -> MemoryReport:
     peak, peak_i = _replay(base, events)
     live = _live_after(base, events, peak_i)
@@ -90,8 +90,10 @@ def _report(base, events, forward_end_index, *, device, method, label, seconds, 
     if at_peak is not None and (at_peak.frame_region or at_peak.region):
         phase += f" ({at_peak.frame_region or at_peak.region})"
     fwd = {}
-    if forward_end_index is not None:
-        fwd, _ = breakdown(_live_after(base, events, forward_end_index - 1))
+    if forward_end_seq is not None:  # just before the first allocation after the forward
+        end = next((i for i, (sign, b) in enumerate(events)
+                    if sign > 0 and b.seq > forward_end_seq), len(events))
+        fwd, _ = breakdown(_live_after(base, events, end - 1))
     largest = [dict(bytes=b.size, category=b.category(), phase=b.phase,
                     region=b.frame_region or b.region, where=b.where)
                for b in sorted(live, key=lambda b: -b.size)[:12]]
@@ -154,7 +156,6 @@ def profile_step(model, batch, optimizer=None, *, step_fn: Callable | None = Non
 def _profile_cpu(model, batch, optimizer, step, device, label) -> MemoryReport:
     tracker = CpuTracker()
     probe = Probe(model, optimizer, seq_now=lambda: tracker.seq, mark=tracker.mark)
-    probe.on_forward_end = tracker.mark_forward_end
     tracker.probe = probe
     for p in model.parameters():
         tracker.add_existing(p, "parameters")
@@ -175,57 +176,55 @@ def _profile_cpu(model, batch, optimizer, step, device, label) -> MemoryReport:
     finally:
         tracker.stop()
     notes = [CPU_NOTES]
-    if tracker.forward_end_event is None:
+    if probe.forward_end_seq is None:
         notes.append("no forward pass of the model was seen (the hooks sit on the model passed)")
-    return _report(tracker.base, tracker.events, tracker.forward_end_event, device=device,
+    return _report(tracker.base, tracker.events, probe.forward_end_seq, device=device,
                    method="cpu-dispatch-tracker", label=label, seconds=seconds,
                    totals=_totals(model, probe), notes=notes)
 
 
-def _profile_cuda(model, batch, optimizer, step, device, label, max_entries) -> MemoryReport:
-    from fusedops.memory.cuda import Timeline, alloc_count, events_from_trace
+def _profile_cuda(model, batch, optimizer, step, device, label, max_entries,
+                  recorder=None) -> MemoryReport:
+    """The CUDA measurement; `recorder` (default CudaRecorder) provides the allocator's memory
+    history, so that the replay can be exercised without a GPU."""
+    from fusedops.memory.cuda import CudaRecorder, Timeline, events_from_trace
 
-    idx = device.index
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    start_allocated = torch.cuda.memory_allocated(device)
+    rec = recorder or CudaRecorder(device, max_entries)
     timeline = Timeline()
     marks = []
     state = {"count0": 0}
 
     def seq_now():
-        return alloc_count(device) - state["count0"]
+        return rec.count() - state["count0"]
 
     def mark(t, kind):
-        if isinstance(t, torch.Tensor) and t.is_cuda and t.device.index == idx:
+        if isinstance(t, torch.Tensor) and rec.owns(t):
             s = t.untyped_storage()
             marks.append((seq_now(), s.data_ptr(), s.nbytes(), kind))
 
     probe = Probe(model, optimizer, seq_now=seq_now, mark=mark, on_change=timeline.add)
-    record = torch.cuda.memory._record_memory_history
-    with torch.cuda.device(device):
-        record(enabled="all", context="all", stacks="python", max_entries=max_entries,
-               clear_history=True)
-        try:
-            initial = torch.cuda.memory._snapshot()
-            state["count0"] = alloc_count(device)
-            timeline.add(0, classify.SETUP, classify.NONE)
-            probe.mark_known()
-            for t in tensors_in(batch):
-                mark(t, "input")
-            for b in model.buffers():
-                mark(b, "buffer")
-            with probe:
-                t0 = time.perf_counter()
-                step(model, batch, optimizer)
-                torch.cuda.synchronize(device)
-                seconds = time.perf_counter() - t0
-            probe.mark_known()
-            final = torch.cuda.memory._snapshot()
-            count = alloc_count(device) - state["count0"]
-        finally:
-            record(enabled=None)
-    base, events, n_alloc, facts = events_from_trace(initial, final, idx, timeline, marks,
+    rec.sync()
+    start_allocated = rec.allocated()
+    try:
+        initial = rec.start()
+        state["count0"] = rec.count()
+        timeline.add(0, classify.SETUP, classify.NONE)
+        probe.mark_known()
+        for t in tensors_in(batch):
+            mark(t, "input")
+        for b in model.buffers():
+            mark(b, "buffer")
+        with probe:
+            t0 = time.perf_counter()
+            step(model, batch, optimizer)
+            rec.sync()
+            seconds = time.perf_counter() - t0
+        probe.mark_known()
+        count = rec.count() - state["count0"]
+        final = rec.stop()
+    finally:
+        rec.close()
+    base, events, n_alloc, facts = events_from_trace(initial, final, rec.index, timeline, marks,
                                                      _KIND_RANK)
     notes = []
     if facts["trace_entries"] >= max_entries:
@@ -234,15 +233,16 @@ def _profile_cuda(model, batch, optimizer, step, device, label, max_entries) -> 
     if n_alloc != count:
         notes.append(f"the trace holds {n_alloc} allocations but the allocator counted {count}: "
                      "phase and region labels may be shifted (stack frames still apply)")
-    fwd_index = None
-    if probe.forward_end_seq is not None:
-        fwd_index = next((i for i, (s, b) in enumerate(events)
-                          if s > 0 and b.seq > probe.forward_end_seq), len(events))
-    max_allocated = torch.cuda.max_memory_allocated(device)
     base_bytes = sum(b.size for b in base)
     if base_bytes != start_allocated:
         notes.append(f"blocks at the start ({base_bytes} B) differ from memory_allocated "
                      f"({start_allocated} B)")
-    return _report(base, events, fwd_index, device=device, method="cuda-snapshot", label=label,
-                   seconds=seconds, totals=_totals(model, probe), notes=notes,
-                   max_allocated=max_allocated, snapshot=final)
+    report = _report(base, events, probe.forward_end_seq, device=device, method="cuda-snapshot",
+                     label=label, seconds=seconds, totals=_totals(model, probe), notes=notes,
+                     max_allocated=rec.max_allocated(), snapshot=final)
+    if report.max_allocated_bytes and abs(report.max_allocated_bytes - report.peak_bytes) > \
+            0.01 * report.max_allocated_bytes:
+        report.notes.append(f"the replayed peak ({report.peak_bytes} B) differs from "
+                            f"max_memory_allocated ({report.max_allocated_bytes} B) by more "
+                            "than 1%")
+    return report

@@ -46,12 +46,14 @@ def format_bytes(n: float) -> str:
 class MemoryReport:
     """Peak memory of one training step and what held it at that moment (bytes).
 
-    The seven category fields add up to `peak_bytes`. `details` splits "other" (and notes other
-    finer parts) by what allocated it; `at_forward_end` is the same breakdown at the end of the
-    first forward pass (what the forward leaves for the backward); `totals` are the exact sizes
-    of the parameters, the gradients (at the end of the backward pass) and the optimizer state
-    (at the end of the step), whatever the peak held. `method` says how it was measured
-    ("cuda-snapshot" or "cpu-dispatch-tracker") and `notes` what the measurement cannot see.
+    The seven category fields add up to `peak_bytes`. `details` splits "other" by what
+    allocated it; `at_forward_end` is the same breakdown once the first forward pass has
+    returned, just before the next allocation (what the forward leaves for the backward);
+    `totals` are the exact sizes of the parameters, the gradients (at the end of the backward
+    pass) and the optimizer state (at the end of the step), whatever the peak held. `method`
+    says how it was measured ("cuda-snapshot" or "cpu-dispatch-tracker") and `notes` what the
+    measurement cannot see. `largest` lists the biggest blocks live at the peak (bytes,
+    category, phase, region, the innermost stack frame outside torch).
     """
 
     parameters: int = 0

@@ -55,7 +55,6 @@ class CpuTracker(TorchDispatchMode):
         self.live: dict[int, tuple[Block, weakref.finalize]] = {}
         self.base: list[Block] = []
         self.events: list[tuple[int, Block]] = []
-        self.forward_end_event: int | None = None
 
     # --- storages --------------------------------------------------------------------------
     def _freed(self, key: int, block: Block):
@@ -96,10 +95,6 @@ class CpuTracker(TorchDispatchMode):
         entry = self.live.get(id(tensor.untyped_storage()))
         if entry is not None:
             self._set_kind(entry[0], kind)
-
-    def mark_forward_end(self):
-        if self.forward_end_event is None:
-            self.forward_end_event = len(self.events)
 
     def stop(self):
         for _block, fin in self.live.values():
