@@ -24,8 +24,10 @@ live at the peak gets the first category that fits:
 4. activations: anything else allocated during the forward pass (and, with activation
    checkpointing, what the backward's recomputation allocates: frames in torch/utils/checkpoint).
 5. other: the rest, split in `details`: backward temporaries (gradients of activations on
-   their way, and the engine's sums), optimizer temporaries, what existed before the step
-   (the batch, buffers, caches) and what the step allocated outside those phases.
+   their way, and the engine's sums), optimizer temporaries, a transformers KV cache built in
+   training (use_cache=True: a DynamicCache copies every layer's k and v; with SDPA those
+   copies are also what the attention keeps, so activations shrink by as much), what existed
+   before the step (the batch, buffers) and what the step allocated outside those phases.
 
 Backward allocations have no useful Python stack (on CUDA they run on autograd's device
 thread), so their region comes from the autograd node that makes them: while the forward runs,
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 
 LOSS = "loss"
 ATTENTION = "attention"
+CACHE = "kv-cache"
 NONE = ""
 
 # Phases. BEFORE: the block existed when the step started.
@@ -59,6 +62,8 @@ def frame_region(filename: str, name: str) -> str | None:
     f = filename.replace("\\", "/")
     if "/fusedops/linear_ce/" in f or "/transformers/loss/" in f:
         return LOSS
+    if f.endswith("/transformers/cache_utils.py"):
+        return CACHE
     if "/fusedops/attention/" in f:
         return ATTENTION
     if "/liger_kernel/" in f and "cross_entropy" in f:
@@ -172,6 +177,8 @@ class Block:
         if self.kind in ("parameters", "gradients", "optimizer_state"):
             return self.kind
         region = self.frame_region or self.region
+        if region == CACHE:
+            return "other"
         if region == LOSS:
             return "logits_loss"
         if region == ATTENTION:
@@ -186,6 +193,8 @@ class Block:
             return "batch"
         if self.kind == "buffer":
             return "buffers"
+        if self.frame_region == CACHE:
+            return "KV cache (use_cache=True)"
         return {BEFORE: "before the step", BACKWARD: "backward temporaries",
                 OPTIMIZER: "optimizer temporaries"}.get(self.phase, "outside fwd/bwd/optimizer")
 

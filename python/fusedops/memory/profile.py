@@ -120,23 +120,52 @@ def profile_step(model, batch, optimizer=None, *, step_fn: Callable | None = Non
       updates the model's parameters.
     * device: where the step runs (default: the device of the model's parameters).
 
-    On CUDA the allocator's memory history is recorded (`torch.cuda.memory._record_memory_history`
-    with Python stacks, at most `max_entries` events) and the blocks live at the peak of the
-    replayed trace are attributed (fusedops.memory.classify explains the rules); the report
-    keeps the snapshot (`report.save_snapshot(path)`, for pytorch.org/memory_viz) and
-    torch.cuda.max_memory_allocated of the step as a cross-check. On the CPU the same
-    attribution runs over the storages a TorchDispatchMode sees (fusedops.memory.tracker, whose
-    docstring says what it cannot see).
+    Measurement. On CUDA the caching allocator's memory history is recorded
+    (`torch.cuda.memory._record_memory_history`, Python stacks, at most `max_entries` events)
+    and replayed from the blocks that existed at the start; the peak is the largest sum of live
+    blocks (torch.cuda.max_memory_allocated of the step is kept beside it as a check) and the
+    report keeps the snapshot (`report.save_snapshot(path)`, for pytorch.org/memory_viz). On
+    the CPU a TorchDispatchMode follows the storages that ATen ops return
+    (fusedops.memory.tracker says what it cannot see).
 
-    Known limits: allocations are labelled by phase and region from hooks on the model, its LM
-    head, the autograd nodes and the optimizer: code that computes the loss outside the model
-    and outside F.cross_entropy, or attention outside the functions classify.py names, lands in
-    activations (or, in the backward pass, other); gradients are identified through
-    post-accumulate-grad hooks, so a gradient that never reaches a parameter's .grad (e.g. one
-    reduced into a flat buffer by a data-parallel wrapper) counts as other; on CUDA, labels
-    assume that one thread allocates at a time (true for a plain step: the main thread waits
-    while autograd's device thread runs the backward).
+    Classification of the blocks live at the peak (fusedops.memory.classify has the rules), the
+    first that fits:
+
+    1. parameters, gradients, optimizer state: by identity, matched through the data pointers
+       of the model's parameters, of each `.grad` when a post-accumulate-grad hook sees it (so a
+       gradient computed early, like the fused loss's d_weight, counts from its allocation) and
+       of `optimizer.state` after the step. On CUDA each pointer is matched to the allocation
+       live at the moment it was read (the allocator's allocation counter numbers the trace),
+       since addresses are reused within a step.
+    2. logits/loss scratch: allocated in the loss region: under the output embedding module,
+       inside F.cross_entropy / F.nll_loss, or with a stack frame in fusedops/linear_ce,
+       transformers/loss (ForCausalLMLoss) or Liger's cross-entropy.
+    3. attention scratch: allocated in the attention region: inside
+       F.scaled_dot_product_attention, or with a frame in fusedops/attention, transformers'
+       sdpa/flash/flex attention integrations or a function named `*attention_forward`
+       (eager_attention_forward). Whatever the attention function allocates counts, its output
+       and softmax statistics included.
+    4. activations: everything else allocated during the model's forward (and recomputed
+       under activation checkpointing).
+    5. other: the rest (backward and optimizer temporaries, the batch, buffers, a KV cache).
+
+    In the backward pass allocations carry no useful Python stack (on CUDA they come from
+    autograd's device thread): a TorchFunctionMode gives each autograd node created in the
+    forward the region it was created in, and a pre-hook on the node switches the region when
+    the backward reaches it, so the loss's and the attention's backward temporaries land in
+    their categories.
+
+    Known limits: the regions come from hooks and names: a loss computed outside the model and
+    outside F.cross_entropy, or attention outside the functions named above, counts as
+    activations (backward: other). With tied embeddings the LM head's weight gradient waits in
+    autograd's input buffer for the embedding's and is counted where it was allocated (loss)
+    until the two are summed. A gradient that never reaches a parameter's .grad (a wrapper
+    that reduces into flat buffers) counts as other. On CUDA the labels assume one thread
+    allocates at a time (true for a plain step: the main thread waits while autograd's device
+    thread runs the backward); block sizes are the allocator's (rounded up to 512 bytes);
+    recording slows the step, so `step_seconds` is no benchmark.
     """
+
     device = torch.device(device) if device is not None else model_device(model)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
