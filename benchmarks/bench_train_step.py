@@ -126,7 +126,7 @@ def run_one(method: str, args) -> dict:
             report = profile_step(model, batch, opt, warmup=0, label=method)
             if not cuda:
                 peak = report.peak_bytes
-    except torch.OutOfMemoryError as exc:
+    except torch.cuda.OutOfMemoryError as exc:
         row.update(oom=True, error=str(exc).splitlines()[0][:200])
         return row
     ms = statistics.median(times) * 1e3

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
             model = apply_fusedops(model)
         try:
             report = profile_step(model, batch, warmup=args.warmup, label=name)
-        except torch.OutOfMemoryError as exc:
+        except torch.cuda.OutOfMemoryError as exc:
             print(f"\n{name}: out of memory ({str(exc).splitlines()[0]})")
             print(est.table())
             results[name] = dict(oom=True, plan=est.to_dict())

@@ -79,13 +79,16 @@ class Probe:
     seq_now() gives the current allocation number (CUDA: the allocator's count since the start;
     CPU: the tracker's). on_change(seq, phase, region) is called at each change (CUDA timeline),
     mark(tensor, kind) for each tensor whose identity is known (parameters, gradients, optimizer
-    state).
+    state); owns(tensor) says whether a tensor is on the measured device (the totals count
+    those only: AdamW's step counters stay on the CPU when the model is on a GPU).
     """
 
     def __init__(self, model, optimizer, *, seq_now: Callable[[], int],
                  mark: Callable[[torch.Tensor, str], None],
-                 on_change: Callable[[int, str, str], None] | None = None):
+                 on_change: Callable[[int, str, str], None] | None = None,
+                 owns: Callable[[torch.Tensor], bool] = lambda t: True):
         self.model = model
+        self.owns = owns
         self.optimizer = optimizer
         self.seq_now = seq_now
         self.mark = mark
@@ -160,7 +163,8 @@ class Probe:
 
     def _grad_hook(self, param):
         if self.active and param.grad is not None:
-            self.grad_bytes[id(param)] = param.grad.untyped_storage().nbytes()
+            if self.owns(param.grad):
+                self.grad_bytes[id(param)] = param.grad.untyped_storage().nbytes()
             self.mark(param.grad, "gradients")
 
     def _opt_pre(self, optimizer, args, kwargs):
@@ -175,7 +179,7 @@ class Probe:
         for t in optimizer_tensors(optimizer):
             self.mark(t, "optimizer_state")
             key = (t.untyped_storage().data_ptr(), t.device)
-            if key not in seen:
+            if key not in seen and self.owns(t):
                 seen.add(key)
                 total += t.untyped_storage().nbytes()
         self.state_bytes = total

@@ -73,7 +73,7 @@ def _totals(model, probe: Probe) -> dict:
     params = 0
     for p in model.parameters():
         key = (p.untyped_storage().data_ptr(), p.device)
-        if key not in seen:
+        if key not in seen and probe.owns(p):
             seen.add(key)
             params += p.untyped_storage().nbytes()
     return dict(parameters=params, gradients=sum(probe.grad_bytes.values()),
@@ -184,7 +184,8 @@ def profile_step(model, batch, optimizer=None, *, step_fn: Callable | None = Non
 
 def _profile_cpu(model, batch, optimizer, step, device, label) -> MemoryReport:
     tracker = CpuTracker()
-    probe = Probe(model, optimizer, seq_now=lambda: tracker.seq, mark=tracker.mark)
+    probe = Probe(model, optimizer, seq_now=lambda: tracker.seq, mark=tracker.mark,
+                  owns=lambda t: t.device.type == "cpu")
     tracker.probe = probe
     for p in model.parameters():
         tracker.add_existing(p, "parameters")
@@ -231,7 +232,8 @@ def _profile_cuda(model, batch, optimizer, step, device, label, max_entries,
             s = t.untyped_storage()
             marks.append((seq_now(), s.data_ptr(), s.nbytes(), kind))
 
-    probe = Probe(model, optimizer, seq_now=seq_now, mark=mark, on_change=timeline.add)
+    probe = Probe(model, optimizer, seq_now=seq_now, mark=mark, on_change=timeline.add,
+                  owns=rec.owns)
     rec.sync()
     start_allocated = rec.allocated()
     try:

@@ -122,7 +122,7 @@ class MemoryReport:
         if self.details:
             parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.details.items() if v)
             if parts:
-                lines.append(f"  of which: {parts}")
+                lines.append(f"  other: {parts}")
         return "\n".join(lines)
 
     def save_snapshot(self, path: str) -> str:
