@@ -1,9 +1,11 @@
 """plan: the peak memory of one training step of a Llama-style decoder, estimated from its config.
 
-The estimate models what PyTorch eager autograd keeps for transformers' Llama implementation
-(also Mistral, Qwen2/3: the same decoder layer), in the categories of MemoryReport. Sizes per
-token (N = batch * seq tokens; e = bytes per element of `dtype`; h hidden, I intermediate, L
-layers, nq / nkv query / key-value heads of head dim d, V vocabulary):
+The estimate models what PyTorch eager autograd keeps for transformers' Llama decoder layer
+(Mistral and Qwen2 have the same one), in the categories of MemoryReport. Not modelled: Qwen3's
+q/k norms, Gemma2's four norms per layer and soft-capping, sliding-window masks (which keep
+SDPA off its flash kernel). Sizes per token (N = batch * seq tokens; e = bytes per element of
+`dtype`; h hidden, I intermediate, L layers, nq / nkv query / key-value heads of head dim d, V
+vocabulary):
 
 Activations saved for the backward pass (checked against the CPU tracker, tests/memory):
 
@@ -23,14 +25,17 @@ Activations saved for the backward pass (checked against the CPU tracker, tests/
 Attention scratch (what the attention function allocates, its output included):
 
 * tiled (SDPA's flash / memory-efficient kernels, fusedops.attention): the output (``e*nq*d``)
-  and the log-sum-exp (``4*nq``) per token, kept for the backward; in the backward pass dq, dk,
-  dv and a float32 dq accumulator (``e*(nq + 2*nkv)*d + 4*nq*d``) for one layer.
+  and the log-sum-exp (``4*nq``) per token, kept for the backward; in one layer's backward dq,
+  dk, dv (dk and dv per query head first under GQA) and a float32 dq accumulator:
+  ``e*(nq + 2*nkv)*d + 2*e*nq*d + 4*nq*d``. attention_impl="fusedops" on the CPU adds its torch
+  backend's float32 blocks (six of nq x min(256, S) x S per sequence).
 * eager (transformers' eager_attention_forward): per layer the float32 softmax (``4*nq*S`` per
-  token, i.e. B*nq*S*S*4 bytes) and its copy in `dtype` (``e*nq*S``, not in float32), copies of
-  q, of k and v (repeated for GQA, or laid out for the matmul) and of the output
-  (``4*e*nq*d``); the q/k/v above are then not kept outside attention. Transient: the scores in
-  `dtype` and their float32 upcast next to the softmax (forward), three float32 S*S buffers
-  (backward).
+  token, i.e. B*nq*S*S*4 bytes) and its copy in `dtype` (``e*nq*S``, not in float32), the copies
+  the matmuls keep (q laid out for the batched matmul, k and v repeated for GQA or laid out, the
+  output made contiguous: ``4*e*nq*d``; with batch 1 q, and without GQA k and v, need no copy
+  and stay in activations); the q/k/v above are then not kept outside attention. Transient:
+  the scores in `dtype` and their float32 upcast beside the softmax (forward), the softmax's
+  gradient in `dtype` and in float32 (backward): ``(e + 4)*nq*S`` per token.
 
 Logits/loss scratch:
 
@@ -42,6 +47,9 @@ Logits/loss scratch:
   the memory budget (default 512 MiB), d_hidden (``e*h``, kept until the backward) and small
   per-token arrays (64 bytes); the torch backend (CPU) adds float32 row temporaries. d_weight is
   computed in the forward and counted as a gradient from there.
+* with tied embeddings the LM head's weight gradient (stock: from lm_head's backward; fused:
+  d_weight) waits in autograd's input buffer for the embedding's until the end of the backward
+  pass and is counted where it was allocated, in logits/loss scratch, as the report does.
 
 Parameters, gradients, optimizer state (P = number of parameters):
 
@@ -59,10 +67,14 @@ Parameters, gradients, optimizer state (P = number of parameters):
   "zero3"/"fsdp" also the parameters and adds two layers of gathered parameters (the one in use
   and the prefetched one) to other.
 
-The peak is the largest of four moments of a steady-state step (optimizer state allocated,
-gradients freed before the forward): the loss's forward, the start of the backward (the loss's
-backward), the backward of the first and of the last decoder layer (activations shrink as
-gradients grow), and the optimizer step. `MemoryPlan.candidates` holds all four.
+The backward of one MLP holds the gradients of its gate, SiLU and up outputs and the incoming
+d_hidden (``3*e*I + e*h`` per token) once down_proj's saved input is freed.
+
+The peak is the largest of these moments of a steady-state step (optimizer state allocated,
+gradients freed before the forward): the loss's forward; the loss's backward; the last decoder
+layer's MLP backward and attention backward (all activations still kept); the first layer's
+backward (most gradients made); the embedding's backward; the optimizer step; with eager
+attention also the last layer's attention forward. `MemoryPlan.candidates` holds them all.
 
 Not modelled: the KV cache (set use_cache=False for training: a DynamicCache copies k and v of
 every layer in the forward), dropout masks, padding masks, allocator fragmentation and cuBLAS
