@@ -83,8 +83,8 @@ def cuda_extension():
 ext_modules, cmdclass = cuda_extension()
 
 setup(
-    packages=["fusedops", "fusedops.linear_ce", "fusedops.attention", "fusedops.integrations",
-              "fusedops.integrations.transformers"],
+    packages=["fusedops", "fusedops.linear_ce", "fusedops.attention", "fusedops.memory",
+              "fusedops.integrations", "fusedops.integrations.transformers"],
     package_dir={"fusedops": "python/fusedops"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -35,5 +35,5 @@ if [ "${SKIP_BENCH:-0}" != "1" ]; then
   tail -5 "$OUT/bench.err"
 fi
 if [ "${RUN_DEMO:-0}" = "1" ]; then
-  (cd /tmp && python3 "$OLDPWD/examples/demo_lm_head.py") 2>&1 | tee "$OUT/demo.log"
+  (cd /tmp && python3 "$OLDPWD/examples/demo.py") 2>&1 | tee "$OUT/demo.log"
 fi
