@@ -5,8 +5,8 @@ with fusedops' attention and loss switched on separately, and the heaviest CUDA 
 
 Methods: sdpa (stock), liger (its fused linear cross-entropy only), fusedops (both),
 fusedops-attention (attention only, stock loss), fusedops-loss (loss only, sdpa attention).
-Prints the median ms per step of each and, for `--profile` methods, the CUDA kernels by total
-time over two steps (torch.profiler).
+Prints the median ms per step and the peak allocated memory of each and, for `--profile`
+methods, the CUDA kernels by total time over two steps (torch.profiler).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def main():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
         for _ in range(2):
             default_step(model, batch, opt)
+        torch.cuda.reset_peak_memory_stats()
         times = []
         for _ in range(args.steps):
             torch.cuda.synchronize()
@@ -56,7 +57,9 @@ def main():
             default_step(model, batch, opt)
             torch.cuda.synchronize()
             times.append((time.perf_counter() - t0) * 1e3)
-        print(f"{method:20} {statistics.median(times):8.1f} ms per step", flush=True)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        print(f"{method:20} {statistics.median(times):8.1f} ms per step, peak {peak:.3f} GiB",
+              flush=True)
         if method in args.profile.split(","):
             from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
