@@ -20,7 +20,7 @@ import sys
 import time
 
 INSTALL = {
-    "transformers": 'pip install "transformers>=4.56"',
+    "transformers": 'pip install "transformers==5.17.0"',
     "integration": "pip install --no-build-isolation .   (from the fusedops checkout: the "
                    "installed fusedops lacks fusedops.integrations.transformers)",
 }

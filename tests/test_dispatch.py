@@ -144,3 +144,5 @@ def test_cuda_inputs_without_a_gpu_get_a_reason(op, inner):
         assert dispatch.why_not(name, _sig(op, inner=inner)) == "no CUDA GPU is visible"
     if op == "attention":
         assert "head dim 96" in dispatch.why_not("cuda-sm80", _sig(op, inner=96))
+    # auto's order must not ask the driver either
+    assert dispatch.select_name(op, "cuda", 0, "bfloat16", inner, None, True) == "torch"

@@ -126,7 +126,8 @@ void check_fwd_sm90(const Tensor& q, const Tensor& k, const Tensor& v) {
                     "the sm90 attention forward needs a compute capability 9.0 GPU (got ",
                     std::to_string(major), ".", std::to_string(minor), "); use arch 80");
   for (const Tensor* t : {&q, &k, &v})
-    TORCH_CHECK_VALUE(t->size(0) <= 1 || t->stride(0) >= t->size(1) * t->size(2),
+    TORCH_CHECK_VALUE((t->size(0) <= 1 && t->stride(0) > 0) ||
+                          t->stride(0) >= t->size(1) * t->size(2),
                       "the sm90 attention forward needs rows of q, k and v that do not overlap");
 }
 

@@ -408,3 +408,23 @@ def test_attention_with_cache_and_padding(q_len, window):
     valid = mask[:, sk - q_len:]
     torch.testing.assert_close(out[valid], want[valid], rtol=1e-12, atol=1e-12)
     assert (out[~valid] == 0).all()
+
+
+def test_static_cache_without_a_mask():
+    """A static cache longer than what it holds, and no attention mask: the empty slots must not
+    be attended to (logits as without a cache), prefill then one decode step."""
+    from transformers import StaticCache
+
+    _, cand = model_pair("llama", torch.float64)
+    fo_hf.apply_fusedops(cand)
+    cand.eval()
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, VOCAB, (1, 7), generator=g)
+    with torch.no_grad():
+        want = cand(ids).logits
+        cache = StaticCache(config=cand.config, max_cache_len=16)
+        got = cand(ids[:, :6], past_key_values=cache, use_cache=True).logits
+        last = cand(ids[:, 6:], past_key_values=cache, use_cache=True,
+                    cache_position=torch.tensor([6])).logits
+    torch.testing.assert_close(got, want[:, :6], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(last, want[:, 6:], rtol=1e-10, atol=1e-10)

@@ -131,11 +131,8 @@ def test_demo_learns_and_both_runs_agree(capsys):
     assert "fusedops backends: linear_ce torch, attention torch" in out and "ok:" in out
 
 
-def test_demo_without_the_integration_exits_2(capsys):
-    try:
-        import fusedops.integrations.transformers  # noqa: F401
-        pytest.skip("the integration is installed")
-    except ImportError:
-        pass
+def test_demo_without_the_integration_exits_2(capsys, monkeypatch):
+    """A missing integration (as on an install without it) stops the demo with exit code 2."""
+    monkeypatch.setitem(sys.modules, "fusedops.integrations.transformers", None)
     assert _demo().main(["--device", "cpu", "--steps", "4"]) == 2
     assert "fusedops.integrations.transformers" in capsys.readouterr().err

@@ -46,7 +46,7 @@ def order(sig: InputSig, forced_sm80: bool) -> list[str]:
     cuda = ["cuda-sm80"] if forced_sm80 else ["cuda-sm90", "cuda-sm80"]
     if sig.device_type != "cuda":
         return cuda + ["torch"]
-    hopper = dispatch.capability(sig) >= (9, 0)
+    hopper = torch.cuda.is_available() and dispatch.capability(sig) >= (9, 0)
     if hopper and sig.inner_dim in CUDA_HEAD_DIMS and not forced_sm80:
         # The sm90 forward is 1.2-1.9x the sm80 one at D=64 and D=128 from L=4096 (equal at
         # D=64 causal L=1024) and the backward is the same kernel, so a step is faster than

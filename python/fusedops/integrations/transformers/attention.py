@@ -45,7 +45,12 @@ def fusedops_attention_mask(batch_size: int, q_length: int, kv_length: int, q_of
     attention function applies them itself (as with transformers' flash-attention path).
     """
     if attention_mask is None:
-        return None
+        # No padding, but a static cache longer than what it holds: the first q_offset +
+        # q_length slots are keys, the rest are empty and must not be attended to.
+        used = int(q_offset) + int(q_length)
+        if kv_length <= used:
+            return None
+        return torch.ones(batch_size, used, dtype=torch.bool, device=kwargs.get("device", "cpu"))
     # The last kv_length positions are the keys (sliding-window caches keep fewer than all).
     attention_mask = attention_mask[:, -kv_length:]
     # A shorter mask (a static cache longer than what was seen) must stay: it says how many
