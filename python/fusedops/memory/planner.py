@@ -85,7 +85,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fusedops.memory.report import CATEGORIES, LABELS, format_bytes
+from fusedops.memory.report import CATEGORIES, LABELS, Breakdown, format_bytes
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2,
                 "half": 2, "fp16": 2}
@@ -152,27 +152,15 @@ class ModelShape:
 
 
 @dataclass
-class MemoryPlan:
+class MemoryPlan(Breakdown):
     """Estimated peak memory of one training step (bytes), in MemoryReport's categories, at the
     moment `peak_phase`; `candidates` has the totals at each moment considered and `settings`
     the arguments of plan()."""
 
-    parameters: int = 0
-    gradients: int = 0
-    optimizer_state: int = 0
-    activations: int = 0
-    logits_loss: int = 0
-    attention: int = 0
-    other: int = 0
-    peak_bytes: int = 0
-    peak_phase: str = ""
     label: str = "planner"
     settings: dict = field(default_factory=dict)
     candidates: dict = field(default_factory=dict)
     per_token_layer_bytes: int = 0
-
-    def categories(self) -> dict:
-        return {k: int(getattr(self, k)) for k in CATEGORIES}
 
     def to_dict(self) -> dict:
         return dict(label=self.label, peak_bytes=int(self.peak_bytes),

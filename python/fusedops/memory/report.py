@@ -43,7 +43,27 @@ def format_bytes(n: float) -> str:
 
 
 @dataclass
-class MemoryReport:
+class Breakdown:
+    """Bytes per category at the peak of a step, the peak and its moment: what a measured
+    report and a plan share."""
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+    logits_loss: int = 0
+    attention: int = 0
+    other: int = 0
+    peak_bytes: int = 0
+    peak_phase: str = ""
+
+    def categories(self) -> dict:
+        """{category: bytes at the peak}, in CATEGORIES order."""
+        return {k: int(getattr(self, k)) for k in CATEGORIES}
+
+
+@dataclass
+class MemoryReport(Breakdown):
     """Peak memory of one training step and what held it at that moment (bytes).
 
     The seven category fields add up to `peak_bytes`. `details` splits "other" by what
@@ -56,15 +76,6 @@ class MemoryReport:
     category, phase, region, the innermost stack frame outside torch).
     """
 
-    parameters: int = 0
-    gradients: int = 0
-    optimizer_state: int = 0
-    activations: int = 0
-    logits_loss: int = 0
-    attention: int = 0
-    other: int = 0
-    peak_bytes: int = 0
-    peak_phase: str = ""
     device: str = "cpu"
     method: str = ""
     label: str = ""
@@ -76,10 +87,6 @@ class MemoryReport:
     notes: list = field(default_factory=list)
     largest: list = field(default_factory=list, repr=False)
     snapshot: dict | None = field(default=None, repr=False)
-
-    def categories(self) -> dict:
-        """{category: bytes at the peak}, in CATEGORIES order."""
-        return {k: int(getattr(self, k)) for k in CATEGORIES}
 
     def to_dict(self) -> dict:
         """Everything but the snapshot, as plain JSON-able values."""
