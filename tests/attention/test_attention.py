@@ -377,6 +377,7 @@ def test_auto_dispatch_order_for_attention(cap, forced, head_dim, causal, first,
     the others (no CUDA kernels there), unless the Ampere path is forced; elsewhere the CUDA
     backends come first (cuda-sm90 is then refused for the capability)."""
     monkeypatch.setattr(dispatch, "capability", lambda sig: cap)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU this case describes
     if forced:
         monkeypatch.setenv("FUSEDOPS_CUDA_ARCH", "sm80")
     else:
