@@ -179,7 +179,15 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
       bool moved = false;
       auto tile = [&](auto path) {
         constexpr int kPath = decltype(path)::value;
-        float mx[2] = {-INFINITY, -INFINITY};
+        // The row maxima as a tree: kMaxChains independent running maxima per row, combined at
+        // the end, so that the FMNMX dependency chain (which every exponential waits for) is
+        // BN / 4 / kMaxChains deep instead of BN / 4.
+        constexpr int kMaxChains = 4;
+        float mxc[2][kMaxChains];
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int c = 0; c < kMaxChains; ++c) mxc[r][c] = -INFINITY;
 #pragma unroll
         for (int ni = 0; ni < BN / 8; ++ni)
 #pragma unroll
@@ -190,11 +198,13 @@ __global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
               sacc[ni][e] =
                   sq.visible(i0 + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p) ? x : -INFINITY;
             }
-            mx[e >> 1] = fmaxf(mx[e >> 1], sacc[ni][e]);
+            float& m = mxc[e >> 1][(2 * ni + (e & 1)) % kMaxChains];
+            m = fmaxf(m, sacc[ni][e]);
           }
-        float mu[2];
+        float mx[2], mu[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
+          mx[r] = fmaxf(fmaxf(mxc[r][0], mxc[r][1]), fmaxf(mxc[r][2], mxc[r][3]));
           mx[r] = quad_max(mx[r]);
           if constexpr (kPath == 0) mx[r] *= score.scale_log2();
           if (mx[r] > m_run[r] + kSlack) {
