@@ -166,58 +166,87 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr, uint32_t lbo,
 template <typename T, int N>
 struct Wgmma;
 
-// The accumulator operands, 4 per 8-column block, and the "%0, ..., %(4N/8 - 1)" list naming them.
+// The accumulator operands: 4 per 8-column block i, 8 blocks (64 columns) from block i, and the
+// N / 8 blocks of each specialised N.
 #define FUSEDOPS_ACC8(i) "+f"(d[i][0]), "+f"(d[i][1]), "+f"(d[i][2]), "+f"(d[i][3])
-#define FUSEDOPS_ACC_N64                                                                  \
-  FUSEDOPS_ACC8(0), FUSEDOPS_ACC8(1), FUSEDOPS_ACC8(2), FUSEDOPS_ACC8(3), FUSEDOPS_ACC8(4), \
-      FUSEDOPS_ACC8(5), FUSEDOPS_ACC8(6), FUSEDOPS_ACC8(7)
-#define FUSEDOPS_ACC_N128                                                                    \
-  FUSEDOPS_ACC_N64, FUSEDOPS_ACC8(8), FUSEDOPS_ACC8(9), FUSEDOPS_ACC8(10), FUSEDOPS_ACC8(11), \
-      FUSEDOPS_ACC8(12), FUSEDOPS_ACC8(13), FUSEDOPS_ACC8(14), FUSEDOPS_ACC8(15)
-#define FUSEDOPS_REGS_N64                                     \
-  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"   \
-  "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
-#define FUSEDOPS_REGS_N128                                    \
-  FUSEDOPS_REGS_N64 ","                                       \
-  "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
-  "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+#define FUSEDOPS_ACC64(i)                                                                 \
+  FUSEDOPS_ACC8(i), FUSEDOPS_ACC8(i + 1), FUSEDOPS_ACC8(i + 2), FUSEDOPS_ACC8(i + 3),       \
+      FUSEDOPS_ACC8(i + 4), FUSEDOPS_ACC8(i + 5), FUSEDOPS_ACC8(i + 6), FUSEDOPS_ACC8(i + 7)
+#define FUSEDOPS_ACC_N64 FUSEDOPS_ACC64(0)
+#define FUSEDOPS_ACC_N80 FUSEDOPS_ACC64(0), FUSEDOPS_ACC8(8), FUSEDOPS_ACC8(9)
+#define FUSEDOPS_ACC_N128 FUSEDOPS_ACC64(0), FUSEDOPS_ACC64(8)
+#define FUSEDOPS_ACC_N176                                                                   \
+  FUSEDOPS_ACC_N128, FUSEDOPS_ACC8(16), FUSEDOPS_ACC8(17), FUSEDOPS_ACC8(18), FUSEDOPS_ACC8(19), \
+      FUSEDOPS_ACC8(20), FUSEDOPS_ACC8(21)
+#define FUSEDOPS_ACC_N256 FUSEDOPS_ACC_N128, FUSEDOPS_ACC64(16), FUSEDOPS_ACC64(24)
 
-// One specialisation: element type T named PTX_T in the instruction, N columns, and the operand
-// numbers that follow the 4N/8 accumulators (SS_*: the two descriptors and scale_d; RS_*: the
-// four A registers, the B descriptor and scale_d).
-#define FUSEDOPS_WGMMA(T, N, PTX_T, SS_A, SS_B, SS_SCALE, RS_A, RS_B, RS_SCALE)                \
+// The "%0,%1,...,%(N / 2 - 1)" lists naming those accumulators in the instruction, built from
+// decades: FUSEDOPS_OPS10(p) is "%p0,...,%p9" (p empty: "%0,...,%9").
+#define FUSEDOPS_OPS10(p) \
+  "%" #p "0,%" #p "1,%" #p "2,%" #p "3,%" #p "4,%" #p "5,%" #p "6,%" #p "7,%" #p "8,%" #p "9"
+#define FUSEDOPS_REGS_N64 FUSEDOPS_OPS10() "," FUSEDOPS_OPS10(1) "," FUSEDOPS_OPS10(2) ",%30,%31"
+#define FUSEDOPS_REGS_N80 \
+  FUSEDOPS_OPS10() "," FUSEDOPS_OPS10(1) "," FUSEDOPS_OPS10(2) "," FUSEDOPS_OPS10(3)
+#define FUSEDOPS_REGS_N128 \
+  FUSEDOPS_REGS_N80 "," FUSEDOPS_OPS10(4) "," FUSEDOPS_OPS10(5) ",%60,%61,%62,%63"
+#define FUSEDOPS_REGS_N176                                                                \
+  FUSEDOPS_REGS_N80 "," FUSEDOPS_OPS10(4) "," FUSEDOPS_OPS10(5) "," FUSEDOPS_OPS10(6) ","   \
+      FUSEDOPS_OPS10(7) ",%80,%81,%82,%83,%84,%85,%86,%87"
+#define FUSEDOPS_REGS_N256                                                                \
+  FUSEDOPS_REGS_N80 "," FUSEDOPS_OPS10(4) "," FUSEDOPS_OPS10(5) "," FUSEDOPS_OPS10(6) ","   \
+      FUSEDOPS_OPS10(7) "," FUSEDOPS_OPS10(8) "," FUSEDOPS_OPS10(9) "," FUSEDOPS_OPS10(10) \
+      "," FUSEDOPS_OPS10(11) ",%120,%121,%122,%123,%124,%125,%126,%127"
+
+// One specialisation: element type T named PTX_T in the instruction, N columns, and the numbers
+// of the operands that follow the N / 2 accumulators (a0 = N / 2, ..., a5): ss takes the two
+// descriptors and scale_d (a0-a2), rs_mn the four A registers, the B descriptor and scale_d.
+#define FUSEDOPS_WGMMA(T, N, PTX_T, a0, a1, a2, a3, a4, a5)                                    \
   template <>                                                                                 \
   struct Wgmma<T, N> {                                                                        \
     static __device__ __forceinline__ void ss(float (&d)[N / 8][4], uint64_t a_desc,           \
                                               uint64_t b_desc, int scale_d) {                 \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " SS_SCALE ", 0;\n"                      \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #a2 ", 0;\n"                          \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_T "." PTX_T " {"     \
-                   FUSEDOPS_REGS_N##N "}, " SS_A ", " SS_B ", p, 1, 1, 0, 0;\n}\n"            \
+                   FUSEDOPS_REGS_N##N "}, %" #a0 ", %" #a1 ", p, 1, 1, 0, 0;\n}\n"            \
                    : FUSEDOPS_ACC_N##N                                                        \
                    : "l"(a_desc), "l"(b_desc), "r"(scale_d));                                 \
     }                                                                                         \
     static __device__ __forceinline__ void rs_mn(float (&d)[N / 8][4], const uint32_t (&a)[4], \
                                                  uint64_t b_desc, int scale_d) {              \
-      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " RS_SCALE ", 0;\n"                      \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #a5 ", 0;\n"                          \
                    "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_T "." PTX_T " {"     \
-                   FUSEDOPS_REGS_N##N "}, " RS_A ", " RS_B ", p, 1, 1, 1;\n}\n"               \
+                   FUSEDOPS_REGS_N##N "}, {%" #a0 ", %" #a1 ", %" #a2 ", %" #a3 "}, %" #a4   \
+                   ", p, 1, 1, 1;\n}\n"                                                       \
                    : FUSEDOPS_ACC_N##N                                                        \
                    : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(scale_d));  \
     }                                                                                         \
   };
+#define FUSEDOPS_WGMMA_BF16_F16(N, ...)                  \
+  FUSEDOPS_WGMMA(__nv_bfloat16, N, "bf16", __VA_ARGS__) \
+  FUSEDOPS_WGMMA(__half, N, "f16", __VA_ARGS__)
 
-FUSEDOPS_WGMMA(__nv_bfloat16, 64, "bf16", "%32", "%33", "%34", "{%32, %33, %34, %35}", "%36",
-               "%37")
-FUSEDOPS_WGMMA(__nv_bfloat16, 128, "bf16", "%64", "%65", "%66", "{%64, %65, %66, %67}", "%68",
-               "%69")
-FUSEDOPS_WGMMA(__half, 64, "f16", "%32", "%33", "%34", "{%32, %33, %34, %35}", "%36", "%37")
-FUSEDOPS_WGMMA(__half, 128, "f16", "%64", "%65", "%66", "{%64, %65, %66, %67}", "%68", "%69")
+// N = 64, 128, 256: the head dims (O += P V, rs_mn) and key tiles (S = Q K^T, ss); 80 and 176:
+// key tiles (attention_config_sm90.h).
+FUSEDOPS_WGMMA_BF16_F16(64, 32, 33, 34, 35, 36, 37)
+FUSEDOPS_WGMMA_BF16_F16(80, 40, 41, 42, 43, 44, 45)
+FUSEDOPS_WGMMA_BF16_F16(128, 64, 65, 66, 67, 68, 69)
+FUSEDOPS_WGMMA_BF16_F16(176, 88, 89, 90, 91, 92, 93)
+FUSEDOPS_WGMMA_BF16_F16(256, 128, 129, 130, 131, 132, 133)
 
+#undef FUSEDOPS_WGMMA_BF16_F16
 #undef FUSEDOPS_WGMMA
+#undef FUSEDOPS_REGS_N256
+#undef FUSEDOPS_REGS_N176
 #undef FUSEDOPS_REGS_N128
+#undef FUSEDOPS_REGS_N80
 #undef FUSEDOPS_REGS_N64
+#undef FUSEDOPS_OPS10
+#undef FUSEDOPS_ACC_N256
+#undef FUSEDOPS_ACC_N176
 #undef FUSEDOPS_ACC_N128
+#undef FUSEDOPS_ACC_N80
 #undef FUSEDOPS_ACC_N64
+#undef FUSEDOPS_ACC64
 #undef FUSEDOPS_ACC8
 
 }  // namespace sm90

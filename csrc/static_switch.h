@@ -38,3 +38,18 @@
       return __VA_ARGS__();          \
     }                                \
   }()
+
+// The same with head dim 256 too (the Hopper forward): 64 -> 64, 256 -> 256, else 128.
+#define HEADDIM_SWITCH_64_128_256(D_VALUE, ...) \
+  [&] {                                         \
+    if ((D_VALUE) == 64) {                      \
+      constexpr static int kD = 64;             \
+      return __VA_ARGS__();                     \
+    } else if ((D_VALUE) == 256) {              \
+      constexpr static int kD = 256;            \
+      return __VA_ARGS__();                     \
+    } else {                                    \
+      constexpr static int kD = 128;            \
+      return __VA_ARGS__();                     \
+    }                                           \
+  }()

@@ -8,21 +8,31 @@
 namespace fusedops {
 namespace attn {
 
-// The tiles follow FlashAttention-3's published shapes for these head dims (128 queries x 128
-// keys) and the register budget; they have not been measured against neighbouring shapes yet
-// (the schedule table below has, on the H200).
-template <int D>
+// The key tile of each head dim (queries are 128 everywhere). D=64 and D=128: 128 keys,
+// FlashAttention-3's published shape for these head dims. D=256: 80 keys, FlashAttention-3's
+// shape for hdim 256, chosen over 64 by the budgets (ptxas, sm_90a): O is 64 x 256 per consumer
+// warpgroup, 128 floats a thread, S 40 and the bf16 P 20 more; shared memory Q 64 KiB + 2 stages
+// x (K 40 + V 40) = 224 KiB of the 227. Neither D=256 shape has been timed yet. The tiles of
+// D=64/128 have not been measured against neighbouring shapes either (the schedule table below
+// has, on the H200); 176 keys at D=128 is built as a measurement option
+// (FUSEDOPS_ATTN_SM90_BLOCK_N, attention_launch_sm90.cuh).
+constexpr int sm90_block_n(int head_dim) { return head_dim == 256 ? 80 : 128; }
+
+template <int D, int kN = sm90_block_n(D)>
 struct TilesSm90 {
-  static_assert(D == 64 || D == 128, "the sm90 forward takes head dim 64 or 128");
+  static_assert(D == 64 || D == 128 || D == 256, "the sm90 forward takes head dim 64, 128 or 256");
   // Queries per CTA: two consumer warpgroups of 64 rows (wgmma's M), sharing each K/V tile, so
   // that a tile streamed once from L2 feeds 128 rows.
   static constexpr int kBlockM = 128;
-  // Keys per tile: S = Q K^T is one m64n128 accumulator (64 floats per thread) and the P V
-  // product 8 k-steps; 128 keeps S + O (64 + 64 floats at D=128) and the bf16 P (32 registers)
-  // within the consumers' 240 registers.
-  static constexpr int kBlockN = 128;
-  // K/V stages: 2 at D=128 (Q 32 KiB + 2 x (K 32 + V 32) = 160 KiB of the 227 KiB); 3 at D=64,
-  // where the tiles are half the size and more loads in flight hide more latency.
+  // Keys per tile (sm90_block_n): S = Q K^T is one m64nN accumulator (N / 2 floats per thread)
+  // and the P V product N / 16 k-steps. At D=128, 128 keeps S + O (64 + 64 floats) and the bf16
+  // P (32 registers) within the consumers' 240 registers; at D=256, 80 keys (40 + 128 + 20).
+  static constexpr int kBlockN = kN;
+  static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
+                "key tiles are whole k-steps of P V (16 keys) and at most wgmma's N (256)");
+  // K/V stages: 2 at D=128 (Q 32 KiB + 2 x (K 32 + V 32) = 160 KiB of the 227 KiB; 208 KiB with
+  // 176 keys) and D=256 (224 KiB); 3 at D=64, where the tiles are half the size and more loads in
+  // flight hide more latency.
   static constexpr int kStages = D == 64 ? 3 : 2;
   // Warpgroup 0 produces (one thread issues every TMA load), warpgroups 1 and 2 compute.
   static constexpr int kConsumerWarpgroups = 2;
@@ -32,7 +42,8 @@ struct TilesSm90 {
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 
   // Shared memory (bytes, 2-byte elements). Every tile is stored as D / 64 column blocks of
-  // rows x 128 bytes (TMA boxes of 64 elements, 128-byte swizzle), each 1024-byte aligned.
+  // rows x 128 bytes (TMA boxes of 64 elements, 128-byte swizzle), each 1024-byte aligned: the
+  // swizzle atom is 8 rows, so BN must be a multiple of 8 (16 above).
   static constexpr int kElem = 2;
   static constexpr int kQBytes = kBlockM * D * kElem;
   static constexpr int kKvBytes = kBlockN * D * kElem;  // one K or one V tile
@@ -57,8 +68,11 @@ struct TilesSm90 {
 //   D=128 causal: ping-pong up to L=2048 (1024: 320/336), overlap beyond (4096: 495/462;
 //     16384 601/607 is within the run's spread, and 4096 is not).
 // FUSEDOPS_ATTN_SM90_SCHEDULE overrides it, for measurement (attention_launch_sm90.cuh).
+// D=256: overlap, unmeasured (FlashAttention-3 takes turns between its consumer warpgroups only
+// up to hdim 128); the place to change once check_attention_sm90.py --dims 256 has timed it.
 constexpr int sm90_auto_schedule(int head_dim, bool causal, int max_k) {
   if (head_dim == 64) return 2;
+  if (head_dim == 256) return 1;
   if (!causal) return 1;
   return max_k <= 2048 ? 2 : 1;
 }

@@ -14,16 +14,16 @@
 // 1 intra-warpgroup overlap (the softmax of tile i + 1 while P_i V_i runs), 2 the same with the
 // two consumer warpgroups taking turns at the tensor cores (ping-pong).
 //
-// Constraints: T is __half or __nv_bfloat16; D is 64 or 128 (TilesSm90); the packed layout of
-// attention_params.h with row strides that are multiples of 8 elements and 16-byte aligned
-// tensors (TMA's rules; attention_api.cpp checks them), hq a multiple of hkv, every sequence no
-// longer than max_q (the grid's x). Tensor maps (attention_launch_sm90.cuh): 3-D (D, heads,
-// rows) over the packed tensors, boxes of 64 x 1 x rows (tm_o: 64 rows, one warpgroup's),
-// 128-byte swizzle. A tile that crosses a sequence's end reads the next sequence's rows (TMA
-// zero-fills only past the tensor's end): key columns >= lk are masked to -inf by index, so P
-// is 0 there, and query rows >= lq are never stored. Launch: TilesSm90<D>::kThreads threads,
-// kSmem bytes of dynamic shared memory, one CTA per SM. The body is empty (a trap) unless
-// compiled for sm_90a.
+// Constraints: T is __half or __nv_bfloat16; D is 64, 128 or 256, kN (keys per tile) a multiple
+// of 16 (TilesSm90); the packed layout of attention_params.h with row strides that are multiples
+// of 8 elements and 16-byte aligned tensors (TMA's rules; attention_api.cpp checks them), hq a
+// multiple of hkv, every sequence no longer than max_q (the grid's x). Tensor maps
+// (attention_launch_sm90.cuh): 3-D (D, heads, rows) over the packed tensors, boxes of 64 x 1 x
+// rows (tm_q: BM rows, tm_k and tm_v: BN, tm_o: 64, one warpgroup's), 128-byte swizzle. A tile
+// that crosses a sequence's end reads the next sequence's rows (TMA zero-fills only past the
+// tensor's end): key columns >= lk are masked to -inf by index, so P is 0 there, and query rows
+// >= lq are never stored. Launch: TilesSm90<D, kN>::kThreads threads, kSmem bytes of dynamic
+// shared memory, one CTA per SM. The body is empty (a trap) unless compiled for sm_90a.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only; nothing links against the driver)
@@ -37,15 +37,15 @@
 namespace fusedops {
 namespace attn {
 
-template <typename T, int D, int kSchedule>
-__global__ void __launch_bounds__(TilesSm90<D>::kThreads, 1)
+template <typename T, int D, int kSchedule, int kN = sm90_block_n(D)>
+__global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
     fwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v,
                     const __grid_constant__ CUtensorMap tm_o, const int tma_store) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fusedops::sm90;
-  using C = TilesSm90<D>;
+  using C = TilesSm90<D, kN>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, S = C::kStages;
   constexpr int kBlocks = D / 64;  // 64-element (128-byte) column blocks per row
   extern __shared__ __align__(1024) unsigned char smem_raw[];

@@ -1,7 +1,7 @@
 // Host-side launch of the Hopper attention forward: the TMA tensor maps (made once per call
 // through the driver entry point that the CUDA runtime hands out, so nothing links against
-// libcuda), the schedule and epilogue choices, the grid and the launch (tile sizes and shared
-// memory: attention_config_sm90.h).
+// libcuda), the schedule, key tile and epilogue choices, the grid and the launch (tile sizes and
+// shared memory: attention_config_sm90.h).
 #pragma once
 
 #include <cuda.h>
@@ -81,9 +81,18 @@ inline int sm90_tma_store() {
   return s != nullptr && std::strcmp(s, "regs") == 0 ? 0 : 1;
 }
 
-template <typename T, int D>
-cudaError_t run_fwd_sm90(const AttnParams& p) {
-  using C = TilesSm90<D>;
+// The key tile: the table's (sm90_block_n) unless FUSEDOPS_ATTN_SM90_BLOCK_N=176 asks for 176
+// keys at D=128 with the overlap or ping-pong schedule (FlashAttention-3's shape for D=128
+// without a causal mask or window), built to be timed against 128 keys: for measurement only,
+// read at every call. Any other value, head dim or schedule gets the table's tile.
+inline bool sm90_block_n_176(const AttnParams& p) {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BLOCK_N");
+  return s != nullptr && std::strcmp(s, "176") == 0 && p.head_dim == 128 && sm90_schedule(p) != 0;
+}
+
+template <typename T, int D, int kN>
+cudaError_t launch_fwd_sm90(const AttnParams& p) {
+  using C = TilesSm90<D, kN>;
   static_assert(sizeof(T) == C::kElem);
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   const dim3 grid((p.max_q + C::kBlockM - 1) / C::kBlockM, p.hq, p.batch);
@@ -99,10 +108,12 @@ cudaError_t run_fwd_sm90(const AttnParams& p) {
                        no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.v_row, C::kBlockN) ||
       !make_tensor_map(&tm_o, p.out, kBf16, D, p.hq, p.total_q, p.o_row, 64))
     return cudaErrorInvalidValue;  // the driver refused a tensor map (attention_api.cpp says)
-  auto kernel = fwd_kernel_sm90<T, D, 1>;
+  auto kernel = fwd_kernel_sm90<T, D, 1, kN>;
   switch (sm90_schedule(p)) {
-    case 0: kernel = fwd_kernel_sm90<T, D, 0>; break;
-    case 2: kernel = fwd_kernel_sm90<T, D, 2>; break;
+    case 0:  // serial: built with the table's tiles only
+      if constexpr (kN == sm90_block_n(D)) kernel = fwd_kernel_sm90<T, D, 0, kN>;
+      break;
+    case 2: kernel = fwd_kernel_sm90<T, D, 2, kN>; break;
     default: break;
   }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -111,6 +122,13 @@ cudaError_t run_fwd_sm90(const AttnParams& p) {
   kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_o,
                                                      sm90_tma_store());
   return cudaGetLastError();
+}
+
+template <typename T, int D>
+cudaError_t run_fwd_sm90(const AttnParams& p) {
+  if constexpr (D == 128)
+    if (sm90_block_n_176(p)) return launch_fwd_sm90<T, D, 176>(p);
+  return launch_fwd_sm90<T, D, sm90_block_n(D)>(p);
 }
 
 }  // namespace attn
