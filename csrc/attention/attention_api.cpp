@@ -32,15 +32,21 @@ void check_rows(const Tensor& t, const char* name, const Tensor& q) {
                     " must be 16-byte aligned");
 }
 
+// `sm90_fwd`: the call is arch 90's forward, the one kernel built for head dim 256 too.
 AttnParams make_params(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_q,
                        const Tensor& cu_k, int64_t max_q, int64_t max_k, double scale,
-                       bool causal, int64_t left, int64_t right, double softcap) {
+                       bool causal, int64_t left, int64_t right, double softcap,
+                       bool sm90_fwd = false) {
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "q must be float16 or bfloat16, got ", q.scalar_type());
   TORCH_CHECK_VALUE(q.dim() == 3, "q must be (total_q, Hq, D)");
-  TORCH_CHECK_VALUE(q.size(2) == 64 || q.size(2) == 128,
-                    "the CUDA attention kernels take head dim 64 or 128, got ",
-                    std::to_string(q.size(2)));
+  TORCH_CHECK_VALUE(q.size(2) == 64 || q.size(2) == 128 || q.size(2) == 256,
+                    "the CUDA attention kernels take head dim 64 or 128 (the sm90 forward also "
+                    "256), got ", std::to_string(q.size(2)));
+  TORCH_CHECK_VALUE(q.size(2) != 256 || sm90_fwd,
+                    "head dim 256: only the sm90 forward (arch 90) is built for it; the sm80 "
+                    "kernels and the CUDA backward take head dim 64 or 128 (fusedops.attention "
+                    "runs Triton's backward after a cuda-sm90 forward at 256)");
   check_rows(q, "q", q);
   check_rows(k, "k", q);
   check_rows(v, "v", q);
@@ -139,7 +145,7 @@ std::tuple<Tensor, Tensor> attention_fwd_cuda(const Tensor& q, const Tensor& k, 
   const AttnFamily fam = family(arch);
   c10::cuda::CUDAGuard guard(q.device());
   AttnParams p = make_params(q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, left, right,
-                             softcap);
+                             softcap, /*sm90_fwd=*/arch == 90);
   if (arch == 90) check_fwd_sm90(q, k, v);
   Tensor out = at::empty(q.sizes(), q.options());
   Tensor lse = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));

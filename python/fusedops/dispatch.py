@@ -50,7 +50,8 @@ class Backend:
     compute capabilities it runs on, (lowest, highest) inclusive; `limits` the op-specific check
     (head dims, alignment), returning the reason it cannot run `sig` or None; `unbuilt` a reason
     that holds whatever the input (kernels not written yet); `summary` one line for
-    `python -m fusedops.info`."""
+    `python -m fusedops.info`; `bwd_by` the backend whose kernels run this one's backward at an
+    inner size where it has none of its own (None: its own everywhere)."""
 
     name: str
     kind: str
@@ -60,6 +61,7 @@ class Backend:
     cc_range: tuple[tuple[int, int], tuple[int, int]] = ((8, 0), (9, 0))
     limits: Callable[[InputSig], str | None] | None = None
     unbuilt: str | None = None
+    bwd_by: Callable[[int], str | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -258,6 +260,13 @@ def select(op: str, x: torch.Tensor, inner_dim: int, backend: str | None = None,
                      inner_dim, ", causal" if causal else "",
                      backend or env.get("FUSEDOPS_BACKEND", "auto"), name)
     return name
+
+
+def bwd_backend(op: str, backend: str, inner_dim: int) -> str:
+    """The backend whose kernels run the backward of `backend`'s forward at this inner size."""
+    b = op_backends(op).by_name.get(backend)
+    other = b.bwd_by(inner_dim) if b is not None and b.bwd_by is not None else None
+    return other or backend
 
 
 def cuda_arch(op: str, backend: str) -> int:

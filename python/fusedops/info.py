@@ -61,6 +61,11 @@ def report(dtype: str = "bfloat16", hidden: int = 4096, head_dim: int = 128,
             why = dispatch.why_not(b.name, sig)
             lines.append(f"  {b.name:10} {'available' if why is None else 'no: ' + why}")
             lines.append(f"  {'':10} ({b.summary})")
+            by = dispatch.bwd_backend(op, b.name, inner)
+            if by != b.name:
+                why_by = dispatch.why_not(by, sig)
+                lines.append(f"  {'':10} backward at {table.inner_name} {inner}: {by}'s kernels"
+                             + ("" if why_by is None else f" (no: {why_by})"))
         try:
             chosen = dispatch.select_name(op, dev_type, dev_index, dtype, inner, None,
                                           causal and op == "attention")

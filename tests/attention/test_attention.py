@@ -18,11 +18,12 @@ except ImportError:
     HAS_TRITON = False
 
 # (B, Sq, Sk, Hq, Hkv, D): seqlens 1, 97, 128, 1025, 4096; Sq != Sk both ways; GQA 1, 4, 8;
-# head dims 32, 64, 96, 128, 256.
+# head dims 32, 64, 96, 128, 256 (at 256: key tiles of 80, so 1025 keys wrap the 2-stage
+# pipeline; Sq > Sk leaves causal rows that see no key).
 GPU_SHAPES = [(2, 1, 1, 4, 4, 64), (2, 97, 97, 4, 1, 64), (1, 128, 128, 8, 1, 128),
               (2, 1025, 1025, 4, 4, 128), (1, 4096, 4096, 2, 2, 64), (2, 97, 211, 4, 2, 64),
               (2, 211, 97, 4, 2, 128), (1, 97, 97, 2, 2, 32), (1, 97, 97, 2, 2, 96),
-              (1, 211, 97, 2, 1, 256)]
+              (1, 211, 97, 2, 1, 256), (2, 1025, 1025, 4, 2, 256), (2, 97, 300, 4, 4, 256)]
 CPU_SHAPES = [(1, 1, 1, 2, 2, 16), (2, 19, 23, 4, 2, 16), (1, 23, 19, 4, 1, 32)]
 FEATURES = {
     "plain": {},
@@ -34,7 +35,9 @@ FEATURES = {
     "varlen_everything": dict(varlen=True, causal=True, window=(40, -1), softcap=15.0),
 }
 _CACHE = {}
-CUDA_DIMS = (64, 128)  # head dims with CUDA kernels; the others must be refused with a reason
+# Head dims with kernels of each CUDA backend (cuda-sm90 at 256: its forward, Triton's backward);
+# the others must be refused with a reason.
+CUDA_DIMS = {"cuda-sm90": (64, 128, 256), "cuda-sm80": (64, 128)}
 NEEDS_EXT = pytest.mark.skipif(not _ext.available(), reason="fusedops._C not built")
 
 
@@ -50,7 +53,7 @@ def _params():
     for backend in ("cuda-sm90", "cuda-sm80", "triton", "torch"):
         for dtype in (torch.bfloat16, torch.float16):
             for lead in GPU_SHAPES:
-                if backend.startswith("cuda") and lead[-1] not in CUDA_DIMS:
+                if backend.startswith("cuda") and lead[-1] not in CUDA_DIMS[backend]:
                     continue
                 marks = [pytest.mark.gpu] + ([NEEDS_EXT] if backend.startswith("cuda") else [])
                 for f in FEATURES:
@@ -72,13 +75,16 @@ def test_parity(backend, device, dtype, shape, feature):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_EXT),
-                                     pytest.param("cuda-sm90", marks=NEEDS_EXT)])
+@pytest.mark.parametrize("backend,head_dim", [
+    ("triton", 128), pytest.param("cuda-sm80", 128, marks=NEEDS_EXT),
+    pytest.param("cuda-sm90", 128, marks=NEEDS_EXT),
+    pytest.param("cuda-sm90", 256, marks=NEEDS_EXT, id="cuda-sm90-256-triton-backward")])
 @pytest.mark.parametrize("feature", ["plain", "causal_window", "varlen_everything"])
-def test_deterministic_backward_is_bitwise_repeatable(feature, backend):
+def test_deterministic_backward_is_bitwise_repeatable(feature, backend, head_dim):
     """Under torch.use_deterministic_algorithms(True) dQ comes from the separate pass (no
-    atomics) on every backend: correct, and bit-identical run to run."""
-    case = A.Case(2, 1025, 1025, 8, 2, 128, torch.bfloat16, "cuda", **FEATURES[feature])
+    atomics) on every backend: correct, and bit-identical run to run (cuda-sm90 at D=256: the
+    Triton backward's separate pass)."""
+    case = A.Case(2, 1025, 1025, 8, 2, head_dim, torch.bfloat16, "cuda", **FEATURES[feature])
     inp = A.make_inputs(case)
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
@@ -98,6 +104,10 @@ def _other_dq_mode_params():
     for feature in ("plain", "causal", "causal_window", "varlen_everything", "softcap"):
         out.append(pytest.param("triton", "atomic", torch.bfloat16, (2, 1025, 1025, 8, 2, 128),
                                 feature, id=f"triton-atomic-bfloat16-D128-{feature}"))
+        # cuda-sm90 at D=256: the Triton backward, whose default is the separate pass
+        out.append(pytest.param("cuda-sm90", "atomic", torch.bfloat16, (2, 300, 300, 4, 2, 256),
+                                feature, marks=NEEDS_EXT,
+                                id=f"cuda-sm90-atomic-bfloat16-D256-{feature}"))
         for cuda in ("cuda-sm80", "cuda-sm90"):
             for dtype in (torch.bfloat16, torch.float16):
                 for shape in ((2, 1025, 1025, 8, 2, 128), (2, 97, 211, 4, 2, 64),
@@ -123,6 +133,8 @@ def test_dq_mode_selection(monkeypatch):
     monkeypatch.delenv("FUSEDOPS_ATTN_DQ", raising=False)
     assert dq_mode("triton", 128) == "separate" and dq_mode("cuda-sm80", 128) == "atomic"
     assert dq_mode("cuda-sm80", 64) == "atomic"
+    # cuda-sm90's backward at D=256 is Triton's, and takes Triton's default
+    assert dq_mode("cuda-sm90", 128) == "atomic" and dq_mode("cuda-sm90", 256) == "separate"
     monkeypatch.setenv("FUSEDOPS_ATTN_DQ", "separate")
     assert dq_mode("cuda-sm80", 128) == "separate" and dq_mode("cuda-sm80", 64) == "separate"
     monkeypatch.setenv("FUSEDOPS_ATTN_DQ", "atomic")
@@ -301,10 +313,27 @@ def test_compile_gpu(backend):
                            300, 300, 0.125, True, -1, -1, 0.0, False, backend))
 
 
+@pytest.mark.parametrize("backend,head_dim,runs", [
+    ("cuda-sm80", 32, False), ("cuda-sm80", 96, False), ("cuda-sm80", 256, False),
+    ("cuda-sm90", 32, False), ("cuda-sm90", 96, False), ("cuda-sm90", 256, True),
+    ("cuda-sm90", 64, True), ("cuda-sm80", 128, True)])
+def test_cuda_head_dims_per_backend(backend, head_dim, runs):
+    """Each CUDA backend's head dims (static limits, so this holds on any machine): cuda-sm90
+    also takes 256, cuda-sm80 does not; a refusal names the head dim and the built ones."""
+    sig = dispatch.InputSig("attention", "cuda", 0, torch.bfloat16, head_dim)
+    why = dispatch.why_not(backend, sig) or ""
+    if runs:
+        assert "head dim" not in why, why
+    else:
+        built = "64, 128 and 256" if backend == "cuda-sm90" else "64 and 128"
+        assert f"head dim {head_dim}" in why and built in why, why
+
+
 @NEEDS_EXT
 @pytest.mark.parametrize("head_dim", [32, 96, 256])
 def test_cuda_refuses_other_head_dims_with_a_reason(head_dim):
-    """Head dims without CUDA kernels: dispatch names the reason; auto falls back to Triton."""
+    """Head dims without CUDA kernels: dispatch names the reason; auto falls back to Triton
+    (at 256 too: SM90_FIRST_AT_256 is off until measured), cuda-sm90 runs 256 on Hopper."""
     sig = dispatch.InputSig("attention", "cuda", 0, torch.bfloat16, head_dim)
     assert f"head dim {head_dim}" in dispatch.why_not("cuda-sm80", sig)
     if HAS_GPU:
@@ -312,6 +341,40 @@ def test_cuda_refuses_other_head_dims_with_a_reason(head_dim):
         with pytest.raises(RuntimeError, match=f"head dim {head_dim}"):
             attention(q, q, q, backend="cuda-sm80")
         assert dispatch.select("attention", q, head_dim) == "triton"
+        if head_dim == 256 and torch.cuda.get_device_capability() == (9, 0):
+            assert dispatch.select("attention", q, head_dim, backend="cuda") == "cuda-sm90"
+
+
+def test_backward_of_sm90_at_256_is_tritons(monkeypatch):
+    """cuda-sm90 has no backward at D=256: the op hands it to the Triton backward (same lse
+    layout), with Triton's default dQ mode (the deterministic separate pass) unless asked."""
+    import sys
+
+    import fusedops.attention as fa
+    from fusedops.attention import ops
+
+    assert dispatch.bwd_backend("attention", "cuda-sm90", 256) == "triton"
+    assert dispatch.bwd_backend("attention", "cuda-sm90", 128) == "cuda-sm90"
+    assert dispatch.bwd_backend("attention", "cuda-sm80", 256) == "cuda-sm80"
+    assert dispatch.bwd_backend("attention", "triton", 256) == "triton"
+    calls = []
+
+    class FakeTriton:
+        @staticmethod
+        def attention_bwd(*args):
+            calls.append(args)
+            return args[0], args[1], args[2]
+
+    pytest.importorskip("triton")
+    monkeypatch.setitem(sys.modules, "fusedops.attention.triton", FakeTriton)
+    monkeypatch.setattr(fa, "triton", FakeTriton, raising=False)
+    monkeypatch.delenv("FUSEDOPS_ATTN_DQ", raising=False)
+    q = torch.randn(10, 2, 256)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    deterministic = ops.dq_mode("cuda-sm90", 256) == "separate"
+    ops._bwd_impl(q, q, q, q, torch.zeros(2, 10), q, cu, cu, 10, 10, 0.0625, True, -1, -1, 0.0,
+                  deterministic, "cuda-sm90")
+    assert len(calls) == 1 and calls[0][-1] is True  # deterministic: the separate dQ pass
 
 
 def _bad_op_call(case):
@@ -331,6 +394,12 @@ def _bad_op_call(case):
         k = v = q[:, :3]
     elif case == "sm90_overlap":  # rows 64 elements apart over 4 x 64: the sm80 kernels take it
         k = v = torch.as_strided(q, (16, 4, 64), (64, 64, 1))
+    elif case in ("head_dim_256_sm80", "head_dim_256_bwd"):  # only arch 90's forward takes 256
+        q = k = v = torch.randn(16, 4, 256, device="cuda", dtype=torch.bfloat16)
+    if case == "head_dim_256_bwd":
+        lse = torch.zeros(4, 16, device="cuda")
+        return torch.ops.fusedops.attention_bwd_cuda(q, k, v, q, lse, q, cu_q, cu_k, 16, 16,
+                                                     0.0625, False, -1, -1, 0.0, False, 90)
     arch = {"sm90_overlap": 90, "arch": 70}.get(case, 80)
     return torch.ops.fusedops.attention_fwd_cuda(q, k, v, cu_q, cu_k, 16, 16, 0.125, False, -1,
                                                  -1, 0.0, arch)
@@ -343,6 +412,8 @@ def _bad_op_call(case):
     ("cu_dtype", TypeError, "cu_seqlens must be int32"),
     ("k_strides", ValueError, "k must have contiguous heads"),
     ("head_dim", ValueError, "head dim 64 or 128"),
+    ("head_dim_256_sm80", ValueError, "head dim 256: only the sm90 forward"),
+    ("head_dim_256_bwd", ValueError, "head dim 256: only the sm90 forward"),
     ("gqa", ValueError, "multiple of Hkv"),
     # The Hopper forward's TMA maps cannot express overlapping rows (elsewhere than cc 9.0 it
     # refuses the GPU first).
@@ -371,11 +442,13 @@ def test_select_is_kept_per_inputs_and_override_variables(monkeypatch):
 @pytest.mark.parametrize("cap,forced,head_dim,causal,first", [
     ((9, 0), False, 64, False, "cuda-sm90"), ((9, 0), False, 64, True, "cuda-sm90"),
     ((9, 0), False, 128, False, "cuda-sm90"), ((9, 0), False, 96, True, "triton"),
+    ((9, 0), False, 256, False, "triton"), ((9, 0), False, 256, True, "triton"),
     ((9, 0), True, 64, False, "cuda-sm80"), ((8, 0), False, 64, False, "cuda-sm90")])
 def test_auto_dispatch_order_for_attention(cap, forced, head_dim, causal, first, monkeypatch):
     """On Hopper, auto tries the sm90 kernels first at head dims 64 and 128 and Triton first at
-    the others (no CUDA kernels there), unless the Ampere path is forced; elsewhere the CUDA
-    backends come first (cuda-sm90 is then refused for the capability)."""
+    the others (no CUDA kernels there, and at 256 the sm90 forward is not measured against
+    Triton's yet), unless the Ampere path is forced; elsewhere the CUDA backends come first
+    (cuda-sm90 is then refused for the capability)."""
     monkeypatch.setattr(dispatch, "capability", lambda sig: cap)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU this case describes
     if forced:
@@ -387,3 +460,21 @@ def test_auto_dispatch_order_for_attention(cap, forced, head_dim, causal, first,
     assert order[0] == first and order[-1] == "torch" and "cuda-sm80" in order
     lce = dispatch.candidates("auto", dispatch.InputSig("linear_ce", "cuda", 0, torch.bfloat16, 64))
     assert lce[0].startswith("cuda")
+
+
+def test_hopper_256_order_flip_and_cuda_request(monkeypatch):
+    """SM90_FIRST_AT_256 (the one switch for after a measurement) puts cuda-sm90 first at D=256
+    on Hopper; a "cuda" request tries cuda-sm90 first there whatever the switch, and its limits
+    let 256 through."""
+    from fusedops.attention import backends
+    monkeypatch.setattr(dispatch, "capability", lambda sig: (9, 0))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("FUSEDOPS_CUDA_ARCH", raising=False)
+    sig = dispatch.InputSig("attention", "cuda", 0, torch.bfloat16, 256, True)
+    assert dispatch.candidates("cuda", sig)[0] == "cuda-sm90"
+    assert dispatch.op_backends("attention").by_name["cuda-sm90"].limits(sig) is None
+    monkeypatch.setattr(backends, "SM90_FIRST_AT_256", True)
+    order = dispatch.candidates("auto", sig)
+    assert order[:2] == ["cuda-sm90", "cuda-sm80"] and order[2] == "triton"
+    monkeypatch.setenv("FUSEDOPS_CUDA_ARCH", "sm80")  # forced Ampere path: no cuda-sm90 at all
+    assert "cuda-sm90" not in dispatch.candidates("auto", sig)

@@ -8,14 +8,37 @@ from fusedops import dispatch
 from fusedops.dispatch import Backend, InputSig, OpBackends, register
 
 _HALF = (torch.float16, torch.bfloat16)
-CUDA_HEAD_DIMS = (64, 128)  # the head dims the CUDA kernels are instantiated for
+# The head dims each CUDA family's kernels are instantiated for. cuda-sm90's forward also takes
+# 256; no CUDA backward is built there, so its backward is Triton's (_sm90_bwd_by).
+CUDA_HEAD_DIMS = {"cuda-sm90": (64, 128, 256), "cuda-sm80": (64, 128)}
+# On Hopper at head dim 256, auto tries Triton before cuda-sm90 (a step there is the same Triton
+# backward either way, so the forward alone decides). Unmeasured: set True once
+# benchmarks/check_attention_sm90.py --dims 256 (or bench_attention.py, methods cuda-sm90 and
+# triton, D=256) shows cuda-sm90's forward ahead of Triton's, causal and not.
+SM90_FIRST_AT_256 = False
 
 
-def _cuda_limits(sig: InputSig) -> str | None:
-    if sig.inner_dim not in CUDA_HEAD_DIMS:
-        return (f"head dim {sig.inner_dim}: the CUDA attention kernels are built for "
-                f"{' and '.join(map(str, CUDA_HEAD_DIMS))} (Triton runs the others)")
-    return None
+def _dims(dims) -> str:
+    return ", ".join(map(str, dims[:-1])) + " and " + str(dims[-1])
+
+
+def _cuda_limits(name: str):
+    dims = CUDA_HEAD_DIMS[name]
+
+    def limits(sig: InputSig) -> str | None:
+        if sig.inner_dim not in dims:
+            also = ("; on Hopper cuda-sm90's forward takes 256" if sig.inner_dim == 256
+                    and name != "cuda-sm90" else "")
+            return (f"head dim {sig.inner_dim}: the {name} kernels are built for {_dims(dims)} "
+                    f"(Triton runs the others{also})")
+        return None
+    return limits
+
+
+def _sm90_bwd_by(head_dim: int) -> str | None:
+    """cuda-sm90's backward: cuda-sm80's kernels where they exist (64, 128), else Triton's, which
+    reads the same lse (float32 (Hq, total_q), natural log, -inf for rows that see no key)."""
+    return None if head_dim in CUDA_HEAD_DIMS["cuda-sm80"] else "triton"
 
 
 def _triton_limits(sig: InputSig) -> str | None:
@@ -26,11 +49,12 @@ def _triton_limits(sig: InputSig) -> str | None:
 
 BACKENDS = (
     Backend("cuda-sm90", "cuda", _HALF, arch=90, cc_range=((9, 0), (9, 0)),
-            limits=_cuda_limits,
+            limits=_cuda_limits("cuda-sm90"), bwd_by=_sm90_bwd_by,
             summary="Hopper forward (wgmma + TMA, a producer warpgroup and two consumer "
-                    "warpgroups), head dims 64 and 128; the backward is cuda-sm80's"),
+                    "warpgroups), head dims 64, 128 and 256; the backward is cuda-sm80's at 64 "
+                    "and 128, Triton's at 256"),
     Backend("cuda-sm80", "cuda", _HALF, arch=80, cc_range=((8, 0), (9, 0)),
-            limits=_cuda_limits,
+            limits=_cuda_limits("cuda-sm80"),
             summary="mma.sync + cp.async kernels, head dims 64 and 128; dQ by float32 atomics "
                     "or a deterministic separate pass"),
     Backend("triton", "triton", (torch.float32, torch.float16, torch.bfloat16),
@@ -47,14 +71,15 @@ def order(sig: InputSig, forced_sm80: bool) -> list[str]:
     if sig.device_type != "cuda":
         return cuda + ["torch"]
     hopper = torch.cuda.is_available() and dispatch.capability(sig) >= (9, 0)
-    if hopper and sig.inner_dim in CUDA_HEAD_DIMS and not forced_sm80:
+    sm90_dims = CUDA_HEAD_DIMS["cuda-sm90"] if SM90_FIRST_AT_256 else CUDA_HEAD_DIMS["cuda-sm80"]
+    if hopper and sig.inner_dim in sm90_dims and not forced_sm80:
         # The sm90 forward is 1.2-1.9x the sm80 one at D=64 and D=128 from L=4096 (equal at
         # D=64 causal L=1024) and the backward is the same kernel, so a step is faster than
         # cuda-sm80's everywhere, and than Triton's (forward 410 against 324 TFLOP/s at D=64
         # L=4096, where Triton's backward is 2% ahead): rows of runs 161853ac and 753fb837 in
         # benchmarks/results/attention.jsonl.
         return cuda + ["triton", "torch"]
-    if hopper and not forced_sm80:  # other head dims: no CUDA kernels
+    if hopper and not forced_sm80:  # other head dims (and 256, see SM90_FIRST_AT_256)
         return ["triton"] + cuda + ["torch"]
     # Ampere, or FUSEDOPS_CUDA_ARCH=sm80 (the sm80 kernels asked for by name).
     return cuda + ["triton", "torch"]

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from fusedops._autograd import refuse_double_backward
 from fusedops.attention import reference
-from fusedops.dispatch import cuda_arch
+from fusedops.dispatch import bwd_backend, cuda_arch
 
 DOUBLE_BACKWARD = ("fusedops.attention: double backward (create_graph=True, gradgradcheck) is not "
                    "supported; the backward kernels are not differentiable")
@@ -82,6 +82,19 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, ca
 
 def _bwd_impl(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
               scale, causal, window_left, window_right, softcap, deterministic, backend):
+    # A forward backend without a backward at this head dim (cuda-sm90 at 256) hands it to the
+    # one its table names; the lse layout is common to all of them.
+    by = bwd_backend("attention", backend, q.shape[-1])
+    if by != backend:
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            raise RuntimeError(
+                f"fusedops.attention: the backward of {backend} at head dim {q.shape[-1]} runs "
+                f"the {by} kernels (no {backend} backward is built there), and Triton is not "
+                f"importable ({exc}); pip install triton, or run the forward with "
+                f"backend='{by}'") from exc
+        backend = by
     if backend == "torch":
         return reference.attention_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k,
                                        scale, causal, window_left, window_right, softcap)
@@ -130,8 +143,9 @@ def _default_dq(backend, head_dim):
     is about twice as fast as its fp32 atomics; CUDA's atomics from the 8-warp dK/dV kernel are
     1.36x faster than its separate pass at D=128 and 1.12x at D=64 (run 0e63d44d). On a GPU
     whose shared memory per block is below that kernel's (193 KiB at D=128, 226 KiB at D=64: not
-    an A100), the CUDA backward computes dQ in the separate pass whatever the mode says."""
-    del head_dim  # the same choice at both head dims
+    an A100), the CUDA backward computes dQ in the separate pass whatever the mode says. The mode
+    is that of the backend running the backward (Triton's after cuda-sm90 at D=256)."""
+    backend = bwd_backend("attention", backend, head_dim)
     return "atomic" if backend in ("cuda-sm80", "cuda-sm90") else "separate"
 
 
