@@ -3,24 +3,26 @@
     FUSEDOPS_GIT=<sha> SKIP_TESTS=1 BENCH=check_attention_sm90.py BENCH_TIMEOUT=420 \
         bash benchmarks/gpu_run.sh                  # build, then parity, backward, timing
     python3 benchmarks/check_attention_sm90.py --sanitize-run      # compute-sanitizer x 3 tools
-    (options: --schedules serial,ovl-regs, --dims 64, --dtypes bfloat16, --no-timing,
-    --no-backward)
+    (options: --schedules serial,ovl-regs, --dims 64 (default 64,128,256), --dtypes bfloat16,
+    --no-timing, --no-backward; --sanitize-run takes --dims and --schedules too)
 
 Dispatch runs cuda-sm90 on compute capability 9.0; here the kernel is called directly as
 torch.ops.fusedops.attention_fwd_cuda(..., 90), once per variant (VARIANTS below: the schedule and
 epilogue overrides FUSEDOPS_ATTN_SM90_SCHEDULE / FUSEDOPS_ATTN_SM90_EPILOGUE, for measurement only;
 unset, the launcher picks from its measured table). Rule (docs/CONVENTIONS): against the float64
-reference, the sm90 error must be at most 2x the sm80 kernel's error + 1e-3, for out and for lse
-(finite entries; -inf exactly where the reference has -inf); no NaN anywhere. Outputs are poisoned
+reference, the sm90 error must be at most 2x the baseline's error + 1e-3, for out and for lse
+(finite entries; -inf exactly where the reference has -inf); no NaN anywhere. The baseline is the
+sm80 kernel at D=64/128 and Triton's forward at D=256 (no sm80 kernel there). Outputs are poisoned
 first (a NaN-filled block of the same size is freed just before the call, so that the caching
-allocator hands it to the kernel): an unwritten row shows as NaN. The backward (arch 90 = the sm80
-backward) is checked from the sm90 forward's out/lse against the sm80 forward's, both against
-float64 gradients (slack 1e-3 x the largest reference gradient).
+allocator hands it to the kernel): an unwritten row shows as NaN. The backward of arch 90 (the
+sm80 backward; Triton's at D=256, as the op runs it) is checked from the sm90 forward's out/lse
+against the baseline forward's, both against float64 gradients (slack 1e-3 x the largest
+reference gradient).
 
 One PASS/FAIL line per variant and group, then a summary; then TFLOP/s of every sm90 variant side by
-side with sm80, SDPA flash and cuDNN (bf16, B*L = 16384, H*D = 2048), rows appended to
-<out>/attention.jsonl (method cuda-sm90-fwd = auto, cuda-sm90-<variant>-fwd). Exit status 1 when any
-parity group fails.
+side with sm80, Triton, SDPA flash and cuDNN (bf16, B*L = 16384, H*D = 2048), rows appended to
+<out>/attention.jsonl (method cuda-sm90-fwd = auto, cuda-sm90-<variant>-fwd, triton-fwd). Exit
+status 1 when any parity group fails.
 """
 
 from __future__ import annotations
@@ -42,16 +44,27 @@ NAN = float("nan")
 # The sm90 forward's variants, as the environment overrides that select them
 # (attention_launch_sm90.cuh): FUSEDOPS_ATTN_SM90_SCHEDULE (serial / overlap / pingpong; unset:
 # the measured table sm90_auto_schedule of attention_config_sm90.h) and
-# FUSEDOPS_ATTN_SM90_EPILOGUE (regs: O stored from registers; unset: TMA store). "auto" is what
-# dispatch runs; parity checks the explicit ones (auto picks one of them).
+# FUSEDOPS_ATTN_SM90_EPILOGUE (regs: O stored from registers; unset: TMA store), and
+# FUSEDOPS_ATTN_SM90_BLOCK_N=176 (176-key tiles, built at D=128 for the overlap and ping-pong
+# schedules only; the bn176 variants run at D=128 alone). "auto" is what dispatch runs; parity
+# checks the explicit ones (auto picks one of them).
 VARIANTS = {
     "auto": {},
     "overlap": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap"},
     "serial": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "serial"},
     "pingpong": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "pingpong"},
     "ovl-regs": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap", "FUSEDOPS_ATTN_SM90_EPILOGUE": "regs"},
+    "bn176-ovl": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap", "FUSEDOPS_ATTN_SM90_BLOCK_N": "176"},
+    "bn176-pp": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "pingpong", "FUSEDOPS_ATTN_SM90_BLOCK_N": "176"},
 }
-SCHEDULES = ("overlap", "serial", "pingpong", "ovl-regs")  # checked for parity, in this order
+VARIANT_DIMS = {"bn176-ovl": (128,), "bn176-pp": (128,)}  # the others: every head dim
+SCHEDULES = ("overlap", "serial", "pingpong", "ovl-regs", "bn176-ovl", "bn176-pp")  # parity order
+DIMS = (64, 128, 256)
+CUDA_BWD_DIMS = (64, 128)  # the sm80 forward and backward kernels; Triton's elsewhere
+
+
+def runs_at(variant, d):
+    return d in VARIANT_DIMS.get(variant, (d,))
 
 
 class variant_env:
@@ -61,7 +74,7 @@ class variant_env:
         self.env = VARIANTS[name]
 
     def __enter__(self):
-        self.saved = {k: os.environ.get(k) for k in VARIANTS["ovl-regs"]}
+        self.saved = {k: os.environ.get(k) for env in VARIANTS.values() for k in env}
         for k in self.saved:
             os.environ.pop(k, None)
         os.environ.update(self.env)
@@ -134,8 +147,22 @@ def fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
 
 
 def bwd(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
+    """The backward the op runs after a forward of `arch`: the CUDA one (sm80 kernels) at
+    D=64/128, Triton's at D=256."""
+    if q.shape[2] not in CUDA_BWD_DIMS:
+        from fusedops.attention import triton as ta
+        return ta.attention_bwd(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale, causal, left,
+                                right, softcap, True)  # the op's default there: separate dQ
     return torch.ops.fusedops.attention_bwd_cuda(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale,
                                                  causal, left, right, softcap, False, arch)
+
+
+def fwd_baseline(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap):
+    """The forward the sm90 one is judged against: sm80's at D=64/128, Triton's at D=256."""
+    if q.shape[2] in CUDA_BWD_DIMS:
+        return fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, 80)
+    from fusedops.attention import triton as ta
+    return ta.attention_fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap)
 
 
 def max_err(a, ref, mask=None):
@@ -210,7 +237,7 @@ def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
                 mq, mk = max(ql), max(kl)
                 scale = 1.0 / math.sqrt(d)
                 args = (cu_q, cu_k, mq, mk, scale, causal, left, right, cap)
-                o80, l80 = fwd(q, k, v, *args, 80)
+                o80, l80 = fwd_baseline(q, k, v, *args)  # sm80's (Triton's at D=256)
                 q64, k64, v64 = q.double(), k.double(), v.double()
                 o64, l64 = reference.attention_fwd(q64, k64, v64, cu_q, cu_k, scale, causal, left,
                                                    right, cap)
@@ -218,7 +245,7 @@ def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
                 e80 = max_err(o80, o64)
                 le80 = max_err(l80, l64, fin & torch.isfinite(l80))
                 outs = {}
-                for sched in schedules:
+                for sched in (s for s in schedules if runs_at(s, d)):
                     key = (f"{tag} {sched}", group)
                     results.setdefault(key, [])
                     WATCHDOG.arm(f"{tag} {sched} {group} {name}")
@@ -246,11 +273,11 @@ def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
                         fails.append("rows that see no key are not exactly 0")
                     e90 = max_err(o90, o64)
                     if not e90 <= 2 * e80 + 1e-3:
-                        fails.append(f"out err {e90:.3e} > 2 x sm80 {e80:.3e} + 1e-3 "
+                        fails.append(f"out err {e90:.3e} > 2 x baseline {e80:.3e} + 1e-3 "
                                      f"({where(o90, o64, cu_q)})")
                     le90 = max_err(l90, l64, fin & torch.isfinite(l90))
                     if not le90 <= 2 * le80 + 1e-3:
-                        fails.append(f"lse err {le90:.3e} > 2 x sm80 {le80:.3e} + 1e-3")
+                        fails.append(f"lse err {le90:.3e} > 2 x baseline {le80:.3e} + 1e-3")
                     results[key] += [f"{name}: {f}" for f in fails]
                 if not outs:
                     continue
@@ -270,7 +297,7 @@ def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
                         ea, eb = max_err(a, r), max_err(b, r)
                         if torch.isnan(a).any() or not ea <= 2 * eb + slack:
                             bwd_results[bkey].append(
-                                f"{name}: {nm} err {ea:.3e} > 2 x sm80-fwd path {eb:.3e} + "
+                                f"{name}: {nm} err {ea:.3e} > 2 x baseline-fwd path {eb:.3e} + "
                                 f"{slack:.1e}")
                 del q, k, v, o90, l90, o80, l80, o64, l64, outs
     return results, bwd_results
@@ -281,7 +308,7 @@ def report(results):
     for (tag, group), fails in results.items():
         status = "PASS" if not fails else "FAIL"
         n_fail += bool(fails)
-        print(f"{status} {tag:<23} {group:<9}" + (f" {len(fails)} failing: " + fails[0]
+        print(f"{status} {tag:<26} {group:<9}" + (f" {len(fails)} failing: " + fails[0]
                                                   if fails else ""))
         for f in fails[1:4]:
             print(f"     {f}")
@@ -312,6 +339,10 @@ def time_config(d, length, causal, rep_ms):
                 return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
         return fn
 
+    def triton_fwd():
+        from fusedops.attention import triton as ta
+        return ta.attention_fwd(q, k, v, cu, cu, length, length, scale, causal, -1, -1, 0.0)
+
     def variant(name):
         fn = ours(90)
 
@@ -322,10 +353,16 @@ def time_config(d, length, causal, rep_ms):
 
     fns = {"cuda-sm90-fwd": variant("auto")}
     fns.update({f"cuda-sm90-{n}-fwd": variant(n) for n in VARIANTS if n != "auto"})
-    fns.update({"cuda-sm80-fwd": ours(80), "sdpa_flash-fwd": sdpa(SDPBackend.FLASH_ATTENTION),
+    fns.update({"cuda-sm80-fwd": ours(80), "triton-fwd": triton_fwd,
+                "sdpa_flash-fwd": sdpa(SDPBackend.FLASH_ATTENTION),
                 "sdpa_cudnn-fwd": sdpa(SDPBackend.CUDNN_ATTENTION)})
     times = {}
     for name, fn in fns.items():
+        variant_name = name.removeprefix("cuda-sm90-").removesuffix("-fwd")
+        if (variant_name in VARIANTS and not runs_at(variant_name, d)) or (
+                name == "cuda-sm80-fwd" and d not in CUDA_BWD_DIMS):
+            times[name] = float("nan")  # not built at this head dim (the table's tile runs)
+            continue
         try:
             with torch.no_grad():
                 times[name] = time_ms(fn, rep_ms)
@@ -335,21 +372,23 @@ def time_config(d, length, causal, rep_ms):
     return times
 
 
-def timing(out_dir, rep_ms):
+def timing(out_dir, rep_ms, dims=DIMS):
     from common import append_rows, run_meta
     meta = run_meta()
     print(f"\ntiming (bf16, TFLOP/s, median of do_bench): {meta['gpu']}, git {meta['git']}, "
           f"run {meta['run']}")
     cols = [("auto", "cuda-sm90-fwd")] + [(n, f"cuda-sm90-{n}-fwd") for n in VARIANTS
                                            if n != "auto"]
-    cols += [("sm80", "cuda-sm80-fwd"), ("flash", "sdpa_flash-fwd"), ("cudnn", "sdpa_cudnn-fwd")]
+    cols += [("sm80", "cuda-sm80-fwd"), ("triton", "triton-fwd"), ("flash", "sdpa_flash-fwd"),
+             ("cudnn", "sdpa_cudnn-fwd")]
     names = [m for _, m in cols]
     print("auto = the measured table (what dispatch runs); overlap/serial/pingpong: forced "
           "schedules with the TMA-store epilogue; ovl-regs: overlap with register stores of O; "
-          "vs best = auto / max(flash, cudnn)")
-    print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{c:>8}" for c, _ in cols) +
-          f" {'vs best':>7}")
-    for d in (64, 128):
+          "bn176-ovl/-pp: 176-key tiles (D=128 only); vs best = auto / max(flash, cudnn); "
+          "vs triton = auto / triton (the D=256 order switch SM90_FIRST_AT_256)")
+    print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{c:>9}" for c, _ in cols) +
+          f" {'vs best':>7} {'vs triton':>9}")
+    for d in dims:
         for length in (1024, 4096, 16384):
             for causal in (False, True):
                 b, h = 16384 // length, 2048 // d
@@ -365,34 +404,39 @@ def timing(out_dir, rep_ms):
                     append_rows("attention", [row], out_dir)
                 best = max(tf["sdpa_flash-fwd"], tf["sdpa_cudnn-fwd"])
                 print(f"{d:>4} {length:>6} {str(causal):>6} " +
-                      " ".join(f"{tf[n]:>8.1f}" for n in names) +
-                      f" {tf['cuda-sm90-fwd'] / best:>7.2f}", flush=True)
+                      " ".join(f"{tf[n]:>9.1f}" for n in names) +
+                      f" {tf['cuda-sm90-fwd'] / best:>7.2f}"
+                      f" {tf['cuda-sm90-fwd'] / tf['triton-fwd']:>9.2f}", flush=True)
                 torch.cuda.empty_cache()
 
 
-def sanitize_cases():
-    """Tiny runs of each instantiation (bf16/fp16 x D 64/128 x every schedule, both
-    epilogues): dense with a tail tile, varlen with an empty-key sequence, causal + window +
-    softcap, and enough key tiles (5) to wrap the 3-stage pipeline; forward by arch 90, then the
-    backward from its out/lse."""
+def sanitize_cases(dims=DIMS, schedules=SCHEDULES):
+    """Tiny runs of each instantiation (bf16/fp16 x D 64/128/256 x every schedule, both
+    epilogues, the 176-key tiles at D=128): dense with a tail tile, varlen with an empty-key
+    sequence, causal + window + softcap, and enough key tiles (5 of 128, 8 of 80) to wrap the
+    pipeline; forward by arch 90, then the CUDA backward from its out/lse (not at D=256, whose
+    backward is Triton's)."""
     for dt in (torch.bfloat16, torch.float16):
-        for d in (64, 128):
+        for d in dims:
             for ql, kl, hq, hkv, causal, left, right, cap in (
                     ([77, 130], [93, 600], 4, 2, False, -1, -1, 0.0),
                     ([70, 1, 33], [90, 0, 40], 2, 2, True, 30, -1, 20.0),
                     ([129], [645], 2, 1, False, -1, -1, 0.0)):
                 q, k, v, cu_q, cu_k = make_case(ql, kl, hq, hkv, d, dt, seed=3)
                 args = (cu_q, cu_k, max(ql), max(kl), d ** -0.5, causal, left, right, cap)
-                for sched in SCHEDULES:
+                ran = False
+                for sched in (s for s in schedules if runs_at(s, d)):
                     with variant_env(sched):
                         o, lse = torch.ops.fusedops.attention_fwd_cuda(q, k, v, *args, 90)
-                do = torch.randn_like(q)
-                bwd(q, k, v, o, lse, do, *args, 90)
+                    ran = True
+                if ran and d in CUDA_BWD_DIMS:
+                    do = torch.randn_like(q)
+                    bwd(q, k, v, o, lse, do, *args, 90)
     torch.cuda.synchronize()
     print("sanitize cases ran")
 
 
-def sanitize_run():
+def sanitize_run(dims=DIMS, schedules=SCHEDULES):
     exe = shutil.which("compute-sanitizer")
     if exe is None:
         for root in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
@@ -408,8 +452,9 @@ def sanitize_run():
         env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
         t0 = time.time()
         proc = subprocess.run([exe, "--tool", tool, "--error-exitcode", "3", sys.executable,
-                               os.path.abspath(__file__), "--sanitize"], env=env,
-                              capture_output=True, text=True, timeout=600)
+                               os.path.abspath(__file__), "--sanitize", "--dims",
+                               ",".join(map(str, dims)), "--schedules", ",".join(schedules)],
+                              env=env, capture_output=True, text=True, timeout=600)
         text = proc.stdout + proc.stderr
         ok = proc.returncode == 0 and "sanitize cases ran" in text
         bad += not ok
@@ -428,32 +473,34 @@ def main():
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--rep-ms", type=int, default=60)
-    ap.add_argument("--dims", default="64,128")
+    ap.add_argument("--dims", default=",".join(map(str, DIMS)))
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--schedules", default=",".join(SCHEDULES),
                     help="sm90 variants to check (VARIANTS: overlap, serial, pingpong, ovl-regs, "
-                    "auto)")
+                    "bn176-ovl, bn176-pp (D=128 only), auto)")
     ap.add_argument("--sanitize", action="store_true", help="only the tiny sanitizer cases")
     ap.add_argument("--sanitize-run", action="store_true",
                     help="run --sanitize under compute-sanitizer memcheck, racecheck, synccheck")
     args = ap.parse_args()
+    dims = tuple(int(d) for d in args.dims.split(","))
+    schedules = tuple(args.schedules.split(","))
     from fusedops import _ext  # loads fusedops._C, which registers the ops
     if not _ext.available():
         print(f"FAIL: fusedops._C is not loaded ({_ext.EXT_ERROR}); pip install "
               "--no-build-isolation . on a machine with nvcc")
         return 1
     if args.sanitize:
-        sanitize_cases()
+        sanitize_cases(dims, schedules)
         return 0
     if args.sanitize_run:
-        return 1 if sanitize_run() else 0
+        return 1 if sanitize_run(dims, schedules) else 0
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, built archs "
           f"{';'.join(_ext.built_archs())}")
     t0 = time.time()
     try:
         res, bres = check_parity(tuple(getattr(torch, t) for t in args.dtypes.split(",")),
-                                 tuple(int(d) for d in args.dims.split(",")),
-                                 not args.no_backward, tuple(args.schedules.split(",")))
+                                 dims,
+                                 not args.no_backward, schedules)
     except ContextLost as exc:
         print(f"FAIL the sm90 forward raised a CUDA error, the context is lost: {str(exc)[:400]}")
         print("SUMMARY parity: 0 passed, 1 failed (stopped at the first CUDA error; try "
@@ -463,7 +510,7 @@ def main():
     total = len(res) + len(bres)
     print(f"SUMMARY parity: {total - n_fail} passed, {n_fail} failed ({time.time() - t0:.0f}s)")
     if not args.no_timing:
-        timing(args.out, args.rep_ms)
+        timing(args.out, args.rep_ms, dims)
     return 1 if n_fail else 0
 
 
