@@ -6,7 +6,7 @@
 # Logs go to $OUT (log.txt, build.log, check.log, sanitize.log, tests.log, bench.err); rows to
 # $OUT/attention.jsonl. Each step has a time limit, so that a hang costs minutes, not the call.
 # Env: FUSEDOPS_GIT (sha for the rows), CHECK_ARGS (extra check_attention_sm90.py arguments; SKIP_CHECK=1),
-#   SANITIZE=0 to skip the sanitizers, TESTS (pytest -k expression over tests/attention, default all
+#   SANITIZE=0 to skip the sanitizers, SANITIZE_ARGS (e.g. "--dims 256"), TESTS (pytest -k expression over tests/attention, default all
 #   GPU attention tests; "none" skips), BENCH_METHODS, BENCH_DIMS, BENCH_LENGTHS, BENCH_REP_MS,
 #   SKIP_BENCH=1, EXTRA (a command run last, its output in the log).
 set -uo pipefail
@@ -29,7 +29,9 @@ if [ "${SKIP_CHECK:-0}" != "1" ]; then
 fi
 if [ "${SANITIZE:-1}" = "1" ]; then
   say sanitize
-  timeout 400 python3 benchmarks/check_attention_sm90.py --sanitize-run > "$OUT/sanitize.log" 2>&1
+  # shellcheck disable=SC2086  # SANITIZE_ARGS holds words
+  timeout 400 python3 benchmarks/check_attention_sm90.py --sanitize-run ${SANITIZE_ARGS:-} \
+    > "$OUT/sanitize.log" 2>&1
   echo "sanitize rc=$?" | tee -a "$LOG"
   tail -8 "$OUT/sanitize.log" | tee -a "$LOG"
 fi
