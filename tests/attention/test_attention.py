@@ -128,6 +128,20 @@ def test_other_dq_mode(backend, mode, dtype, shape, feature, monkeypatch):
     A.check(case, backend, _CACHE)
 
 
+@pytest.mark.gpu
+@NEEDS_EXT
+@pytest.mark.parametrize("schedule", ["overlap", "pingpong"])
+@pytest.mark.parametrize("feature", ["plain", "causal", "softcap", "varlen_everything"])
+def test_sm90_176_key_tiles(schedule, feature, monkeypatch):
+    """FUSEDOPS_ATTN_SM90_BLOCK_N=176 (a measurement option at D=128) stays correct."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 forward runs on compute capability 9.0")
+    monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BLOCK_N", "176")
+    monkeypatch.setenv("FUSEDOPS_ATTN_SM90_SCHEDULE", schedule)
+    for shape in ((2, 1025, 1025, 4, 2, 128), (2, 97, 400, 4, 4, 128)):
+        A.check(A.Case(*shape, torch.bfloat16, "cuda", **FEATURES[feature]), "cuda-sm90", _CACHE)
+
+
 def test_dq_mode_selection(monkeypatch):
     from fusedops.attention.ops import dq_mode
     monkeypatch.delenv("FUSEDOPS_ATTN_DQ", raising=False)
