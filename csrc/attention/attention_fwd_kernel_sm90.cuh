@@ -14,16 +14,16 @@
 // 1 intra-warpgroup overlap (the softmax of tile i + 1 while P_i V_i runs), 2 the same with the
 // two consumer warpgroups taking turns at the tensor cores (ping-pong).
 //
-// Constraints: T is __half or __nv_bfloat16; D is 64, 128 or 256, kN (keys per tile) a multiple
-// of 16 (TilesSm90); the packed layout of attention_params.h with row strides that are multiples
-// of 8 elements and 16-byte aligned tensors (TMA's rules; attention_api.cpp checks them), hq a
-// multiple of hkv, every sequence no longer than max_q (the grid's x). Tensor maps
-// (attention_launch_sm90.cuh): 3-D (D, heads, rows) over the packed tensors, boxes of 64 x 1 x
-// rows (tm_q: BM rows, tm_k and tm_v: BN, tm_o: 64, one warpgroup's), 128-byte swizzle. A tile
-// that crosses a sequence's end reads the next sequence's rows (TMA zero-fills only past the
-// tensor's end): key columns >= lk are masked to -inf by index, so P is 0 there, and query rows
-// >= lq are never stored. Launch: TilesSm90<D, kN>::kThreads threads, kSmem bytes of dynamic
-// shared memory, one CTA per SM. The body is empty (a trap) unless compiled for sm_90a.
+// Constraints: T is __half or __nv_bfloat16; D is 64, 128 or 256 (TilesSm90); the packed layout
+// of attention_params.h with row strides that are multiples of 8 elements and 16-byte aligned
+// tensors (TMA's rules; attention_api.cpp checks them), hq a multiple of hkv, every sequence no
+// longer than max_q (the grid's x). Tensor maps (attention_launch_sm90.cuh): 3-D (D, heads,
+// rows) over the packed tensors, boxes of 64 x 1 x rows (tm_o: 64 rows, one warpgroup's),
+// 128-byte swizzle. A tile that crosses a sequence's end reads the next sequence's rows (TMA
+// zero-fills only past the tensor's end): key columns >= lk are masked to -inf by index, so P
+// is 0 there, and query rows >= lq are never stored. Launch: TilesSm90<D, kN>::kThreads threads,
+// kSmem bytes of dynamic shared memory, one CTA per SM. The body is empty (a trap) unless
+// compiled for sm_90a.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only; nothing links against the driver)

@@ -40,8 +40,8 @@ struct AttnParams {
 // Entry points, one set per kernel family, picked by the ops' `arch` argument (attention_api.cpp):
 // arch 80, the sm80 kernels (mma.sync + cp.async, attention_{fwd,bwd}_sm80.cu, also built for
 // sm_90a); arch 90, the Hopper forward (wgmma + TMA, attention_fwd_sm90.cu, cc 9.0 only; head
-// dims 64, 128 and 256) with the sm80 backward (64 and 128), which reads the lse it writes. Each returns the CUDA error code of its last
-// launch.
+// dims 64, 128 and 256) with the sm80 backward (64 and 128), which reads the lse it writes. Each
+// returns the CUDA error code of its last launch.
 cudaError_t attention_fwd_sm80(AttnParams& p);
 cudaError_t attention_fwd_sm90(AttnParams& p);
 cudaError_t attention_bwd_sm80(AttnParams& p);
