@@ -119,7 +119,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     softmax_scale defaults to 1 / sqrt(D). A query that sees no key returns zeros and lse -inf,
     with zero gradients. lse is not differentiable. dQ: by default the faster mode of each
     backend, fp32 atomics (not bit-reproducible) for CUDA, a separate pass (bit-identical run to
-    run) for Triton. FUSEDOPS_ATTN_DQ=separate or =atomic chooses, and
+    run) for Triton (and after cuda-sm90 at head dim 256, whose backward is Triton's).
+    FUSEDOPS_ATTN_DQ=separate or =atomic chooses, and
     torch.use_deterministic_algorithms(True) always gives the separate pass.
     """
     check_bool("causal", causal)
