@@ -106,12 +106,27 @@ struct AttnFamily {
 };
 
 // The kernel family that the op's `arch` argument names, as for linear_ce (80 or 90), picked
-// before anything is allocated. The Hopper family has its own forward (wgmma + TMA) and the
-// sm80 backward, which reads the (Hq, total_q) natural-log lse that both forwards write.
+// before anything is allocated. The Hopper family has its own forward and backward (wgmma +
+// TMA); both backwards read the (Hq, total_q) natural-log lse that both forwards write.
 AttnFamily family(int64_t arch) {
   check_arch(arch);
   if (arch == 80) return {attention_fwd_sm80, attention_bwd_sm80, attention_bwd_atomic_fits_sm80};
-  return {attention_fwd_sm90, attention_bwd_sm80, attention_bwd_atomic_fits_sm80};
+  return {attention_fwd_sm90, attention_bwd_sm90, attention_bwd_atomic_fits_sm80};
+}
+
+// Whether the sm_90a machine code is built and device `dev` is compute capability 9.0.
+bool sm90_runs_on(int dev) {
+  int major = 0, minor = 0;
+  return std::string(FUSEDOPS_BUILT_ARCHS).find("9.0a") != std::string::npos &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess &&
+         major == 9 && minor == 0;
+}
+
+// Whether a tensor's rows do not overlap (the TMA tensor maps of the sm90 kernels read rows as
+// (heads, D) boxes).
+bool rows_disjoint(const Tensor& t) {
+  return (t.size(0) <= 1 && t.stride(0) > 0) || t.stride(0) >= t.size(1) * t.size(2);
 }
 
 // What the Hopper forward needs beyond make_params' checks: its sm_90a machine code (built only
@@ -178,7 +193,12 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   Tensor dv = at::empty(v.sizes(), v.options());
   if (p.total_q == 0 || p.batch == 0 || p.max_q == 0 || p.total_k == 0)
     return {dq.zero_(), dk.zero_(), dv.zero_()};
-  Tensor delta = at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat));
+  // delta: (Hq, total_q) for the sm80 backward; the sm90 one keeps lse2 and delta there in its
+  // padded layout (stats_rows_sm90, attention_bwd_kernel_sm90.cuh), 2 Hq x (total_q + 128 batch
+  // rounded up to 128) floats.
+  const int64_t stats_rows = (q.size(0) + 128 * (cu_q.size(0) - 1) + 127) / 128 * 128;
+  Tensor delta = at::empty({arch == 90 ? 2 * q.size(1) * stats_rows : q.size(1) * q.size(0)},
+                           q.options().dtype(at::kFloat));
   p.out = const_cast<void*>(out.data_ptr());
   p.o_row = out.stride(0);
   p.dout = dout.data_ptr();
@@ -202,8 +222,16 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
     p.dq_acc = dq_acc.data_ptr<float>();
   }
   // Every row is written by the kernels (cu_seqlens cover the packed tensors, checked in Python
-  // for user-given ones); keys that no query sees get zero gradients.
-  check_launch(fam.bwd(p), "attention backward");
+  // for user-given ones); keys that no query sees get zero gradients. The sm90 backward (which
+  // itself takes the sm80 one in the deterministic mode or under FUSEDOPS_ATTN_SM90_BWD=sm80)
+  // needs rows that do not overlap; the sm80 backward runs on the others.
+  // So does a build without sm_90a or a GPU other than compute capability 9.0 (the forward
+  // refuses those; the backward op can be called alone).
+  auto bwd = fam.bwd;
+  if (arch == 90 && !(sm90_runs_on(q.get_device()) && rows_disjoint(q) && rows_disjoint(k) &&
+                      rows_disjoint(v) && rows_disjoint(dout)))
+    bwd = attention_bwd_sm80;
+  check_launch(bwd(p), "attention backward");
   return {dq, dk, dv};
 }
 

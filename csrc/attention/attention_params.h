@@ -39,12 +39,15 @@ struct AttnParams {
 
 // Entry points, one set per kernel family, picked by the ops' `arch` argument (attention_api.cpp):
 // arch 80, the sm80 kernels (mma.sync + cp.async, attention_{fwd,bwd}_sm80.cu, also built for
-// sm_90a); arch 90, the Hopper forward (wgmma + TMA, attention_fwd_sm90.cu, cc 9.0 only; head
-// dims 64, 128 and 256) with the sm80 backward (64 and 128), which reads the lse it writes. Each
-// returns the CUDA error code of its last launch.
+// sm_90a); arch 90, the Hopper kernels (wgmma + TMA, attention_{fwd,bwd}_sm90.cu, cc 9.0 only;
+// forward head dims 64, 128 and 256, backward 64 and 128; the backward reads the lse either
+// forward writes). The sm90 backward runs the sm80 one when p.dq_acc is null -- the
+// deterministic mode -- or under FUSEDOPS_ATTN_SM90_BWD=sm80. Each returns the CUDA error code
+// of its last launch.
 cudaError_t attention_fwd_sm80(AttnParams& p);
 cudaError_t attention_fwd_sm90(AttnParams& p);
 cudaError_t attention_bwd_sm80(AttnParams& p);
+cudaError_t attention_bwd_sm90(AttnParams& p);
 // Whether the kernel of the sm80 atomic-dQ backward fits the current device's shared memory
 // (Hopper: yes; Ampere: no, and the backward computes dQ in its own pass instead).
 bool attention_bwd_atomic_fits_sm80(int head_dim);

@@ -1,0 +1,463 @@
+// The Hopper (sm_90a) attention backward kernel: dK, dV and (by float32 reductions into the dQ
+// accumulator) dQ per block of keys, wgmma for all five products, TMA loads through an mbarrier
+// pipeline (FlashAttention-3's scheme, keys as wgmma's M).
+//
+// Grid (ceil(max_k / BN), hkv, batch); a CTA owns keys [n0, n0 + BN) of one KV head and loops
+// over the steps of KeySteps (attention_bwd_kernel_sm80.cuh): the GQA group's query heads times
+// the query blocks of BM rows that see those keys, so that dK and dV of the whole group
+// accumulate in registers and are stored once.
+// Roles: warpgroup 0 produces -- one thread issues every load: K and V once (TMA tiles), then
+// per step Q and dO (TMA tiles) and the rows' statistics (lse in log2 units and delta, 1-D bulk
+// copies from the padded layout bwd_prep_kernel_sm90 writes) into one of kStages stages; a
+// stage's "full" barrier counts those bytes, its "empty" barrier one arrival per consumer
+// thread.
+// Warpgroups 1 and 2 each own 64 keys (rows 64 w of the block) and per step:
+//   S^T = K Q^T, dP^T = V dO^T      (ss: K/V and Q/dO K-major in shared memory)
+//   P^T = 2^(S^T scale log2(e) - lse2), dS^T = P^T (dP^T - delta) [(1 - tanh^2) with softcap],
+//     masked by index, in registers;
+//   dS^T -> shared memory (bf16/fp16, the 128-byte swizzle), both warpgroups' halves;
+//   dV += P^T dO, dK += dS^T Q      (rs: A from registers, dO/Q MN-major);
+//   dQ_part = dS K                  (ss, both operands MN-major: dS^T and K as stored), a
+//     64 x 64 piece per warpgroup (D=128: all queries x head-dim half w; D=64: query half w x
+//     all columns), added to p.dq_acc (dq_acc_index layout) by red.global.add.v2.f32.
+// Schedule (kOverlap false, the default): S^T and dP^T waited for together; dV's products
+// run while dS^T is stored and the two warpgroups meet at the named barrier, dK's while
+// dQ_part is added to the accumulator; the other consumer warpgroup's work fills the tensor
+// cores meanwhile. kOverlap (FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=overlap, measured slower) also
+// computes P^T while dP^T runs. dS^T alternates between two buffers: the buffer a step writes
+// was last read by step - 2's dQ products, which both warpgroups finished before the named
+// barrier of step - 1.
+// dK is scaled by p.scale here, dQ by dq_convert_kernel.
+//
+// Constraints: T is __half or __nv_bfloat16; D is 64 or 128 (TilesBwdSm90); the packed layout
+// of attention_params.h with row strides that are multiples of 8 elements, rows that do not
+// overlap and 16-byte aligned tensors (TMA's rules; attention_api.cpp checks the strides and
+// alignment and takes the sm80 backward for overlapping rows), hq a multiple of hkv; p.delta
+// holding the statistics bwd_prep_kernel_sm90 wrote (stats_rows_sm90), p.dq_acc zeroed with
+// rows rounded up to a multiple of 8. Tensor maps (attention_launch_bwd_sm90.cuh): 3-D (D,
+// heads, rows), boxes of 64 x 1 x BN (K, V) or BM (Q, dO), 128-byte swizzle. A tile that crosses a
+// sequence's end reads the next sequence's rows (TMA zero-fills only past the tensor's end):
+// keys >= lk and queries >= lq are masked by index (P = dS = 0), their gradients never stored.
+// Launch: TilesBwdSm90<D>::kThreads threads, kSmem bytes of dynamic shared memory. The body is
+// empty (a trap) unless compiled for sm_90a.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (a type only)
+
+#include <cstdint>
+
+#include "../hopper_ptx.cuh"
+#include "attention_bwd_kernel_sm80.cuh"  // KeySteps, next_step, red_add2
+#include "attention_common.cuh"
+#include "attention_config_bwd_sm90.h"
+
+namespace fusedops {
+namespace attn {
+
+// The backward's row statistics in shared-memory-ready form: p.delta holds two float32 arrays
+// (lse2 = lse log2(e), +inf where lse is -inf or past the sequence; then delta), each
+// (hq, stats_rows_sm90(p)), sequence b's rows from stats_start_sm90(b) on and padded with
+// (+inf, 0) up to a multiple of BM, so that every step's BM rows are one 16-byte-aligned run
+// (the 1-D bulk copy's rule). The starts, floor((q_start + b BM) / BM) BM, leave every
+// sequence room for its rounded-up rows; the rows per head, total_q + 128 batch rounded up to
+// 128, bound them for BM <= 128.
+__host__ __device__ __forceinline__ int64_t stats_rows_sm90(const AttnParams& p) {
+  return (static_cast<int64_t>(p.total_q) + 128 * static_cast<int64_t>(p.batch) + 127) / 128 *
+         128;
+}
+template <int BM>
+__device__ __forceinline__ int64_t stats_start_sm90(int q_start, int b) {
+  return (static_cast<int64_t>(q_start) + static_cast<int64_t>(b) * BM) / BM * BM;
+}
+
+// Preprocess: the statistics above, one thread per (padded row, head, sequence); delta =
+// rowsum(dO * O) as delta_kernel. Grid (ceil(round_up(max_q, BM) / 256), hq, batch), 256
+// threads, no shared memory; any architecture (the arithmetic is delta_kernel's).
+template <typename T, int D, int BM>
+__global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) {
+  const int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * 256 + threadIdx.x;
+  const Seq sq(p, b);
+  if (i >= (sq.lq + BM - 1) / BM * BM) return;
+  float lse2 = INFINITY, acc = 0.f;
+  if (i < sq.lq) {
+    const int64_t row = sq.q_start + i;
+    const float l = p.lse[static_cast<int64_t>(h) * p.total_q + row];
+    lse2 = l == -INFINITY ? INFINITY : l * kLog2e;
+    const T* o = static_cast<const T*>(p.out) + row * p.o_row + h * D;
+    const T* d = static_cast<const T*>(p.dout) + row * p.do_row + h * D;
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) {
+      const uint4 ov = *reinterpret_cast<const uint4*>(o + c * 8);
+      const uint4 dv = *reinterpret_cast<const uint4*>(d + c * 8);
+      const T* oe = reinterpret_cast<const T*>(&ov);
+      const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc += to_float(oe[e]) * to_float(de[e]);
+    }
+  }
+  const int64_t rows = stats_rows_sm90(p);
+  const int64_t at = static_cast<int64_t>(h) * rows + stats_start_sm90<BM>(sq.q_start, b) + i;
+  p.delta[at] = lse2;
+  p.delta[static_cast<int64_t>(p.hq) * rows + at] = acc;
+}
+
+// A 1-D bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global
+// memory into shared memory at `dst`, completing `bytes` of the transaction count on `bar`.
+__device__ __forceinline__ void bulk_load_1d(uint32_t dst, const void* src, uint32_t bytes,
+                                             uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+      ::"r"(dst), "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
+      : "memory");
+}
+
+// wgmma m64n64k16, float32 accumulators, A and B both MN-major in shared memory
+// (imm-trans-a = imm-trans-b = 1): D (+)= A B with A (64 x 16) stored as 16 K-rows of 64
+// M-elements and B (16 x 64) as 16 K-rows of 64 N-elements, each a 128-byte-swizzled column
+// block (the layout of hopper_ptx.cuh's MN-major operand). Accumulator layout as Wgmma.
+template <typename T>
+struct WgmmaTT;
+#define FUSEDOPS_WGMMA_TT(T, PTX_T)                                                           \
+  template <>                                                                                 \
+  struct WgmmaTT<T> {                                                                         \
+    static __device__ __forceinline__ void ss(float (&d)[8][4], uint64_t a_desc,               \
+                                              uint64_t b_desc, int scale_d) {                 \
+      asm volatile(                                                                           \
+          "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                        \
+          "wgmma.mma_async.sync.aligned.m64n64k16.f32." PTX_T "." PTX_T " {"                  \
+          "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"                            \
+          "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, "                \
+          "%32, %33, p, 1, 1, 1, 1;\n}\n"                                                     \
+          : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]),        \
+            "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]),        \
+            "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]),        \
+            "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),        \
+            "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]),        \
+            "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),        \
+            "+f"(d[7][2]), "+f"(d[7][3])                                                      \
+          : "l"(a_desc), "l"(b_desc), "r"(scale_d));                                          \
+    }                                                                                         \
+  };
+FUSEDOPS_WGMMA_TT(__nv_bfloat16, "bf16")
+FUSEDOPS_WGMMA_TT(__half, "f16")
+#undef FUSEDOPS_WGMMA_TT
+
+template <typename T, int D, bool kOverlap>
+__global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
+    bwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
+                    const __grid_constant__ CUtensorMap tm_k,
+                    const __grid_constant__ CUtensorMap tm_v,
+                    const __grid_constant__ CUtensorMap tm_do) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace fusedops::sm90;
+  using C = TilesBwdSm90<D>;
+  constexpr int BM = C::kBlockM, BN = C::kBlockN, S = C::kStages;
+  constexpr int kBlocks = D / 64;  // 64-element (128-byte) column blocks of a Q/K/V/dO row
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t raw_u32 = sm90::smem_u32(smem_raw);
+  const uint32_t base = (raw_u32 + 1023u) & ~1023u;
+  const uint32_t sK = base + C::kKOff, sV = base + C::kVOff, sQ = base + C::kQOff;
+  const uint32_t sDo = base + C::kDoOff, sDs = base + C::kDsOff;
+  float* const stats = reinterpret_cast<float*>(smem_raw + (base - raw_u32) + C::kStatsOff);
+  const uint32_t bars = base + C::kBarOff;
+  const uint32_t bar_kv = bars;
+  auto bar_full = [&](int s) { return bars + 8u * (1 + s); };
+  auto bar_empty = [&](int s) { return bars + 8u * (1 + S + s); };
+  // Stage s's lse2 (BM floats) and delta (BM floats).
+  auto stats_lse = [&](int s) { return stats + s * 2 * BM; };
+  auto stats_delta = [&](int s) { return stats + s * 2 * BM + BM; };
+
+  const int b = blockIdx.z, hk = blockIdx.y, n0 = blockIdx.x * BN;
+  const Seq sq(p, b);
+  if (n0 >= sq.lk) return;  // uniform over the CTA, before any barrier is initialised
+  const KeySteps<BM, BN> ks(p, sq, n0);
+  const int group = ks.group, t_lo = ks.t_lo, n_tiles = ks.n_tiles, n_it = ks.n_it;
+
+  if (threadIdx.x == 0) {
+    sm90::mbar_init(bar_kv, 1);
+    for (int s = 0; s < S; ++s) {
+      sm90::mbar_init(bar_full(s), 1);                            // the TMA thread
+      sm90::mbar_init(bar_empty(s), 128 * C::kConsumerWarpgroups);  // every consumer thread
+    }
+    mbar_init_fence();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  const int lane = threadIdx.x & 31;
+  if (wg == 0) {
+    // ---- producer ----
+    setmaxnreg_dec<C::kProducerRegs>();
+    const int warp = threadIdx.x / 32;
+    if (warp == 0 && lane == 0 && n_it > 0) {
+      tma_prefetch_desc(&tm_q);
+      tma_prefetch_desc(&tm_k);
+      tma_prefetch_desc(&tm_v);
+      tma_prefetch_desc(&tm_do);
+      mbar_arrive_expect_tx(bar_kv, 2 * C::kKvBytes);
+#pragma unroll
+      for (int c = 0; c < kBlocks; ++c)
+        tma_load_3d(sK + c * BN * 128, &tm_k, bar_kv, 64 * c, hk, sq.k_start + n0);
+#pragma unroll
+      for (int c = 0; c < kBlocks; ++c)
+        tma_load_3d(sV + c * BN * 128, &tm_v, bar_kv, 64 * c, hk, sq.k_start + n0);
+      const int64_t stats_rows = stats_rows_sm90(p);
+      const float* lse2_g = p.delta + stats_start_sm90<BM>(sq.q_start, b);
+      const int64_t delta_off = static_cast<int64_t>(p.hq) * stats_rows;
+      int h = hk * group, m = t_lo * BM;
+      for (int it = 0; it < n_it; ++it) {
+        const int s = it % S;
+        sm90::mbar_wait(bar_empty(s), ((it / S) & 1) ^ 1);
+        mbar_arrive_expect_tx(bar_full(s), 2 * C::kQBytes + 2 * BM * 4);
+        const int row = sq.q_start + m;
+#pragma unroll
+        for (int c = 0; c < kBlocks; ++c)
+          tma_load_3d(sQ + s * C::kQBytes + c * BM * 128, &tm_q, bar_full(s), 64 * c, h, row);
+#pragma unroll
+        for (int c = 0; c < kBlocks; ++c)
+          tma_load_3d(sDo + s * C::kQBytes + c * BM * 128, &tm_do, bar_full(s), 64 * c, h, row);
+        const float* src = lse2_g + h * stats_rows + m;
+        const uint32_t dst = base + C::kStatsOff + s * 2 * BM * 4;
+        bulk_load_1d(dst, src, BM * 4, bar_full(s));
+        bulk_load_1d(dst + BM * 4, src + delta_off, BM * 4, bar_full(s));
+        next_step<BM>(h, m, t_lo, n_tiles);
+      }
+    }
+  } else {
+    // ---- consumers ----
+    setmaxnreg_inc<C::kConsumerRegs>();
+    const int cw = wg - 1;  // consumer warpgroup: keys [64 cw, 64 cw + 64) of the block
+    const int warp = (threadIdx.x / 32) % 4, g = lane >> 2, tq = lane & 3;
+    const int kr0 = 64 * cw + 16 * warp + g;  // the lane's first key row in the block (+8)
+    const int j0 = n0 + kr0;                  // ... as a key of the sequence
+    const Score score(p);
+    // dQ piece of this warpgroup: query rows 64 dq_r + [0, 64), columns 64 dq_c + [0, 64).
+    constexpr bool kRowSplit = C::kDqRowSplit == 2;
+    const int dq_r = kRowSplit ? cw : 0, dq_c = kRowSplit ? 0 : cw;
+
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int d8 = 0; d8 < D / 8; ++d8)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[d8][e] = dv[d8][e] = 0.f;
+
+    // Every consumer thread arrives: an arrival releases only its own thread's earlier reads
+    // (of the stage's statistics, here), so one lane arriving for its warp would not order the
+    // other lanes' reads before the producer's next copy into the stage.
+    auto release = [&](uint32_t bar) { mbar_arrive(bar); };
+
+    if (n_it > 0) sm90::mbar_wait(bar_kv, 0);
+    int h = hk * group, m = t_lo * BM;
+    for (int it = 0; it < n_it; ++it) {
+      const int s = it % S;
+      const uint32_t sQ_s = sQ + s * C::kQBytes, sDo_s = sDo + s * C::kQBytes;
+      const uint32_t sDs_b = sDs + (it & 1) * C::kDsBytes;
+      sm90::mbar_wait(bar_full(s), (it / S) & 1);
+
+      // S^T = K Q^T and dP^T = V dO^T: D / 16 k-steps of 16 head-dim elements each.
+      float st[BM / 8][4], dpt[BM / 8][4];
+      reg_fence(st);
+      reg_fence(dpt);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t off = (kk / 4) * BN * 128 + cw * 64 * 128 + (kk % 4) * 32;
+        const uint32_t offq = (kk / 4) * BM * 128 + (kk % 4) * 32;
+        Wgmma<T, BM>::ss(st, make_desc_sw128(sK + off, 16, 1024),
+                         make_desc_sw128(sQ_s + offq, 16, 1024), kk > 0 ? 1 : 0);
+      }
+      if constexpr (kOverlap) wgmma_commit();  // S^T and dP^T as two groups
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t off = (kk / 4) * BN * 128 + cw * 64 * 128 + (kk % 4) * 32;
+        const uint32_t offq = (kk / 4) * BM * 128 + (kk % 4) * 32;
+        Wgmma<T, BM>::ss(dpt, make_desc_sw128(sV + off, 16, 1024),
+                         make_desc_sw128(sDo_s + offq, 16, 1024), kk > 0 ? 1 : 0);
+      }
+      wgmma_commit();
+
+      // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
+      const float* l_s = stats_lse(s);
+      const float* d_s = stats_delta(s);
+      const int jw = n0 + 64 * cw + 16 * warp;  // the warp's first key
+      const bool full = m + BM <= sq.lq && sq.all_visible(m, m + BM, jw, jw + 16, p);
+      // Both at once (the serial schedule, and the softcap's, whose dS needs tanh of S).
+      auto grad_tile = [&](auto path) {  // three copies: see run_path
+        constexpr int kPath = decltype(path)::value;
+#pragma unroll
+        for (int ni = 0; ni < BM / 8; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = ni * 8 + 2 * tq + (e & 1);
+            const float lse2 = l_s[c], dl = d_s[c];
+            float pv, ds;
+            if constexpr (kPath > 0) {
+              float t = 0.f;
+              const float x = score.at<kPath == 2>(st[ni][e], t);
+              const int i = m + c;
+              const bool vis = (i < sq.lq) & sq.visible(i, j0 + (e >> 1) * 8, p);
+              pv = vis ? ex2(x - lse2) : 0.f;
+              ds = pv * (dpt[ni][e] - dl);
+              if constexpr (kPath == 2) ds *= 1.f - t * t;
+            } else {
+              pv = ex2(st[ni][e] * score.scale_log2() - lse2);
+              ds = pv * (dpt[ni][e] - dl);
+            }
+            st[ni][e] = pv;
+            dpt[ni][e] = ds;
+          }
+      };
+      // P^T alone (the overlapped schedule without softcap): Path<0> or Path<1>.
+      auto p_tile = [&](auto path) {
+        constexpr int kPath = decltype(path)::value;
+#pragma unroll
+        for (int ni = 0; ni < BM / 8; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = ni * 8 + 2 * tq + (e & 1);
+            const float lse2 = l_s[c];
+            if constexpr (kPath > 0) {
+              const int i = m + c;
+              const bool vis = (i < sq.lq) & sq.visible(i, j0 + (e >> 1) * 8, p);
+              st[ni][e] = vis ? ex2(st[ni][e] * score.scale_log2() - lse2) : 0.f;
+            } else {
+              st[ni][e] = ex2(st[ni][e] * score.scale_log2() - lse2);
+            }
+          }
+      };
+      // As wgmma A fragments: queries [16 kk, 16 kk + 16) are the accumulators' 8-column
+      // blocks 2 kk and 2 kk + 1 (the m16n8k16 A layout, as the forward's P).
+      auto to_frag = [&](const float (&acc)[BM / 8][4], uint32_t (&f)[BM / 16][4]) {
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+          f[kk][0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+          f[kk][1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+          f[kk][2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+          f[kk][3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+        }
+      };
+      uint32_t pa[BM / 16][4], dsa[BM / 16][4];
+      // dV += P^T dO: BM / 16 k-steps of 16 queries (2048 bytes of rows); B is MN-major, its
+      // head dim in 64-wide column blocks BM * 128 bytes apart (the LBO).
+      auto issue_dv = [&] {
+        reg_fence(dv);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+          Wgmma<T, D>::rs_mn(dv, pa[kk], make_desc_sw128(sDo_s + kk * 2048, BM * 128, 1024), 1);
+        wgmma_commit();
+      };
+      if (!kOverlap || score.capped()) {
+        wgmma_wait<0>();
+        reg_fence(st);
+        reg_fence(dpt);
+        run_path(full, score.capped(), grad_tile);
+        to_frag(st, pa);
+        issue_dv();
+      } else {
+        // Overlapped: P^T while dP^T runs, then (D=128) dS^T while dV += P^T dO runs (the
+        // groups complete in order: wait_group 1 leaves only the last one in flight). At D=64
+        // the P^T fragments held through dS^T (S^T, dP^T: 128 floats) would spill: dV waits.
+        constexpr bool kEarlyDv = D == 128;
+        wgmma_wait<1>();
+        reg_fence(st);
+        if (full)
+          p_tile(Path<0>{});
+        else
+          p_tile(Path<1>{});
+        if constexpr (kEarlyDv) {
+          to_frag(st, pa);
+          issue_dv();
+          wgmma_wait<1>();
+        } else {
+          wgmma_wait<0>();
+        }
+        reg_fence(dpt);
+#pragma unroll
+        for (int ni = 0; ni < BM / 8; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            dpt[ni][e] = st[ni][e] * (dpt[ni][e] - d_s[ni * 8 + 2 * tq + (e & 1)]);
+        if constexpr (!kEarlyDv) {
+          to_frag(st, pa);
+          issue_dv();
+        }
+      }
+      to_frag(dpt, dsa);
+      // dS^T into buffer it & 1: key row kr of the block at byte 128 kr of the column block of
+      // its query c (BN rows x 128 bytes each), 16-byte chunk (c % 64) / 8 at chunk ^ (kr % 8)
+      // (kr % 8 == g) -- the layout TMA writes, which the dQ wgmma reads as an MN-major A.
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int ni = 2 * kk + half, kr = kr0 + 8 * r;
+            const uint32_t addr =
+                sDs_b + (ni / 8) * BN * 128 + kr * 128 + (((ni % 8) ^ g) << 4) + 4 * tq;
+            st_shared_u32(addr, dsa[kk][2 * half + r]);
+          }
+      fence_proxy_async_smem();  // the stores, before the wgmmas (async proxy) read them
+      named_bar_sync<256>(1);    // both consumer warpgroups' halves of dS^T are written
+
+      // dQ_part = dS K: BN / 16 k-steps of 16 keys; A = dS^T's column block dq_r, B = K's
+      // column block dq_c. Then dK += dS^T Q as dV, whose products run while dQ_part is added
+      // to the accumulator (the groups complete in order: wait_group 1 leaves only dK's).
+      float dq[8][4];
+      reg_fence(dk);
+      reg_fence(dq);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        WgmmaTT<T>::ss(dq, make_desc_sw128(sDs_b + dq_r * BN * 128 + kk * 2048, BN * 128, 1024),
+                       make_desc_sw128(sK + dq_c * BN * 128 + kk * 2048, BN * 128, 1024),
+                       kk > 0 ? 1 : 0);
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        Wgmma<T, D>::rs_mn(dk, dsa[kk], make_desc_sw128(sQ_s + kk * 2048, BM * 128, 1024), 1);
+      wgmma_commit();
+      wgmma_wait<1>();
+      reg_fence(dq);
+
+      // dQ accumulation: the piece's rows 16 warp + g (+ 8), columns 8 n8 + 2 tq (+ 1).
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int i = m + 64 * dq_r + 16 * warp + g + 8 * r;
+        if (i >= sq.lq) continue;
+        float* dst = p.dq_acc + dq_acc_index<D>(sq.q_start + i, h, 64 * dq_c + 2 * tq, p.hq);
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8) red_add2(dst + n8 * 64, dq[n8][2 * r], dq[n8][2 * r + 1]);
+      }
+      wgmma_wait<0>();
+      reg_fence(dv);
+      reg_fence(dk);
+      release(bar_empty(s));  // Q, dO and the stats of stage s are no longer read
+      next_step<BM>(h, m, t_lo, n_tiles);
+    }
+
+    // ---- epilogue: dK (scaled) and dV of keys < lk, 4-byte stores from registers ----
+    T* dK = static_cast<T*>(p.dk) + sq.k_start * p.dk_row + static_cast<int64_t>(hk) * D;
+    T* dV = static_cast<T*>(p.dv) + sq.k_start * p.dv_row + static_cast<int64_t>(hk) * D;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int j = j0 + 8 * r;
+      if (j >= sq.lk) continue;
+      T* dk_row = dK + static_cast<int64_t>(j) * p.dk_row + 2 * tq;
+      T* dv_row = dV + static_cast<int64_t>(j) * p.dv_row + 2 * tq;
+#pragma unroll
+      for (int d8 = 0; d8 < D / 8; ++d8) {
+        *reinterpret_cast<uint32_t*>(dk_row + d8 * 8) =
+            pack2<T>(dk[d8][2 * r] * p.scale, dk[d8][2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dv_row + d8 * 8) = pack2<T>(dv[d8][2 * r], dv[d8][2 * r + 1]);
+      }
+    }
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // built for an architecture without wgmma: the host never launches this
+#endif
+}
+
+}  // namespace attn
+}  // namespace fusedops

@@ -1,0 +1,61 @@
+// Tile table of the Hopper (sm_90a) attention backward: block sizes, pipeline depth, warp roles
+// and the shared memory they take (read by attention_bwd_kernel_sm90.cuh and
+// attention_launch_bwd_sm90.cuh).
+#pragma once
+
+#include <cstddef>
+
+namespace fusedops {
+namespace attn {
+
+// The tiles follow FlashAttention-3's published backward shapes (keys as wgmma's M, 128 keys per
+// CTA in two consumer warpgroups of 64) and the register budget; they have not been measured
+// against neighbouring shapes yet (the stages have).
+template <int D>
+struct TilesBwdSm90 {
+  static_assert(D == 64 || D == 128, "the sm90 backward takes head dim 64 or 128");
+  // Keys per CTA: two consumer warpgroups of 64 keys (wgmma's M) each, sharing every Q/dO tile.
+  static constexpr int kBlockN = 128;
+  // Queries per step. Per consumer thread the dK and dV accumulators take 2 D / 2 floats
+  // (64 keys x D over 128 lanes) and S^T, dP^T 2 BM / 2: D=128, BM=64: 128 + 64; D=64, BM=128:
+  // 64 + 128 -- 192 floats either way, within the consumers' 240 registers.
+  static constexpr int kBlockM = D == 128 ? 64 : 128;
+  // dQ = dS K (queries x D) is one m64n64 accumulator per consumer warpgroup: at D=128 the
+  // warpgroups split the head dim (columns 64 w + [0, 64)), at D=64 the queries (rows 64 w).
+  static constexpr int kDqRowSplit = kBlockM / 64;  // 1 at D=128, 2 at D=64
+  static_assert((kBlockM / 64) * (D / 64) == 2);
+  // Q/dO stages: 3 (192 KiB of shared memory) measured no faster than 2 on the H200
+  // (2026-12-01, bf16, B*L = 16384, H*D = 2048, TFLOP/s 2 / 3 stages: D=128 L=4096 535/509,
+  // L=16384 547/537; D=64 L=4096 436/436, L=16384 462/463).
+  static constexpr int kStages = 2;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+  // setmaxnreg: 24 + 2 x 240 registers per lane = 504, the 168 x 3 the CTA holds at entry
+  // (65536 / 384 rounded down to 8). The consumers peak near 240 (dK, dV, S^T, dP^T: 192
+  // floats at both head dims).
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+
+  // Shared memory (bytes, 2-byte elements). Every tile is stored as column blocks of
+  // rows x 128 bytes (64 elements, 128-byte swizzle), each 1024-byte aligned.
+  static constexpr int kElem = 2;
+  static constexpr int kKvBytes = kBlockN * D * kElem;  // K or V
+  static constexpr int kQBytes = kBlockM * D * kElem;   // one Q or dO stage
+  // dS^T (keys x queries) in kBlockM / 64 column blocks of kBlockN rows, two buffers.
+  static constexpr int kDsBytes = kBlockN * kBlockM * kElem;
+  static constexpr int kKOff = 0;
+  static constexpr int kVOff = kKOff + kKvBytes;
+  static constexpr int kQOff = kVOff + kKvBytes;
+  static constexpr int kDoOff = kQOff + kStages * kQBytes;
+  static constexpr int kDsOff = kDoOff + kStages * kQBytes;
+  // Row statistics per stage: lse2 and delta (BM floats each, bwd_prep_kernel_sm90's layout).
+  static constexpr int kStatsOff = kDsOff + 2 * kDsBytes;
+  static constexpr int kBarOff = kStatsOff + kStages * 2 * kBlockM * 4;
+  // Barriers: K/V full; per stage Q/dO full, Q/dO empty.
+  static constexpr int kNumBars = 1 + 2 * kStages;
+  static constexpr size_t kSmem = kBarOff + kNumBars * 8 + 1024;  // + 1024: base alignment
+  static_assert(kQBytes % 1024 == 0 && kKvBytes % 1024 == 0 && kDsBytes % 1024 == 0);
+  static_assert(kSmem <= 227 * 1024, "exceeds Hopper's shared memory per block");
+};
+
+}  // namespace attn
+}  // namespace fusedops

@@ -1,0 +1,67 @@
+// Host-side launch of the Hopper attention backward: the preprocess (padded lse2 and delta),
+// the dK/dV/dQ kernel with its TMA tensor maps, and the dQ conversion (the sm80 one: same
+// float32 accumulator layout). Tile sizes and shared memory: attention_config_bwd_sm90.h.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <type_traits>
+
+#include "attention_bwd_kernel_sm90.cuh"
+#include "attention_config_bwd_sm90.h"
+#include "attention_launch_sm80.cuh"  // launch, dq_convert_kernel
+#include "attention_launch_sm90.cuh"  // make_tensor_map
+
+namespace fusedops {
+namespace attn {
+
+// The consumers' schedule: serial unless FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=overlap (P^T while
+// dP^T runs; at D=128 dS^T while dV += P^T dO runs; the softcap takes the serial order either
+// way), which was slower on the H200 at every shape of check_attention_sm90.py's backward
+// timing (2026-12-01, bf16, B*L = 16384, H*D = 2048, TFLOP/s serial / overlap: D=128 L=4096
+// 535/405, causal 438/355, L=16384 547/439; D=64 L=4096 436/370, L=16384 462/394). Read at
+// every call.
+inline bool sm90_bwd_overlap() {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
+  return s != nullptr && std::strcmp(s, "overlap") == 0;
+}
+
+// Needs p.dq_acc (zeroed, rows rounded up to a multiple of 8; the deterministic mode is the
+// sm80 backward's, attention_bwd_sm90.cu) and p.delta of 2 hq stats_rows_sm90(p) floats.
+template <typename T, int D>
+cudaError_t run_bwd_sm90(const AttnParams& p) {
+  using C = TilesBwdSm90<D>;
+  static_assert(sizeof(T) == C::kElem);
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  constexpr int BM = C::kBlockM;
+  if (p.dq_acc == nullptr) return cudaErrorInvalidValue;
+  const int64_t padded_q = (static_cast<int64_t>(p.max_q) + BM - 1) / BM * BM;
+  cudaError_t err = launch(bwd_prep_kernel_sm90<T, D, BM>,
+                           dim3(static_cast<unsigned>((padded_q + 255) / 256), p.hq, p.batch), 256,
+                           0, p);
+  if (err != cudaSuccess) return err;
+  const dim3 grid((p.max_k + C::kBlockN - 1) / C::kBlockN, p.hkv, p.batch);
+  if (grid.x > 0 && grid.y > 0 && grid.z > 0) {
+    CUtensorMap tm_q, tm_k, tm_v, tm_do;
+    if (!make_tensor_map(&tm_q, p.q, kBf16, D, p.hq, p.total_q, p.q_row, C::kBlockM) ||
+        !make_tensor_map(&tm_k, p.k, kBf16, D, p.hkv, p.total_k, p.k_row, C::kBlockN) ||
+        !make_tensor_map(&tm_v, p.v, kBf16, D, p.hkv, p.total_k, p.v_row, C::kBlockN) ||
+        !make_tensor_map(&tm_do, p.dout, kBf16, D, p.hq, p.total_q, p.do_row, C::kBlockM))
+      return cudaErrorInvalidValue;  // the driver refused a tensor map
+    auto kernel = sm90_bwd_overlap() ? bwd_kernel_sm90<T, D, true> : bwd_kernel_sm90<T, D, false>;
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(C::kSmem));
+    if (err != cudaSuccess) return err;
+    kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do);
+    err = cudaGetLastError();
+    if (err != cudaSuccess) return err;
+  }
+  const int64_t n = static_cast<int64_t>(p.total_q) * p.hq * (D / 8);
+  return launch(dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((n + 255) / 256)), 256, 0, p);
+}
+
+}  // namespace attn
+}  // namespace fusedops
