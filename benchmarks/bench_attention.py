@@ -89,7 +89,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="1024,4096,16384")
     ap.add_argument("--dims", default="64,128")
-    ap.add_argument("--methods", default="cuda-sm90,cuda-sm90-deterministic,cuda-sm80,triton,"
+    ap.add_argument("--methods", default="cuda-sm90,cuda-sm90-bwd80,cuda-sm90-deterministic,"
+                                          "cuda-sm80,triton,"
                                           "torch,sdpa_flash,sdpa_cudnn,sdpa_efficient,flex,fa4")
     ap.add_argument("--flex-lengths", default="4096", help="FlexAttention compiles per shape")
     ap.add_argument("--torch-max-length", type=int, default=1024)
@@ -100,6 +101,7 @@ def main():
     path = results_path("attention", args.out)
     makers = {"cuda-sm90": lambda: fused("cuda-sm90"),
               "cuda-sm90-deterministic": lambda: fused("cuda-sm90"),
+              "cuda-sm90-bwd80": lambda: fused("cuda-sm90"),
               "cuda-sm80": lambda: fused("cuda-sm80"),
               "cuda-sm80-deterministic": lambda: fused("cuda-sm80"),
               "triton": lambda: fused("triton"), "torch": lambda: fused("torch"),
@@ -133,7 +135,9 @@ def main():
                         os.environ["FUSEDOPS_ATTN_DQ"] = "atomic"
                     elif name.endswith("-deterministic"):
                         os.environ["FUSEDOPS_ATTN_DQ"] = "separate"
-                    backend = name.split("-atomic")[0].split("-determ")[0]
+                    elif name.endswith("-bwd80"):  # the sm90 forward with the sm80 backward
+                        os.environ["FUSEDOPS_ATTN_SM90_BWD"] = "sm80"
+                    backend = name.split("-atomic")[0].split("-determ")[0].split("-bwd80")[0]
                     dq = (dq_mode(backend, d) if backend in ("cuda-sm90", "cuda-sm80", "triton")
                           else None)
                     try:
@@ -144,6 +148,7 @@ def main():
                         continue
                     finally:
                         os.environ.pop("FUSEDOPS_ATTN_DQ", None)
+                        os.environ.pop("FUSEDOPS_ATTN_SM90_BWD", None)
                     bwd = tot - fwd
                     row = dict(op="attention", method=name, B=b, H=h, L=length, D=d,
                                causal=causal, dtype="bfloat16", dq_mode=dq,

@@ -15,13 +15,18 @@ reference, the sm90 error must be at most 2x the baseline's error + 1e-3, for ou
 sm80 kernel at D=64/128 and Triton's forward at D=256 (no sm80 kernel there). Outputs are poisoned
 first (a NaN-filled block of the same size is freed just before the call, so that the caching
 allocator hands it to the kernel): an unwritten row shows as NaN. The backward of arch 90 (the
-sm80 backward; Triton's at D=256, as the op runs it) is checked from the sm90 forward's out/lse
-against the baseline forward's, both against float64 gradients (slack 1e-3 x the largest
-reference gradient).
+sm90 backward, attention_bwd_kernel_sm90.cuh, in each BWD_VARIANTS setting: its serial and
+overlapped schedules and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; Triton's at D=256, as the
+op runs it) is checked from the sm90 forward's out/lse against the baseline backward from the
+baseline forward's, all against float64 gradients (error at most 2x the baseline's + 1e-3 x the
+largest reference gradient; gradients poisoned as the outputs).
 
 One PASS/FAIL line per variant and group, then a summary; then TFLOP/s of every sm90 variant side by
 side with sm80, Triton, SDPA flash and cuDNN (bf16, B*L = 16384, H*D = 2048), rows appended to
-<out>/attention.jsonl (method cuda-sm90-fwd = auto, cuda-sm90-<variant>-fwd, triton-fwd). Exit
+<out>/attention.jsonl (method cuda-sm90-fwd = auto, cuda-sm90-<variant>-fwd, triton-fwd); then the
+backward's TFLOP/s (2.5x the forward's FLOPs, D=64/128): the sm90 backward (and its overlapped
+schedule), the sm80 one, SDPA flash and cuDNN (their (forward + backward) - forward), methods
+cuda-sm90-bwd, cuda-sm90-overlap-bwd, cuda-sm80-bwd, sdpa_*-bwd (--no-bwd-timing skips it). Exit
 status 1 when any parity group fails.
 """
 
@@ -146,15 +151,63 @@ def fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
                                                  right, softcap, arch)
 
 
-def bwd(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
-    """The backward the op runs after a forward of `arch`: the CUDA one (sm80 kernels) at
-    D=64/128, Triton's at D=256."""
+# Arch 90's backwards at D=64/128, as the environment overrides that select them: the sm90
+# kernel (attention_bwd_kernel_sm90.cuh; FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=overlap its overlapped
+# schedule) and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward.
+BWD_VARIANTS = {
+    "sm90": {},
+    "sm90-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
+    "sm80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
+}
+
+
+class bwd_env:
+    """Sets a backward variant's environment overrides for the duration of a with block."""
+
+    def __init__(self, name):
+        self.env = BWD_VARIANTS[name]
+
+    def __enter__(self):
+        self.saved = {k: os.environ.pop(k, None)
+                      for k in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE")}
+        os.environ.update(self.env)
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v
+
+
+def bwd(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch,
+        variant="sm90"):
+    """The backward the op runs after a forward of `arch`, gradients poisoned: the CUDA one at
+    D=64/128 (arch 90: under the BWD_VARIANTS environment `variant`), Triton's at D=256."""
     if q.shape[2] not in CUDA_BWD_DIMS:
         from fusedops.attention import triton as ta
         return ta.attention_bwd(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale, causal, left,
                                 right, softcap, True)  # the op's default there: separate dQ
-    return torch.ops.fusedops.attention_bwd_cuda(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale,
-                                                 causal, left, right, softcap, False, arch)
+    poison((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype))
+    with bwd_env(variant):
+        return torch.ops.fusedops.attention_bwd_cuda(q, k, v, out, lse, do, cu_q, cu_k, mq, mk,
+                                                     scale, causal, left, right, softcap, False,
+                                                     arch)
+
+
+def where_keys(grad, ref, cu_k):
+    """Where a dK/dV error is: the largest per 64-key half of the sm90 backward's 128-key blocks
+    (a consumer warpgroup's keys), per 16-key warp slice and per 64-wide head-dim block."""
+    err = (grad.double() - ref.double()).abs().nan_to_num(nan=1e9)
+    starts = cu_k.tolist()
+    pos = torch.empty(grad.shape[0], dtype=torch.long, device=grad.device)
+    for a, b in zip(starts, starts[1:], strict=False):
+        pos[a:b] = torch.arange(b - a, device=grad.device)
+    by_half = [f"{err[(pos % 128) // 64 == w].max().item():.1e}" if ((pos % 128) // 64 == w).any()
+               else "-" for w in (0, 1)]
+    by_warp = [f"{err[(pos % 64) // 16 == w].max().item():.0e}" if ((pos % 64) // 16 == w).any()
+               else "-" for w in range(4)]
+    by_d = [f"{err[..., c:c + 64].max().item():.1e}" for c in range(0, grad.shape[2], 64)]
+    return f"by key half {by_half}, by warp {by_warp}, by d-block {by_d}"
 
 
 def fwd_baseline(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap):
@@ -291,14 +344,29 @@ def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
                     g64 = reference.attention_bwd(q64, k64, v64, o64, l64, do.double(), cu_q,
                                                   cu_k, scale, causal, left, right, cap)
                     g80 = bwd(q, k, v, o80, l80, do, *args, 80)
-                    g90 = bwd(q, k, v, o90, l90, do, *args, 90)
-                    for nm, a, b, r in zip(("dq", "dk", "dv"), g90, g80, g64, strict=True):
-                        slack = 1e-3 * max(1.0, r.abs().max().item())
-                        ea, eb = max_err(a, r), max_err(b, r)
-                        if torch.isnan(a).any() or not ea <= 2 * eb + slack:
-                            bwd_results[bkey].append(
-                                f"{name}: {nm} err {ea:.3e} > 2 x baseline-fwd path {eb:.3e} + "
-                                f"{slack:.1e}")
+                    # Arch 90's backwards (the escape hatch too); at D=256 Triton's alone.
+                    for which in BWD_VARIANTS if d in CUDA_BWD_DIMS else ("sm90",):
+                        WATCHDOG.arm(f"{tag} backward {which} {group} {name}")
+                        try:
+                            g90 = bwd(q, k, v, o90, l90, do, *args, 90, variant=which)
+                            torch.cuda.synchronize()
+                        except Exception as exc:  # noqa: BLE001 - reported as a failure
+                            bwd_results[bkey].append(f"{name} ({which} bwd): raised "
+                                                     f"{type(exc).__name__}: {str(exc)[:160]}")
+                            if "CUDA" in str(exc) or "cuda" in str(exc):
+                                raise ContextLost(f"{tag} backward {which} {name}: {exc}") from exc
+                            continue
+                        finally:
+                            WATCHDOG.disarm()
+                        for nm, a, b, r in zip(("dq", "dk", "dv"), g90, g80, g64, strict=True):
+                            slack = 1e-3 * max(1.0, r.abs().max().item())
+                            ea, eb = max_err(a, r), max_err(b, r)
+                            if torch.isnan(a).any() or not ea <= 2 * eb + slack:
+                                at = (where_keys(a, r, cu_k) if nm != "dq" else
+                                      where(a, r, cu_q))
+                                bwd_results[bkey].append(
+                                    f"{name} ({which} bwd): {nm} err {ea:.3e} > 2 x baseline-fwd "
+                                    f"path {eb:.3e} + {slack:.1e} ({at})")
                 del q, k, v, o90, l90, o80, l80, o64, l64, outs
     return results, bwd_results
 
@@ -410,6 +478,86 @@ def timing(out_dir, rep_ms, dims=DIMS):
                 torch.cuda.empty_cache()
 
 
+def time_bwd_config(d, length, causal, rep_ms):
+    """{method: backward ms} of one shape (bf16, B*L = 16384, H*D = 2048): ours by the backward
+    op alone (from the sm90 forward's out/lse), SDPA's as (forward + backward) - forward."""
+    import torch.nn.functional as F
+    from common import time_ms
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    b, h = 16384 // length, 2048 // d
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, do = (torch.randn(b * length, h, d, device="cuda", dtype=torch.bfloat16,
+                               generator=g) for _ in range(4))
+    cu = torch.arange(b + 1, device="cuda", dtype=torch.int32) * length
+    scale = 1.0 / math.sqrt(d)
+    args = (cu, cu, length, length, scale, causal, -1, -1, 0.0)
+    out, lse = torch.ops.fusedops.attention_fwd_cuda(q, k, v, *args, 90)
+
+    def ours(variant):
+        def fn():
+            with bwd_env(variant):
+                return torch.ops.fusedops.attention_bwd_cuda(q, k, v, out, lse, do, *args, False,
+                                                             90)
+        return fn
+
+    times = {"cuda-sm90-bwd": ours("sm90"), "cuda-sm90-overlap-bwd": ours("sm90-overlap"),
+             "cuda-sm80-bwd": ours("sm80")}
+    res = {}
+    for name, fn in times.items():
+        with torch.no_grad():
+            res[name] = time_ms(fn, rep_ms)
+    qs, ks, vs, dos = (t.view(b, length, h, d).transpose(1, 2) for t in (q, k, v, do))
+    qs, ks, vs = (t.detach().requires_grad_() for t in (qs, ks, vs))
+    for name, backend in (("sdpa_flash-bwd", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa_cudnn-bwd", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            def fwd_only(backend=backend):
+                with sdpa_kernel(backend), torch.no_grad():
+                    return F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
+
+            def step(backend=backend):
+                with sdpa_kernel(backend):
+                    F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal).backward(dos)
+            res[name] = (time_ms(step, rep_ms, grad_to_none=[qs, ks, vs]) -
+                         time_ms(fwd_only, rep_ms))
+        except Exception as exc:  # noqa: BLE001 - e.g. an SDPA backend missing
+            print(f"  {name} D={d} L={length}: {type(exc).__name__}: {str(exc)[:120]}")
+            res[name] = float("nan")
+    return res
+
+
+def timing_bwd(out_dir, rep_ms, dims=DIMS):
+    from common import append_rows, run_meta
+    meta = run_meta()
+    names = ("cuda-sm90-bwd", "cuda-sm90-overlap-bwd", "cuda-sm80-bwd", "sdpa_flash-bwd",
+             "sdpa_cudnn-bwd")
+    print("\nbackward timing (bf16, TFLOP/s = 2.5 x forward FLOPs / backward time; sm90 = "
+          "attention_bwd_kernel_sm90 (overlap: its overlapped schedule), sm80 = "
+          "FUSEDOPS_ATTN_SM90_BWD=sm80; vs best = sm90 / max(flash, cudnn))")
+    heads = ("sm90", "overlap", "sm80", "flash", "cudnn")
+    print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{c:>8}" for c in heads) +
+          f" {'vs best':>7}")
+    for d in (d for d in dims if d in CUDA_BWD_DIMS):
+        for length in (1024, 4096, 16384):
+            for causal in (False, True):
+                b, h = 16384 // length, 2048 // d
+                flops = 2.5 * 4 * b * h * length * length * d / (2 if causal else 1)
+                times = time_bwd_config(d, length, causal, rep_ms)
+                tf = {n: flops / times[n] / 1e9 for n in names}
+                for n in names:
+                    if math.isnan(times[n]):
+                        continue
+                    row = dict(op="attention", method=n, B=b, H=h, L=length, D=d,
+                               causal=causal, dtype="bfloat16", bwd_ms=round(times[n], 4),
+                               bwd_tflops=round(tf[n], 1), **meta)
+                    append_rows("attention", [row], out_dir)
+                best = max(tf["sdpa_flash-bwd"], tf["sdpa_cudnn-bwd"])
+                print(f"{d:>4} {length:>6} {str(causal):>6} " +
+                      " ".join(f"{tf[n]:>8.1f}" for n in names) +
+                      f" {tf['cuda-sm90-bwd'] / best:>7.2f}", flush=True)
+                torch.cuda.empty_cache()
+
+
 def sanitize_cases(dims=DIMS, schedules=SCHEDULES):
     """Tiny runs of each instantiation (bf16/fp16 x D 64/128/256 x every schedule, both
     epilogues, the 176-key tiles at D=128): dense with a tail tile, varlen with an empty-key
@@ -431,7 +579,8 @@ def sanitize_cases(dims=DIMS, schedules=SCHEDULES):
                     ran = True
                 if ran and d in CUDA_BWD_DIMS:
                     do = torch.randn_like(q)
-                    bwd(q, k, v, o, lse, do, *args, 90)
+                    for variant in BWD_VARIANTS:
+                        bwd(q, k, v, o, lse, do, *args, 90, variant=variant)
     torch.cuda.synchronize()
     print("sanitize cases ran")
 
@@ -472,6 +621,7 @@ def main():
                     help="folder of attention.jsonl (default $OUT, else benchmarks/results)")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--no-backward", action="store_true")
+    ap.add_argument("--no-bwd-timing", action="store_true")
     ap.add_argument("--rep-ms", type=int, default=60)
     ap.add_argument("--dims", default=",".join(map(str, DIMS)))
     ap.add_argument("--dtypes", default="bfloat16,float16")
@@ -511,6 +661,8 @@ def main():
     print(f"SUMMARY parity: {total - n_fail} passed, {n_fail} failed ({time.time() - t0:.0f}s)")
     if not args.no_timing:
         timing(args.out, args.rep_ms, dims)
+    if not args.no_bwd_timing:
+        timing_bwd(args.out, args.rep_ms, dims)
     return 1 if n_fail else 0
 
 

@@ -142,6 +142,53 @@ def test_sm90_176_key_tiles(schedule, feature, monkeypatch):
         A.check(A.Case(*shape, torch.bfloat16, "cuda", **FEATURES[feature]), "cuda-sm90", _CACHE)
 
 
+# cuda-sm90's backward variants, as the environment that selects them.
+SM90_BWD_VARIANTS = {
+    "sm90-bwd": {},
+    "sm90-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
+    "sm80-bwd": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", list(SM90_BWD_VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", [(2, 1025, 1025, 8, 2, 128), (2, 97, 211, 4, 2, 64),
+                                   (2, 211, 97, 4, 1, 64), (1, 300, 300, 4, 4, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("feature", list(FEATURES))
+@NEEDS_EXT
+def test_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, monkeypatch):
+    """cuda-sm90's backward is the sm90 kernel (serial schedule, or overlapped by
+    FUSEDOPS_ATTN_SM90_BWD_SCHEDULE); FUSEDOPS_ATTN_SM90_BWD=sm80 takes the sm80 one. All pass
+    the oracle."""
+    for name in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in SM90_BWD_VARIANTS[variant].items():
+        monkeypatch.setenv(name, value)
+    case = A.Case(*shape, dtype, "cuda", **FEATURES[feature])
+    A.check(case, "cuda-sm90", _CACHE)
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
+def test_sm90_backward_switch_changes_the_kernel(monkeypatch):
+    """The switch really selects another kernel: the two backwards round differently."""
+    case = A.Case(2, 1025, 1025, 8, 2, 128, torch.bfloat16, "cuda", causal=True)
+    inp = A.make_inputs(case)
+    monkeypatch.delenv("FUSEDOPS_ATTN_DQ", raising=False)
+    grads = []
+    for value in (None, "sm80"):
+        if value is None:
+            monkeypatch.delenv("FUSEDOPS_ATTN_SM90_BWD", raising=False)
+        else:
+            monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD", value)
+        grads.append(A.run(lambda *a, **k: attention(*a, **k, return_lse=True,
+                                                     backend="cuda-sm90"), inp, case, case.dtype))
+    assert torch.equal(grads[0]["out"], grads[1]["out"])
+    assert not torch.equal(grads[0]["dk"], grads[1]["dk"])
+
+
 def test_dq_mode_selection(monkeypatch):
     from fusedops.attention.ops import dq_mode
     monkeypatch.delenv("FUSEDOPS_ATTN_DQ", raising=False)
