@@ -222,11 +222,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
     p.dq_acc = dq_acc.data_ptr<float>();
   }
   // Every row is written by the kernels (cu_seqlens cover the packed tensors, checked in Python
-  // for user-given ones); keys that no query sees get zero gradients. The sm90 backward (which
-  // itself takes the sm80 one in the deterministic mode or under FUSEDOPS_ATTN_SM90_BWD=sm80)
-  // needs rows that do not overlap; the sm80 backward runs on the others.
-  // So does a build without sm_90a or a GPU other than compute capability 9.0 (the forward
-  // refuses those; the backward op can be called alone).
+  // for user-given ones); keys that no query sees get zero gradients. Arch 90's backward is the
+  // sm90 one (which itself takes the sm80 one in the deterministic mode or under
+  // FUSEDOPS_ATTN_SM90_BWD=sm80) where it can run -- its machine code built, a compute
+  // capability 9.0 GPU (the forward refuses the others; the backward op can be called alone),
+  // rows that do not overlap (its TMA tensor maps) -- and the sm80 backward elsewhere.
   auto bwd = fam.bwd;
   if (arch == 90 && !(sm90_runs_on(q.get_device()) && rows_disjoint(q) && rows_disjoint(k) &&
                       rows_disjoint(v) && rows_disjoint(dout)))
