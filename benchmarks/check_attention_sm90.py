@@ -453,7 +453,7 @@ def timing(out_dir, rep_ms, dims=DIMS):
     print("auto = the measured table (what dispatch runs); overlap/serial/pingpong: forced "
           "schedules with the TMA-store epilogue; ovl-regs: overlap with register stores of O; "
           "bn176-ovl/-pp: 176-key tiles (D=128 only); vs best = auto / max(flash, cudnn); "
-          "vs triton = auto / triton (the D=256 order switch SM90_FIRST_AT_256)")
+          "vs triton = auto / triton (the D=256 auto order in attention/backends.py)")
     print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{c:>9}" for c, _ in cols) +
           f" {'vs best':>7} {'vs triton':>9}")
     for d in dims:

@@ -34,6 +34,13 @@ struct TilesSm90 {
   // 176 keys) and D=256 (224 KiB); 3 at D=64, where the tiles are half the size and more loads in
   // flight hide more latency.
   static constexpr int kStages = D == 64 ? 3 : 2;
+  // Independent running maxima per row in the softmax (a shallower FMNMX chain before the
+  // exponentials). 4 at D=64 and 256, where the H200 runs (git 657fd6b, run 56fe2941) passed
+  // parity and timed D=64 at 440 TFLOP/s at L=4096 (cuDNN 478 in that run; one chain: 422
+  // against 458, run 4638ea5e). 1 at D=128: with 4 it timed 587-594 at L=4096 against cuDNN's
+  // 624-645, where one chain had timed 660 against 612, so D=128 keeps the one-chain code.
+  static constexpr int kMaxChains = D == 128 ? 1 : 4;
+  static_assert(kMaxChains == 1 || kMaxChains == 4, "the softmax combines one or four chains");
   // Warpgroup 0 produces (one thread issues every TMA load), warpgroups 1 and 2 compute.
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);

@@ -179,10 +179,10 @@ __global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
       bool moved = false;
       auto tile = [&](auto path) {
         constexpr int kPath = decltype(path)::value;
-        // The row maxima as a tree: kMaxChains independent running maxima per row, combined at
-        // the end, so that the FMNMX dependency chain (which every exponential waits for) is
-        // BN / 4 / kMaxChains deep instead of BN / 4.
-        constexpr int kMaxChains = 4;
+        // The row maxima as kMaxChains independent running maxima per row (the tile table's
+        // choice), combined at the end, so that the FMNMX dependency chain that every
+        // exponential waits for is BN / 4 / kMaxChains deep instead of BN / 4.
+        constexpr int kMaxChains = C::kMaxChains;
         float mxc[2][kMaxChains];
 #pragma unroll
         for (int r = 0; r < 2; ++r)
@@ -204,7 +204,10 @@ __global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
         float mx[2], mu[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          mx[r] = fmaxf(fmaxf(mxc[r][0], mxc[r][1]), fmaxf(mxc[r][2], mxc[r][3]));
+          if constexpr (kMaxChains == 4)
+            mx[r] = fmaxf(fmaxf(mxc[r][0], mxc[r][1]), fmaxf(mxc[r][2], mxc[r][3]));
+          else
+            mx[r] = mxc[r][0];
           mx[r] = quad_max(mx[r]);
           if constexpr (kPath == 0) mx[r] *= score.scale_log2();
           if (mx[r] > m_run[r] + kSlack) {

@@ -393,16 +393,17 @@ def test_cuda_head_dims_per_backend(backend, head_dim, runs):
 @NEEDS_EXT
 @pytest.mark.parametrize("head_dim", [32, 96, 256])
 def test_cuda_refuses_other_head_dims_with_a_reason(head_dim):
-    """Head dims without CUDA kernels: dispatch names the reason; auto falls back to Triton
-    (at 256 too: SM90_FIRST_AT_256 is off until measured), cuda-sm90 runs 256 on Hopper."""
+    """Head dims without sm80 kernels: dispatch names the reason; auto falls back to Triton, but
+    at 256 on Hopper it picks cuda-sm90 (the sm90 forward is built for 256)."""
     sig = dispatch.InputSig("attention", "cuda", 0, torch.bfloat16, head_dim)
     assert f"head dim {head_dim}" in dispatch.why_not("cuda-sm80", sig)
     if HAS_GPU:
         q = torch.randn(1, 8, 2, head_dim, device="cuda", dtype=torch.bfloat16)
         with pytest.raises(RuntimeError, match=f"head dim {head_dim}"):
             attention(q, q, q, backend="cuda-sm80")
-        assert dispatch.select("attention", q, head_dim) == "triton"
-        if head_dim == 256 and torch.cuda.get_device_capability() == (9, 0):
+        sm90 = head_dim == 256 and torch.cuda.get_device_capability() == (9, 0)
+        assert dispatch.select("attention", q, head_dim) == ("cuda-sm90" if sm90 else "triton")
+        if sm90:
             assert dispatch.select("attention", q, head_dim, backend="cuda") == "cuda-sm90"
 
 
@@ -503,13 +504,12 @@ def test_select_is_kept_per_inputs_and_override_variables(monkeypatch):
 @pytest.mark.parametrize("cap,forced,head_dim,causal,first", [
     ((9, 0), False, 64, False, "cuda-sm90"), ((9, 0), False, 64, True, "cuda-sm90"),
     ((9, 0), False, 128, False, "cuda-sm90"), ((9, 0), False, 96, True, "triton"),
-    ((9, 0), False, 256, False, "triton"), ((9, 0), False, 256, True, "triton"),
+    ((9, 0), False, 256, False, "cuda-sm90"), ((9, 0), False, 256, True, "cuda-sm90"),
     ((9, 0), True, 64, False, "cuda-sm80"), ((8, 0), False, 64, False, "cuda-sm90")])
 def test_auto_dispatch_order_for_attention(cap, forced, head_dim, causal, first, monkeypatch):
-    """On Hopper, auto tries the sm90 kernels first at head dims 64 and 128 and Triton first at
-    the others (no CUDA kernels there, and at 256 the sm90 forward is not measured against
-    Triton's yet), unless the Ampere path is forced; elsewhere the CUDA backends come first
-    (cuda-sm90 is then refused for the capability)."""
+    """On Hopper, auto tries the sm90 kernels first at head dims 64, 128 and 256 and Triton first
+    at the others (no CUDA kernels there), unless the Ampere path is forced; elsewhere the CUDA
+    backends come first (cuda-sm90 is then refused for the capability)."""
     monkeypatch.setattr(dispatch, "capability", lambda sig: cap)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU this case describes
     if forced:
@@ -523,18 +523,15 @@ def test_auto_dispatch_order_for_attention(cap, forced, head_dim, causal, first,
     assert lce[0].startswith("cuda")
 
 
-def test_hopper_256_order_flip_and_cuda_request(monkeypatch):
-    """SM90_FIRST_AT_256 (the one switch for after a measurement) puts cuda-sm90 first at D=256
-    on Hopper; a "cuda" request tries cuda-sm90 first there whatever the switch, and its limits
-    let 256 through."""
-    from fusedops.attention import backends
+def test_hopper_256_order_and_cuda_request(monkeypatch):
+    """On Hopper at D=256 auto and a "cuda" request both try cuda-sm90 first (its limits let 256
+    through), then cuda-sm80 (which refuses 256), then Triton."""
     monkeypatch.setattr(dispatch, "capability", lambda sig: (9, 0))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.delenv("FUSEDOPS_CUDA_ARCH", raising=False)
     sig = dispatch.InputSig("attention", "cuda", 0, torch.bfloat16, 256, True)
     assert dispatch.candidates("cuda", sig)[0] == "cuda-sm90"
     assert dispatch.op_backends("attention").by_name["cuda-sm90"].limits(sig) is None
-    monkeypatch.setattr(backends, "SM90_FIRST_AT_256", True)
     order = dispatch.candidates("auto", sig)
     assert order[:2] == ["cuda-sm90", "cuda-sm80"] and order[2] == "triton"
     monkeypatch.setenv("FUSEDOPS_CUDA_ARCH", "sm80")  # forced Ampere path: no cuda-sm90 at all

@@ -11,11 +11,6 @@ _HALF = (torch.float16, torch.bfloat16)
 # The head dims each CUDA family's kernels are instantiated for. cuda-sm90's forward also takes
 # 256; no CUDA backward is built there, so its backward is Triton's (_sm90_bwd_by).
 CUDA_HEAD_DIMS = {"cuda-sm90": (64, 128, 256), "cuda-sm80": (64, 128)}
-# On Hopper at head dim 256, auto tries Triton before cuda-sm90 (a step there is the same Triton
-# backward either way, so the forward alone decides). Unmeasured: set True once
-# benchmarks/check_attention_sm90.py --dims 256 (or bench_attention.py, methods cuda-sm90 and
-# triton, D=256) shows cuda-sm90's forward ahead of Triton's, causal and not.
-SM90_FIRST_AT_256 = False
 
 
 def _dims(dims) -> str:
@@ -71,15 +66,14 @@ def order(sig: InputSig, forced_sm80: bool) -> list[str]:
     if sig.device_type != "cuda":
         return cuda + ["torch"]
     hopper = torch.cuda.is_available() and dispatch.capability(sig) >= (9, 0)
-    sm90_dims = CUDA_HEAD_DIMS["cuda-sm90"] if SM90_FIRST_AT_256 else CUDA_HEAD_DIMS["cuda-sm80"]
-    if hopper and sig.inner_dim in sm90_dims and not forced_sm80:
-        # The sm90 forward is 1.2-1.9x the sm80 one at D=64 and D=128 from L=4096 (equal at
-        # D=64 causal L=1024) and the backward is the same kernel, so a step is faster than
-        # cuda-sm80's everywhere, and than Triton's (forward 410 against 324 TFLOP/s at D=64
-        # L=4096, where Triton's backward is 2% ahead): rows of runs 161853ac and 753fb837 in
-        # benchmarks/results/attention.jsonl.
+    if hopper and sig.inner_dim in CUDA_HEAD_DIMS["cuda-sm90"] and not forced_sm80:
+        # At D=64 and 128 the sm90 forward is 1.2-1.9x the sm80 one from L=4096, and the sm90
+        # backward 1.6x the sm80 one (runs 4638ea5e and 56fe2941 in
+        # benchmarks/results/attention.jsonl), both ahead of Triton's. At D=256 the sm90 forward
+        # is 2.3x Triton's (763 against 332 TFLOP/s at L=4096, 633 against 294 causal, run
+        # 56fe2941) and the backward is Triton's either way.
         return cuda + ["triton", "torch"]
-    if hopper and not forced_sm80:  # other head dims (and 256, see SM90_FIRST_AT_256)
+    if hopper and not forced_sm80:  # other head dims: no CUDA kernels
         return ["triton"] + cuda + ["torch"]
     # Ampere, or FUSEDOPS_CUDA_ARCH=sm80 (the sm80 kernels asked for by name).
     return cuda + ["triton", "torch"]
