@@ -20,15 +20,22 @@ def main(argv=None):
     add_plot_args(ap, "attention")
     args = ap.parse_args(argv)
     rows = read_rows(args.results, args.run)
+    # A method timed in more than one of the runs is drawn once per run, labelled by its git sha.
+    runs_of = {}
+    for r in rows:
+        runs_of.setdefault(r["method"], dict.fromkeys(()))[r["run"]] = None
+    for r in rows:
+        r["label"] = (f"{r['method']} ({r['git']})" if len(runs_of[r["method"]]) > 1
+                      else r["method"])
     configs = list(dict.fromkeys((r["D"], r["L"], r["causal"]) for r in rows))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
+    methods = list(dict.fromkeys(r["label"] for r in rows))
     fig, axes = plt.subplots(2, 1, figsize=(14, 8))
     width = 0.8 / len(methods)
     for ax, key in zip(axes, ("fwd_tflops", "bwd_tflops"), strict=True):
         for i, m in enumerate(methods):
             xs, ys = [], []
             for j, c in enumerate(configs):
-                hit = [r for r in rows if (r["D"], r["L"], r["causal"]) == c and r["method"] == m]
+                hit = [r for r in rows if (r["D"], r["L"], r["causal"]) == c and r["label"] == m]
                 if hit:
                     xs.append(j + i * width)
                     ys.append(hit[0][key])
