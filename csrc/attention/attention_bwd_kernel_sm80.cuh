@@ -29,17 +29,7 @@ __global__ void __launch_bounds__(256) delta_kernel(const AttnParams p) {
   const int h = static_cast<int>(idx % p.hq);
   const T* o = static_cast<const T*>(p.out) + i * p.o_row + h * D;
   const T* d = static_cast<const T*>(p.dout) + i * p.do_row + h * D;
-  float acc = 0.f;
-#pragma unroll
-  for (int c = 0; c < D / 8; ++c) {
-    const uint4 ov = *reinterpret_cast<const uint4*>(o + c * 8);
-    const uint4 dv = *reinterpret_cast<const uint4*>(d + c * 8);
-    const T* oe = reinterpret_cast<const T*>(&ov);
-    const T* de = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc += to_float(oe[e]) * to_float(de[e]);
-  }
-  p.delta[static_cast<int64_t>(h) * p.total_q + i] = acc;
+  p.delta[static_cast<int64_t>(h) * p.total_q + i] = row_dot<T, D>(o, d);
 }
 
 // The statistics of row_stats (attention_common.cuh) for rows [m0, m0 + R) of a dK/dV step,

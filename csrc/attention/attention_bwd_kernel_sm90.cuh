@@ -85,15 +85,7 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
     lse2 = l == -INFINITY ? INFINITY : l * kLog2e;
     const T* o = static_cast<const T*>(p.out) + row * p.o_row + h * D;
     const T* d = static_cast<const T*>(p.dout) + row * p.do_row + h * D;
-#pragma unroll
-    for (int c = 0; c < D / 8; ++c) {
-      const uint4 ov = *reinterpret_cast<const uint4*>(o + c * 8);
-      const uint4 dv = *reinterpret_cast<const uint4*>(d + c * 8);
-      const T* oe = reinterpret_cast<const T*>(&ov);
-      const T* de = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc += to_float(oe[e]) * to_float(de[e]);
-    }
+    acc = row_dot<T, D>(o, d);
   }
   const int64_t rows = stats_rows_sm90(p);
   const int64_t at = static_cast<int64_t>(h) * rows + stats_start_sm90<BM>(sq.q_start, b) + i;
@@ -259,21 +251,20 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       reg_fence(st);
       reg_fence(dpt);
       wgmma_fence();
+      // acc = A B^T over the head dim, A the warpgroup's 64 keys of sA (K or V), B the step's
+      // queries of sB (Q or dO), both K-major.
+      auto keys_by_queries = [&](float (&acc)[BM / 8][4], uint32_t sA, uint32_t sB) {
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t off = (kk / 4) * BN * 128 + cw * 64 * 128 + (kk % 4) * 32;
-        const uint32_t offq = (kk / 4) * BM * 128 + (kk % 4) * 32;
-        Wgmma<T, BM>::ss(st, make_desc_sw128(sK + off, 16, 1024),
-                         make_desc_sw128(sQ_s + offq, 16, 1024), kk > 0 ? 1 : 0);
-      }
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint32_t off = (kk / 4) * BN * 128 + cw * 64 * 128 + (kk % 4) * 32;
+          const uint32_t offq = (kk / 4) * BM * 128 + (kk % 4) * 32;
+          Wgmma<T, BM>::ss(acc, make_desc_sw128(sA + off, 16, 1024),
+                           make_desc_sw128(sB + offq, 16, 1024), kk > 0 ? 1 : 0);
+        }
+      };
+      keys_by_queries(st, sK, sQ_s);
       if constexpr (kOverlap) wgmma_commit();  // S^T and dP^T as two groups
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t off = (kk / 4) * BN * 128 + cw * 64 * 128 + (kk % 4) * 32;
-        const uint32_t offq = (kk / 4) * BM * 128 + (kk % 4) * 32;
-        Wgmma<T, BM>::ss(dpt, make_desc_sw128(sV + off, 16, 1024),
-                         make_desc_sw128(sDo_s + offq, 16, 1024), kk > 0 ? 1 : 0);
-      }
+      keys_by_queries(dpt, sV, sDo_s);
       wgmma_commit();
 
       // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
