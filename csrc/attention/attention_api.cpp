@@ -188,6 +188,8 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   TORCH_CHECK_VALUE(lse.scalar_type() == at::kFloat && lse.is_contiguous() && lse.dim() == 2 &&
                         lse.size(0) == q.size(1) && lse.size(1) == q.size(0),
                     "lse must be contiguous float32 (Hq, total_q)");
+  TORCH_CHECK_VALUE(lse.device() == q.device(), "lse must be on q's device (", q.device(),
+                    "), got ", lse.device());
   Tensor dq = at::empty(q.sizes(), q.options());
   Tensor dk = at::empty(k.sizes(), k.options());
   Tensor dv = at::empty(v.sizes(), v.options());

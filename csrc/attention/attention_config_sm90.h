@@ -35,9 +35,9 @@ struct TilesSm90 {
   // flight hide more latency.
   static constexpr int kStages = D == 64 ? 3 : 2;
   // Independent running maxima per row in the softmax (a shallower FMNMX chain before the
-  // exponentials). 4 at D=64 and 256, where the H200 runs (git 657fd6b, run 56fe2941) passed
-  // parity and timed D=64 at 440 TFLOP/s at L=4096 (cuDNN 478 in that run; one chain: 422
-  // against 458, run 4638ea5e). 1 at D=128: with 4 it timed 587-594 at L=4096 against cuDNN's
+  // exponentials). 4 at D=64 and 256, where the H200 runs at git 657fd6b passed parity and
+  // timed D=64 at 440 TFLOP/s at L=4096 (cuDNN 478 in that run; one chain, git bc3f69e: 422
+  // against 458). 1 at D=128: with 4 it timed 587-594 at L=4096 against cuDNN's
   // 624-645, where one chain had timed 660 against 612, so D=128 keeps the one-chain code.
   static constexpr int kMaxChains = D == 128 ? 1 : 4;
   static_assert(kMaxChains == 1 || kMaxChains == 4, "the softmax combines one or four chains");

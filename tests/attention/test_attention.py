@@ -132,7 +132,7 @@ def test_other_dq_mode(backend, mode, dtype, shape, feature, monkeypatch):
 @NEEDS_EXT
 @pytest.mark.parametrize("schedule", ["overlap", "pingpong"])
 @pytest.mark.parametrize("feature", ["plain", "causal", "softcap", "varlen_everything"])
-def test_sm90_176_key_tiles(schedule, feature, monkeypatch):
+def test_cuda_sm90_176_key_tiles(schedule, feature, monkeypatch):
     """FUSEDOPS_ATTN_SM90_BLOCK_N=176 (a measurement option at D=128) stays correct."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 forward runs on compute capability 9.0")
@@ -158,10 +158,12 @@ SM90_BWD_VARIANTS = {
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("feature", list(FEATURES))
 @NEEDS_EXT
-def test_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, monkeypatch):
+def test_cuda_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, monkeypatch):
     """cuda-sm90's backward is the sm90 kernel (serial schedule, or overlapped by
     FUSEDOPS_ATTN_SM90_BWD_SCHEDULE); FUSEDOPS_ATTN_SM90_BWD=sm80 takes the sm80 one. All pass
     the oracle."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 kernels run on compute capability 9.0")
     for name in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ"):
         monkeypatch.delenv(name, raising=False)
     for name, value in SM90_BWD_VARIANTS[variant].items():
@@ -172,8 +174,10 @@ def test_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, monke
 
 @pytest.mark.gpu
 @NEEDS_EXT
-def test_sm90_backward_switch_changes_the_kernel(monkeypatch):
+def test_cuda_sm90_backward_switch_changes_the_kernel(monkeypatch):
     """The switch really selects another kernel: the two backwards round differently."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 kernels run on compute capability 9.0")
     case = A.Case(2, 1025, 1025, 8, 2, 128, torch.bfloat16, "cuda", causal=True)
     inp = A.make_inputs(case)
     monkeypatch.delenv("FUSEDOPS_ATTN_DQ", raising=False)
@@ -437,6 +441,23 @@ def test_backward_of_sm90_at_256_is_tritons(monkeypatch):
     ops._bwd_impl(q, q, q, q, torch.zeros(2, 10), q, cu, cu, 10, 10, 0.0625, True, -1, -1, 0.0,
                   deterministic, "cuda-sm90")
     assert len(calls) == 1 and calls[0][-1] is True  # deterministic: the separate dQ pass
+
+
+def test_backward_of_sm90_at_256_without_triton_is_the_reference(monkeypatch):
+    """Where Triton is not importable, the backward that cuda-sm90 hands over at D=256 runs the
+    torch reference (same lse contract) instead of failing after the forward has run."""
+    import sys
+
+    from fusedops.attention import ops, reference
+
+    calls = []
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+    monkeypatch.setattr(reference, "attention_bwd", lambda *a: calls.append(a) or a[:3])
+    q = torch.randn(10, 2, 256)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    out = ops._bwd_impl(q, q, q, q, torch.zeros(2, 10), q, cu, cu, 10, 10, 0.0625, True, -1, -1,
+                        0.0, True, "cuda-sm90")
+    assert len(calls) == 1 and out[0] is q
 
 
 def _bad_op_call(case):

@@ -69,10 +69,10 @@ def order(sig: InputSig, forced_sm80: bool) -> list[str]:
     hopper = torch.cuda.is_available() and dispatch.capability(sig) >= (9, 0)
     if hopper and sig.inner_dim in CUDA_HEAD_DIMS["cuda-sm90"] and not forced_sm80:
         # At D=64 and 128 the sm90 forward is 1.2-1.9x the sm80 one from L=4096, and the sm90
-        # backward 1.6x the sm80 one (runs 4638ea5e and 56fe2941 in
-        # benchmarks/results/attention.jsonl), both ahead of Triton's. At D=256 the sm90 forward
-        # is 2.3x Triton's (763 against 332 TFLOP/s at L=4096, 633 against 294 causal, run
-        # 56fe2941) and the backward is Triton's either way.
+        # backward 1.6x the sm80 one from L=4096, 1.3-1.5x at L=1024 (rows of git bc3f69e and
+        # 657fd6b in benchmarks/results/attention.jsonl), both ahead of Triton's. At D=256 the
+        # sm90 forward is 2.2-2.3x Triton's (763 against 332 TFLOP/s at L=4096, 633 against 294
+        # causal, the D=256 rows of git 657fd6b) and the backward is Triton's either way.
         return cuda + ["triton", "torch"]
     if hopper and not forced_sm80:  # other head dims: no CUDA kernels
         return ["triton"] + cuda + ["torch"]

@@ -84,16 +84,15 @@ def _bwd_impl(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
               scale, causal, window_left, window_right, softcap, deterministic, backend):
     # A forward backend without a backward at this head dim (cuda-sm90 at 256) hands it to the
     # one its table names; the lse layout is common to all of them.
+    # Without Triton the torch reference takes it (slower, same lse contract), so a forward
+    # that auto picked never leaves its backward without a kernel.
     by = bwd_backend("attention", backend, q.shape[-1])
     if by != backend:
-        try:
-            import triton  # noqa: F401
-        except ImportError as exc:
-            raise RuntimeError(
-                f"fusedops.attention: the backward of {backend} at head dim {q.shape[-1]} runs "
-                f"the {by} kernels (no {backend} backward is built there), and Triton is not "
-                f"importable ({exc}); pip install triton, or run the forward with "
-                f"backend='{by}'") from exc
+        if by == "triton":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                by = "torch"
         backend = by
     if backend == "torch":
         return reference.attention_bwd(q, k, v, out, lse, dout, cu_seqlens_q, cu_seqlens_k,
