@@ -11,16 +11,16 @@ torch.ops.fusedops.attention_fwd_cuda(..., 90), once per variant (VARIANTS below
 epilogue overrides FUSEDOPS_ATTN_SM90_SCHEDULE / FUSEDOPS_ATTN_SM90_EPILOGUE, for measurement only;
 unset, the launcher picks from its measured table). Rule (docs/CONVENTIONS): against the float64
 reference, the sm90 error must be at most 2x the baseline's error + 1e-3, for out and for lse
-(finite entries; -inf exactly where the reference has -inf); no NaN anywhere. This is a screen
-for one device call, looser than the tests' rule (2x plain PyTorch's error), which
-tests/attention applies. The baseline is the sm80 kernel at D=64/128 and Triton's forward at D=256 (no sm80 kernel there). Outputs are poisoned
-first (a NaN-filled block of the same size is freed just before the call, so that the caching
-allocator hands it to the kernel): an unwritten row shows as NaN. The backward of arch 90 (the
-sm90 backward, attention_bwd_kernel_sm90.cuh, in each BWD_VARIANTS setting: its serial and
-overlapped schedules and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; Triton's at D=256, as the
-op runs it) is checked from the sm90 forward's out/lse against the baseline backward from the
-baseline forward's, all against float64 gradients (error at most 2x the baseline's + 1e-3 x the
-largest reference gradient; gradients poisoned as the outputs).
+(finite entries; -inf exactly where the reference has -inf); no NaN anywhere. This is a screen for
+one device call, looser than the tests' rule (2x plain PyTorch's error), which tests/attention
+applies. The baseline is the sm80 kernel at D=64/128 and Triton's forward at D=256 (no sm80 kernel
+there). Outputs are poisoned first (a NaN-filled block of the same size is freed just before the
+call, so that the caching allocator hands it to the kernel): an unwritten row shows as NaN. The
+backward of arch 90 (the sm90 backward, attention_bwd_kernel_sm90.cuh, in each BWD_VARIANTS setting:
+its serial and overlapped schedules and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; Triton's at
+D=256, as the op runs it) is checked from the sm90 forward's out/lse against the baseline backward
+from the baseline forward's, all against float64 gradients (error at most 2x the baseline's + 1e-3 x
+the largest reference gradient; gradients poisoned as the outputs).
 
 One PASS/FAIL line per variant and group, then a summary; then TFLOP/s of every sm90 variant side by
 side with sm80, Triton, SDPA flash and cuDNN (bf16, B*L = 16384, H*D = 2048), rows appended to
