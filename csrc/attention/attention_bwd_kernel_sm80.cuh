@@ -489,9 +489,8 @@ __global__ void __launch_bounds__(NW * 32) dq_kernel(const AttnParams p) {
   const int hk = h / (p.hq / p.hkv);
   const T* K = static_cast<const T*>(p.k) + sq.k_start * p.k_row + static_cast<int64_t>(hk) * D;
   const T* V = static_cast<const T*>(p.v) + sq.k_start * p.v_row + static_cast<int64_t>(hk) * D;
-  int n_lo, n_hi;
-  sq.keys_of(m0, min(m0 + BM, sq.lq), p, n_lo, n_hi);
-  const int t_lo = n_lo / BN, t_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : t_lo;
+  int t_lo, t_hi;
+  sq.key_tiles_of<BN>(m0, BM, p, t_lo, t_hi);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int row0 = warp * 16 * MT, i0 = m0 + row0 + g;
   constexpr int oO = BM * D * 2, oK = 2 * BM * D * 2, oV = oK + 2 * BN * D * 2;  // byte offsets

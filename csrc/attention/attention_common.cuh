@@ -53,6 +53,16 @@ struct Seq {
     lo = p.left >= 0 ? max(0, m0 + off - p.left) : 0;
     hi = p.right >= 0 ? min(lk, m_end - 1 + off + p.right + 1) : lk;
   }
+  // The tiles of kBlockN keys [t_lo, t_hi) holding every key that queries [m0, m0 + block_m)
+  // (clipped to lq) can see; t_lo == t_hi when they see none.
+  template <int kBlockN>
+  __device__ __forceinline__ void key_tiles_of(int m0, int block_m, const AttnParams& p,
+                                               int& t_lo, int& t_hi) const {
+    int n_lo, n_hi;
+    keys_of(m0, min(m0 + block_m, lq), p, n_lo, n_hi);
+    t_lo = n_lo / kBlockN;
+    t_hi = n_hi > n_lo ? (n_hi + kBlockN - 1) / kBlockN : t_lo;
+  }
   // Query range [lo, hi) that keys [n0, n_end) are seen by.
   __device__ __forceinline__ void queries_of(int n0, int n_end, const AttnParams& p, int& lo,
                                              int& hi) const {

@@ -45,9 +45,8 @@ __global__ void __launch_bounds__(NW * 32) fwd_kernel(const AttnParams p) {
   const T* Q = static_cast<const T*>(p.q) + sq.q_start * p.q_row + static_cast<int64_t>(h) * D;
   const T* K = static_cast<const T*>(p.k) + sq.k_start * p.k_row + static_cast<int64_t>(hk) * D;
   const T* V = static_cast<const T*>(p.v) + sq.k_start * p.v_row + static_cast<int64_t>(hk) * D;
-  int n_lo, n_hi;
-  sq.keys_of(m0, min(m0 + BM, sq.lq), p, n_lo, n_hi);
-  const int t_lo = n_lo / BN, t_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : t_lo;
+  int t_lo, t_hi;
+  sq.key_tiles_of<BN>(m0, BM, p, t_lo, t_hi);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
   const int row0 = warp * 16 * MT;  // the warp's first row in the block
   const int i0 = m0 + row0 + g;     // the lane's first query (row tile mt adds 16 mt, r adds 8)

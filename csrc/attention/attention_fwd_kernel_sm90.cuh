@@ -67,9 +67,8 @@ __global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
   const Seq sq(p, b);
   if (m0 >= sq.lq) return;  // uniform over the CTA, before any barrier is initialised
   const int hk = h / (p.hq / p.hkv);
-  int n_lo, n_hi;
-  sq.keys_of(m0, min(m0 + BM, sq.lq), p, n_lo, n_hi);
-  const int t_lo = n_lo / BN, t_hi = n_hi > n_lo ? (n_hi + BN - 1) / BN : t_lo;
+  int t_lo, t_hi;
+  sq.key_tiles_of<BN>(m0, BM, p, t_lo, t_hi);
   const int n_tiles = t_hi - t_lo;
 
   if (threadIdx.x == 0) {
