@@ -6,6 +6,9 @@ FSDP2's pre-forward hook has gathered it: the fused loss must read it inside the
 
 from __future__ import annotations
 
+import gc
+import os
+import sys
 import time
 
 import pytest
@@ -45,8 +48,18 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
         dist.all_gather(losses, out.loss.detach())
         if rank == 0:
             torch.save({"losses": torch.stack(losses), "grads": grads}, out_file)
+        dist.barrier()
+        # FSDP2's state holds gloo work objects; drop them while the group is alive.
+        del model, out, grads
+        gc.collect()
     finally:
         dist.destroy_process_group()
+    # Skip interpreter finalisation: gloo's worker threads torn down there can abort the
+    # process after the results are written (seen on a loaded 2-core machine). Exceptions above
+    # still reach mp.spawn as failures.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_fsdp2_matches_one_process(tmp_path):
