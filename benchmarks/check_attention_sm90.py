@@ -51,19 +51,43 @@ NAN = float("nan")
 # the measured table sm90_auto_schedule of attention_config_sm90.h) and
 # FUSEDOPS_ATTN_SM90_EPILOGUE (regs: O stored from registers; unset: TMA store), and
 # FUSEDOPS_ATTN_SM90_BLOCK_N=176 (176-key tiles, built at D=128 for the overlap and ping-pong
-# schedules only; the bn176 variants run at D=128 alone). "auto" is what dispatch runs; parity
-# checks the explicit ones (auto picks one of them).
+# schedules only; the bn176 variants run at D=128 alone), FUSEDOPS_ATTN_SM90_EXP2 (mufu: every
+# softmax exponential by MUFU.EX2; poly: a share of them by the polynomial ex2_poly, built for
+# the 128-key tiles of D=64/128 with the overlap and ping-pong schedules; unset: sm90_auto_exp2)
+# and FUSEDOPS_ATTN_SM90_TILE (m128: two consumer warpgroups; m192: three, 192 queries, D=64
+# only; unset: sm90_consumer_warpgroups). "auto" is what dispatch runs; parity checks the
+# explicit ones (auto picks one of them); "poly" is auto's schedule with the polynomial, the
+# timing's direct comparison with auto.
+SCHED, EXP2, TILE = ("FUSEDOPS_ATTN_SM90_SCHEDULE", "FUSEDOPS_ATTN_SM90_EXP2",
+                     "FUSEDOPS_ATTN_SM90_TILE")
+MUFU_M128 = {EXP2: "mufu", TILE: "m128"}
 VARIANTS = {
     "auto": {},
-    "overlap": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap"},
-    "serial": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "serial"},
-    "pingpong": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "pingpong"},
-    "ovl-regs": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap", "FUSEDOPS_ATTN_SM90_EPILOGUE": "regs"},
+    "overlap": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap", **MUFU_M128},
+    "serial": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "serial", **MUFU_M128},
+    "pingpong": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "pingpong", **MUFU_M128},
+    "ovl-regs": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap", "FUSEDOPS_ATTN_SM90_EPILOGUE": "regs",
+                 **MUFU_M128},
     "bn176-ovl": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap", "FUSEDOPS_ATTN_SM90_BLOCK_N": "176"},
     "bn176-pp": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "pingpong", "FUSEDOPS_ATTN_SM90_BLOCK_N": "176"},
+    "ovl-poly": {SCHED: "overlap", EXP2: "poly", TILE: "m128"},
+    "pp-poly": {SCHED: "pingpong", EXP2: "poly", TILE: "m128"},
+    "poly": {EXP2: "poly"},
+    "m192-ovl": {SCHED: "overlap", EXP2: "mufu", TILE: "m192"},
+    "m192-pp": {SCHED: "pingpong", EXP2: "mufu", TILE: "m192"},
+    "m192-ser": {SCHED: "serial", EXP2: "mufu", TILE: "m192"},
+    "m192-regs": {SCHED: "pingpong", "FUSEDOPS_ATTN_SM90_EPILOGUE": "regs", EXP2: "mufu",
+                  TILE: "m192"},
+    "m192-ovl-poly": {SCHED: "overlap", EXP2: "poly", TILE: "m192"},
+    "m192-pp-poly": {SCHED: "pingpong", EXP2: "poly", TILE: "m192"},
 }
-VARIANT_DIMS = {"bn176-ovl": (128,), "bn176-pp": (128,)}  # the others: every head dim
-SCHEDULES = ("overlap", "serial", "pingpong", "ovl-regs", "bn176-ovl", "bn176-pp")  # parity order
+VARIANT_DIMS = {"bn176-ovl": (128,), "bn176-pp": (128,),  # the others: every head dim
+                "ovl-poly": (64, 128), "pp-poly": (64, 128), "poly": (64, 128),
+                **{n: (64,) for n in VARIANTS if n.startswith("m192")}}
+SCHEDULES = ("overlap", "serial", "pingpong", "ovl-regs", "bn176-ovl", "bn176-pp",  # parity
+             "ovl-poly", "pp-poly", "m192-ovl", "m192-pp", "m192-ser", "m192-regs",
+             "m192-ovl-poly", "m192-pp-poly")
+UNTIMED = ("m192-ser", "m192-regs")  # debugging variants, left out of the timing
 DIMS = (64, 128, 256)
 CUDA_BWD_DIMS = (64, 128)  # the sm80 forward and backward kernels; Triton's elsewhere
 
@@ -420,7 +444,8 @@ def time_config(d, length, causal, rep_ms):
         return run
 
     fns = {"cuda-sm90-fwd": variant("auto")}
-    fns.update({f"cuda-sm90-{n}-fwd": variant(n) for n in VARIANTS if n != "auto"})
+    fns.update({f"cuda-sm90-{n}-fwd": variant(n) for n in VARIANTS
+                if n != "auto" and n not in UNTIMED})
     fns.update({"cuda-sm80-fwd": ours(80), "triton-fwd": triton_fwd,
                 "sdpa_flash-fwd": sdpa(SDPBackend.FLASH_ATTENTION),
                 "sdpa_cudnn-fwd": sdpa(SDPBackend.CUDNN_ATTENTION)})
@@ -446,15 +471,19 @@ def timing(out_dir, rep_ms, dims=DIMS):
     print(f"\ntiming (bf16, TFLOP/s, median of do_bench): {meta['gpu']}, git {meta['git']}, "
           f"run {meta['run']}")
     cols = [("auto", "cuda-sm90-fwd")] + [(n, f"cuda-sm90-{n}-fwd") for n in VARIANTS
-                                           if n != "auto"]
+                                           if n != "auto" and n not in UNTIMED]
     cols += [("sm80", "cuda-sm80-fwd"), ("triton", "triton-fwd"), ("flash", "sdpa_flash-fwd"),
              ("cudnn", "sdpa_cudnn-fwd")]
     names = [m for _, m in cols]
     print("auto = the measured table (what dispatch runs); overlap/serial/pingpong: forced "
           "schedules with the TMA-store epilogue; ovl-regs: overlap with register stores of O; "
-          "bn176-ovl/-pp: 176-key tiles (D=128 only); vs best = auto / max(flash, cudnn); "
+          "bn176-ovl/-pp: 176-key tiles (D=128 only); *-poly: a share of the exponentials by "
+          "the polynomial (poly: auto's schedule; D=64/128); m192-*: 192-query tiles (3 "
+          "consumer warpgroups, D=64 only); vs best = auto / max(flash, cudnn); "
           "vs triton = auto / triton (the D=256 auto order in attention/backends.py)")
-    print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{c:>9}" for c, _ in cols) +
+    width = [max(9, len(c)) for c, _ in cols]
+    print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{c:>{w}}" for (c, _), w in
+                                                          zip(cols, width, strict=True)) +
           f" {'vs best':>7} {'vs triton':>9}")
     for d in dims:
         for length in (1024, 4096, 16384):
@@ -472,7 +501,7 @@ def timing(out_dir, rep_ms, dims=DIMS):
                     append_rows("attention", [row], out_dir)
                 best = max(tf["sdpa_flash-fwd"], tf["sdpa_cudnn-fwd"])
                 print(f"{d:>4} {length:>6} {str(causal):>6} " +
-                      " ".join(f"{tf[n]:>9.1f}" for n in names) +
+                      " ".join(f"{tf[n]:>{w}.1f}" for n, w in zip(names, width, strict=True)) +
                       f" {tf['cuda-sm90-fwd'] / best:>7.2f}"
                       f" {tf['cuda-sm90-fwd'] / tf['triton-fwd']:>9.2f}", flush=True)
                 torch.cuda.empty_cache()
@@ -627,7 +656,9 @@ def main():
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--schedules", default=",".join(SCHEDULES),
                     help="sm90 variants to check (VARIANTS: overlap, serial, pingpong, ovl-regs, "
-                    "bn176-ovl, bn176-pp (D=128 only), auto)")
+                    "bn176-ovl, bn176-pp (D=128 only), ovl-poly, pp-poly, poly (D=64/128), "
+                    "m192-ovl, m192-pp, m192-ser, m192-regs, m192-ovl-poly, m192-pp-poly (D=64 "
+                    "only), auto)")
     ap.add_argument("--sanitize", action="store_true", help="only the tiny sanitizer cases")
     ap.add_argument("--sanitize-run", action="store_true",
                     help="run --sanitize under compute-sanitizer memcheck, racecheck, synccheck")

@@ -6,13 +6,16 @@
 // its threads issuing every TMA load -- Q once, then the K and V tiles of the CTA's key range
 // into kStages stages, each stage guarded by a "full" barrier (TMA transaction bytes) and an
 // "empty" barrier (one arrival per consumer warp).
-// Warpgroups 1 and 2 each own 64 query rows: S = Q K^T by wgmma from shared memory (both
-// K-major), the softmax in registers, P converted to bf16/fp16 in registers and O += P V by wgmma
-// with A from registers and V MN-major in shared memory. The output is normalised, staged in
+// Warpgroups 1 .. kWarpgroups (2, or 3 at D=64: TilesSm90) each own 64 query rows: S = Q K^T
+// by wgmma from shared memory (both K-major), the softmax in registers, P converted to
+// bf16/fp16 in registers and O += P V by wgmma with A from registers and V MN-major in shared
+// memory. The output is normalised, staged in
 // the warpgroup's Q rows of shared memory and written by a TMA store (register stores for a
 // slab that crosses the sequence's end, or with tma_store == 0). kSchedule: 0 serial (each wgmma waited for at once),
 // 1 intra-warpgroup overlap (the softmax of tile i + 1 while P_i V_i runs), 2 the same with the
-// two consumer warpgroups taking turns at the tensor cores (ping-pong).
+// consumer warpgroups taking turns at the tensor cores (ping-pong). kPolyBlocks: how many of a
+// tile's BN / 8 column blocks take their exponentials from ex2_poly (FMA pipe) instead of
+// MUFU.EX2 (0: none).
 //
 // Constraints: T is __half or __nv_bfloat16; D is 64, 128 or 256 (TilesSm90); the packed layout
 // of attention_params.h with row strides that are multiples of 8 elements and 16-byte aligned
@@ -21,9 +24,9 @@
 // rows) over the packed tensors, boxes of 64 x 1 x rows (tm_o: 64 rows, one warpgroup's),
 // 128-byte swizzle. A tile that crosses a sequence's end reads the next sequence's rows (TMA
 // zero-fills only past the tensor's end): key columns >= lk are masked to -inf by index, so P
-// is 0 there, and query rows >= lq are never stored. Launch: TilesSm90<D, kN>::kThreads threads,
-// kSmem bytes of dynamic shared memory, one CTA per SM. The body is empty (a trap) unless
-// compiled for sm_90a.
+// is 0 there, and query rows >= lq are never stored. Launch: TilesSm90<D, kN, kWarpgroups>'s
+// kThreads, kSmem bytes of dynamic shared memory, one CTA per SM. The body is empty (a trap)
+// unless compiled for sm_90a.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only; nothing links against the driver)
@@ -37,16 +40,18 @@
 namespace fusedops {
 namespace attn {
 
-template <typename T, int D, int kSchedule, int kN = sm90_block_n(D)>
-__global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
+template <typename T, int D, int kSchedule, int kN = sm90_block_n(D), int kPolyBlocks = 0,
+          int kWarpgroups = 2>
+__global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     fwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v,
                     const __grid_constant__ CUtensorMap tm_o, const int tma_store) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fusedops::sm90;
-  using C = TilesSm90<D, kN>;
+  using C = TilesSm90<D, kN, kWarpgroups>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, S = C::kStages;
+  constexpr int NW = C::kConsumerWarpgroups;
   constexpr int kBlocks = D / 64;  // 64-element (128-byte) column blocks per row
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle atoms must start 1024-byte aligned (kSmem has the slack for this).
@@ -169,6 +174,9 @@ __global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(bar);
     };
+    // ex2_poly's degree: 3 rounds 0.9% of bf16 probabilities one ulp away from the exact 2^x's
+    // rounding, but 5% of fp16 ones; 4 brings fp16 to 0.2% (tests/attention/test_exp2_poly.py).
+    constexpr int kPolyDegree = std::is_same_v<T, __half> ? 4 : 3;
     // Softmax of tile i in place (sacc becomes probabilities), as fwd_kernel (sm80) with one
     // row tile: Path<0> (every pair visible, no softcap, a positive scale) takes the maximum of
     // the raw scores and folds the scale into one FFMA per exponential; the masked paths mask
@@ -223,8 +231,15 @@ __global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
         for (int ni = 0; ni < BN / 8; ++ni)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float pv = kPath > 0 ? ex2(sacc[ni][e] - mu[e >> 1])
-                                       : ex2(fmaf(sacc[ni][e], score.scale_log2(), -mu[e >> 1]));
+            const float x = kPath > 0 ? sacc[ni][e] - mu[e >> 1]
+                                      : fmaf(sacc[ni][e], score.scale_log2(), -mu[e >> 1]);
+            // kPolyBlocks of the BN / 8 column blocks, spread evenly, take ex2_poly (FMA pipe)
+            // instead of MUFU.EX2: a constant condition once the loop is unrolled. Full and
+            // masked tiles; not the softcap path, nor masked tiles with three consumer
+            // warpgroups, where its temporaries made ptxas spill at 160 registers.
+            const bool poly = (kPath == 0 || (kPath == 1 && NW == 2)) &&
+                              (ni * kPolyBlocks) % (BN / 8) < kPolyBlocks;
+            const float pv = poly ? ex2_poly<kPolyDegree>(x) : ex2(x);
             sacc[ni][e] = pv;
             l_run[e >> 1] += pv;
           }
@@ -257,18 +272,19 @@ __global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
       }
     };
 
-    // Ping-pong (kSchedule 2): the two consumer warpgroups take turns at issuing their wgmmas,
-    // each waiting at its own named barrier (ids 1, 2: 128 threads waiting + 128 arriving) until
-    // the other has issued, so that one's softmax runs while the other's products do. Warpgroup
-    // 0 goes first; every turn taken is handed over, except warpgroup 1's last, which nobody
-    // would wait for (both warpgroups take n_tiles + 1 turns).
+    // Ping-pong (kSchedule 2): the consumer warpgroups take turns at issuing their wgmmas, in
+    // a cycle 0, 1, .., NW - 1, 0, .., each waiting at its own named barrier (ids 1 .. NW: 128
+    // threads waiting + 128 arriving) until the one before has issued, so that one's softmax
+    // runs while the others' products do. Warpgroup 0 goes first; every turn taken is handed
+    // over, except the last warpgroup's last, which nobody would wait for (every warpgroup
+    // takes n_tiles + 1 turns).
     constexpr bool kPingPong = kSchedule == 2;
     auto take_turn = [&] {
       if constexpr (kPingPong) named_bar_sync<256>(1 + cw);
     };
     auto hand_over = [&](bool last) {
       if constexpr (kPingPong)
-        if (!(last && cw == 1)) named_bar_arrive<256>(2 - cw);
+        if (!(last && cw == NW - 1)) named_bar_arrive<256>(1 + (cw + 1) % NW);
     };
 
     if (n_tiles > 0) mbar_wait(bar_q, 0);
@@ -293,7 +309,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
       // P_i V_i are issued together, and the softmax of tile i + 1 runs while P_i V_i is still
       // on the tensor cores. The groups complete in order, so wait_group 1 means S_{i+1} is
       // done; O (being written) and pa (being read) are touched only after wait_group 0.
-      if (kPingPong && cw == 1) named_bar_arrive<256>(1);  // warpgroup 0's first turn
+      if (kPingPong && cw == NW - 1) named_bar_arrive<256>(1);  // warpgroup 0's first turn
       take_turn();
       issue_qk(0);
       hand_over(false);
@@ -343,7 +359,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
     // O through shared memory and a TMA store when the warpgroup's 64 rows all lie inside the
     // sequence (a TMA store clips only at the tensor's end, so a slab crossing lq would write
     // the next sequence's rows): the rows go into the warpgroup's own Q rows (its last Q K^T
-    // has completed; the other warpgroup reads only its own rows), in the 128-byte swizzle the
+    // has completed; the others read only their own rows), in the 128-byte swizzle the
     // tensor map expects -- row r's 16-byte chunk c at chunk c ^ (r % 8), conflict-free for the
     // accumulator layout -- then one thread stores the D / 64 column blocks. Otherwise, and
     // with tma_store == 0 (FUSEDOPS_ATTN_SM90_EPILOGUE=regs), 4-byte stores from registers.
@@ -360,7 +376,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
         }
       }
       fence_proxy_async_smem();
-      named_bar_sync<128>(3 + cw);  // the warpgroup's 128 threads (ids 1, 2: ping-pong)
+      named_bar_sync<128>(1 + NW + cw);  // the warpgroup's 128 threads (ids 1 .. NW: ping-pong)
       if (threadIdx.x % 128 == 0) {
 #pragma unroll
         for (int c = 0; c < kBlocks; ++c)

@@ -1,7 +1,7 @@
 // Host-side launch of the Hopper attention forward: the TMA tensor maps (made once per call
 // through the driver entry point that the CUDA runtime hands out, so nothing links against
-// libcuda), the schedule, key tile and epilogue choices, the grid and the launch (tile sizes and
-// shared memory: attention_config_sm90.h).
+// libcuda), the schedule, tile, exponential and epilogue choices, the grid and the launch (tile
+// sizes and shared memory: attention_config_sm90.h).
 #pragma once
 
 #include <cuda.h>
@@ -90,9 +90,37 @@ inline bool sm90_block_n_176(const AttnParams& p) {
   return s != nullptr && std::strcmp(s, "176") == 0 && p.head_dim == 128 && sm90_schedule(p) != 0;
 }
 
-template <typename T, int D, int kN>
+// The softmax's exponentials: sm90_auto_exp2 (attention_config_sm90.h) unless
+// FUSEDOPS_ATTN_SM90_EXP2 says "mufu" (every one by MUFU.EX2) or "poly" (ex2_poly for
+// TilesSm90's kExp2PolyBlocks of the column blocks), for measurement; read at every call. A
+// template parameter of the kernel (the blocks must be static inside the unrolled loop), built
+// for the 128-key tiles of D=64/128 with the overlap and ping-pong schedules; elsewhere
+// ignored.
+inline bool sm90_exp2_poly(const AttnParams& p) {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_EXP2");
+  if (s != nullptr) {
+    if (std::strcmp(s, "mufu") == 0) return false;
+    if (std::strcmp(s, "poly") == 0) return true;
+  }
+  return sm90_auto_exp2(p.head_dim, /*causal=*/p.right == 0);
+}
+
+// The consumer warpgroups per CTA: sm90_consumer_warpgroups (attention_config_sm90.h) unless
+// FUSEDOPS_ATTN_SM90_TILE says "m128" (2 warpgroups) or "m192" (3; D=64 only, elsewhere
+// ignored), for measurement; read at every call.
+inline int sm90_warpgroups(const AttnParams& p) {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_TILE");
+  int wg = sm90_consumer_warpgroups(p.head_dim, /*causal=*/p.right == 0);
+  if (s != nullptr) {
+    if (std::strcmp(s, "m128") == 0) wg = 2;
+    if (std::strcmp(s, "m192") == 0) wg = 3;
+  }
+  return p.head_dim == 64 ? wg : 2;
+}
+
+template <typename T, int D, int kN, int kWarpgroups = 2>
 cudaError_t launch_fwd_sm90(const AttnParams& p) {
-  using C = TilesSm90<D, kN>;
+  using C = TilesSm90<D, kN, kWarpgroups>;
   static_assert(sizeof(T) == C::kElem);
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   const dim3 grid((p.max_q + C::kBlockM - 1) / C::kBlockM, p.hq, p.batch);
@@ -108,14 +136,20 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
                        no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.v_row, C::kBlockN) ||
       !make_tensor_map(&tm_o, p.out, kBf16, D, p.hq, p.total_q, p.o_row, 64))
     return cudaErrorInvalidValue;  // the driver refused a tensor map (attention_api.cpp says)
-  auto kernel = fwd_kernel_sm90<T, D, 1, kN>;
-  switch (sm90_schedule(p)) {
+  constexpr int W = kWarpgroups, kPoly = C::kExp2PolyBlocks;
+  const int schedule = sm90_schedule(p);
+  auto kernel = fwd_kernel_sm90<T, D, 1, kN, 0, W>;
+  switch (schedule) {
     case 0:  // serial: built with the table's tiles only
-      if constexpr (kN == sm90_block_n(D)) kernel = fwd_kernel_sm90<T, D, 0, kN>;
+      if constexpr (kN == sm90_block_n(D)) kernel = fwd_kernel_sm90<T, D, 0, kN, 0, W>;
       break;
-    case 2: kernel = fwd_kernel_sm90<T, D, 2, kN>; break;
+    case 2: kernel = fwd_kernel_sm90<T, D, 2, kN, 0, W>; break;
     default: break;
   }
+  if constexpr (kPoly > 0)
+    if (schedule != 0 && sm90_exp2_poly(p))
+      kernel = schedule == 2 ? fwd_kernel_sm90<T, D, 2, kN, kPoly, W>
+                             : fwd_kernel_sm90<T, D, 1, kN, kPoly, W>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(C::kSmem));
   if (err != cudaSuccess) return err;
@@ -124,10 +158,17 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
   return cudaGetLastError();
 }
 
+// The 192-query tiles (D=64) are instantiated in attention_fwd_sm90_m192.cu, a translation
+// unit of their own, so that the two halves of the kernels compile side by side.
+extern template cudaError_t launch_fwd_sm90<__half, 64, 128, 3>(const AttnParams&);
+extern template cudaError_t launch_fwd_sm90<__nv_bfloat16, 64, 128, 3>(const AttnParams&);
+
 template <typename T, int D>
 cudaError_t run_fwd_sm90(const AttnParams& p) {
   if constexpr (D == 128)
     if (sm90_block_n_176(p)) return launch_fwd_sm90<T, D, 176>(p);
+  if constexpr (D == 64)
+    if (sm90_warpgroups(p) == 3) return launch_fwd_sm90<T, D, 128, 3>(p);
   return launch_fwd_sm90<T, D, sm90_block_n(D)>(p);
 }
 
