@@ -7,9 +7,9 @@
     --no-timing, --no-backward; --sanitize-run takes --dims and --schedules too)
 
 Dispatch runs cuda-sm90 on compute capability 9.0; here the kernel is called directly as
-torch.ops.fusedops.attention_fwd_cuda(..., 90), once per variant (VARIANTS below: the schedule and
-epilogue overrides FUSEDOPS_ATTN_SM90_SCHEDULE / FUSEDOPS_ATTN_SM90_EPILOGUE, for measurement only;
-unset, the launcher picks from its measured table). Rule (docs/CONVENTIONS): against the float64
+torch.ops.fusedops.attention_fwd_cuda(..., 90), once per variant (VARIANTS below: the launcher's
+overrides FUSEDOPS_ATTN_SM90_*, for measurement only; unset, the launcher picks from its measured
+table). Rule (docs/CONVENTIONS): against the float64
 reference, the sm90 error must be at most 2x the baseline's error + 1e-3, for out and for lse
 (finite entries; -inf exactly where the reference has -inf); no NaN anywhere. The baseline is the
 sm80 kernel at D=64/128 and Triton's forward at D=256 (no sm80 kernel there). Outputs are poisoned
@@ -55,7 +55,12 @@ NAN = float("nan")
 # softmax exponential by MUFU.EX2; poly: a share of them by the polynomial ex2_poly, built for
 # the 128-key tiles of D=64/128 with the overlap and ping-pong schedules; unset: sm90_auto_exp2)
 # and FUSEDOPS_ATTN_SM90_TILE (m128: two consumer warpgroups; m192: three, 192 queries, D=64
-# only; unset: sm90_consumer_warpgroups). "auto" is what dispatch runs; parity checks the
+# only; unset: sm90_consumer_warpgroups), FUSEDOPS_ATTN_SM90_EPILOGUE=qrows (the TMA store
+# staged in the Q rows, the path of tile tables without an O buffer) and
+# FUSEDOPS_ATTN_SM90_PERSISTENT (0: one CTA per work tile, the non-persistent launch; N: at most
+# N CTAs, so that every CTA runs dozens of tiles and the cross-tile pipeline is stressed; unset:
+# one CTA per SM; only the 128 x 128 two-warpgroup tiles of D=64/128 loop over work tiles, so
+# these variants run at D=64/128 alone). "auto" is what dispatch runs; parity checks the
 # explicit ones (auto picks one of them); "poly" is auto's schedule with the polynomial, the
 # timing's direct comparison with auto.
 SCHED, EXP2, TILE = ("FUSEDOPS_ATTN_SM90_SCHEDULE", "FUSEDOPS_ATTN_SM90_EXP2",
@@ -80,14 +85,26 @@ VARIANTS = {
                   TILE: "m192"},
     "m192-ovl-poly": {SCHED: "overlap", EXP2: "poly", TILE: "m192"},
     "m192-pp-poly": {SCHED: "pingpong", EXP2: "poly", TILE: "m192"},
+    "nonpersist": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "0"},
+    "pp-qrows": {SCHED: "pingpong", "FUSEDOPS_ATTN_SM90_EPILOGUE": "qrows", **MUFU_M128},
+    "ser-3cta": {SCHED: "serial", "FUSEDOPS_ATTN_SM90_PERSISTENT": "3", **MUFU_M128},
+    "ovl-3cta": {SCHED: "overlap", "FUSEDOPS_ATTN_SM90_PERSISTENT": "3", **MUFU_M128},
+    "pp-qrows-3cta": {SCHED: "pingpong", "FUSEDOPS_ATTN_SM90_EPILOGUE": "qrows",
+                      "FUSEDOPS_ATTN_SM90_PERSISTENT": "3", **MUFU_M128},
+    "pp-poly-3cta": {SCHED: "pingpong", EXP2: "poly", TILE: "m128",
+                     "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
 }
+PERSISTENT_VARIANTS = ("nonpersist", "pp-qrows", "ser-3cta", "ovl-3cta", "pp-qrows-3cta",
+                       "pp-poly-3cta")
 VARIANT_DIMS = {"bn176-ovl": (128,), "bn176-pp": (128,),  # the others: every head dim
                 "ovl-poly": (64, 128), "pp-poly": (64, 128), "poly": (64, 128),
-                **{n: (64,) for n in VARIANTS if n.startswith("m192")}}
+                **{n: (64,) for n in VARIANTS if n.startswith("m192")},
+                **{n: (64, 128) for n in PERSISTENT_VARIANTS}}
 SCHEDULES = ("overlap", "serial", "pingpong", "ovl-regs", "bn176-ovl", "bn176-pp",  # parity
              "ovl-poly", "pp-poly", "m192-ovl", "m192-pp", "m192-ser", "m192-regs",
-             "m192-ovl-poly", "m192-pp-poly")
-UNTIMED = ("m192-ser", "m192-regs")  # debugging variants, left out of the timing
+             "m192-ovl-poly", "m192-pp-poly", *PERSISTENT_VARIANTS)
+# Debugging variants, left out of the timing (the -3cta ones are slow by design: 3 CTAs).
+UNTIMED = ("m192-ser", "m192-regs", "ser-3cta", "ovl-3cta", "pp-qrows-3cta", "pp-poly-3cta")
 DIMS = (64, 128, 256)
 CUDA_BWD_DIMS = (64, 128)  # the sm80 forward and backward kernels; Triton's elsewhere
 
@@ -298,7 +315,22 @@ def cases():
              0.0),
             ("nokey", "no keys at all", [50, 20], [0, 0], 4, 4, False, -1, -1, 0.0),
             # off = -260: query i sees keys [i - 270, i - 255], none for i < 255
-            ("nokey", "window leaves rows empty", [300], [40], 4, 4, False, 10, 5, 0.0)]
+            ("nokey", "window leaves rows empty", [300], [40], 4, 4, False, 10, 5, 0.0),
+            # Many work tiles per CTA (>> 132 in the default persistent launch): the K/V and Q
+            # barrier phases run on across tiles of different key counts, empty ones included.
+            ("persist", "8x16 heads S=1025 gqa 4:1", [1025] * 8, [1025] * 8, 16, 4, False, -1, -1,
+             0.0),
+            ("persist", "causal 16x 300x1025", [300] * 16, [1025] * 16, 8, 2, True, -1, -1, 0.0),
+            # bottom-right causal, lq > lk: blocks 0-4 of each sequence see no key
+            ("persist", "causal 8x 1025x300", [1025] * 8, [300] * 8, 8, 8, True, -1, -1, 0.0),
+            # window (10, 5) at off = -800: blocks 0-5 see no key, the rest 1-2 key tiles
+            ("persist", "window hides blocks 8x 1000x200", [1000] * 8, [200] * 8, 8, 4, False, 10,
+             5, 0.0),
+            ("persist", "varlen empty/1-row seqs", [0, 1, 129, 0, 1, 700, 1, 300, 64],
+             [5, 0, 300, 0, 1, 700, 64, 1, 0], 16, 4, False, -1, -1, 0.0),
+            ("persist", "varlen empty/1-row causal+window+softcap",
+             [0, 1, 129, 0, 1, 700, 1, 300, 64], [5, 0, 300, 0, 1, 700, 64, 1, 0], 16, 4, True, 200,
+             -1, 20.0)]
     return out
 
 
@@ -479,7 +511,9 @@ def timing(out_dir, rep_ms, dims=DIMS):
           "schedules with the TMA-store epilogue; ovl-regs: overlap with register stores of O; "
           "bn176-ovl/-pp: 176-key tiles (D=128 only); *-poly: a share of the exponentials by "
           "the polynomial (poly: auto's schedule; D=64/128); m192-*: 192-query tiles (3 "
-          "consumer warpgroups, D=64 only); vs best = auto / max(flash, cudnn); "
+          "consumer warpgroups, D=64 only); nonpersist: auto with one CTA per work tile; "
+          "pp-qrows: ping-pong with O staged in the Q rows (D=64/128); "
+          "vs best = auto / max(flash, cudnn); "
           "vs triton = auto / triton (the D=256 auto order in attention/backends.py)")
     width = [max(9, len(c)) for c, _ in cols]
     print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{c:>{w}}" for (c, _), w in
@@ -588,17 +622,20 @@ def timing_bwd(out_dir, rep_ms, dims=DIMS):
 
 
 def sanitize_cases(dims=DIMS, schedules=SCHEDULES):
-    """Tiny runs of each instantiation (bf16/fp16 x D 64/128/256 x every schedule, both
-    epilogues, the 176-key tiles at D=128): dense with a tail tile, varlen with an empty-key
-    sequence, causal + window + softcap, and enough key tiles (5 of 128, 8 of 80) to wrap the
-    pipeline; forward by arch 90, then the CUDA backward from its out/lse (not at D=256, whose
-    backward is Triton's)."""
+    """Tiny runs of each instantiation (bf16/fp16 x D 64/128/256 x every schedule, the
+    epilogues, the 176-key tiles at D=128, persistence): dense with a tail tile, varlen with an
+    empty-key sequence, causal + window + softcap, enough key tiles (5 of 128, 8 of 80) to wrap
+    the pipeline, empty and 1-row sequences; forward by arch 90, then the CUDA backward from its
+    out/lse (not at D=256, whose backward is Triton's)."""
     for dt in (torch.bfloat16, torch.float16):
         for d in dims:
             for ql, kl, hq, hkv, causal, left, right, cap in (
                     ([77, 130], [93, 600], 4, 2, False, -1, -1, 0.0),
                     ([70, 1, 33], [90, 0, 40], 2, 2, True, 30, -1, 20.0),
-                    ([129], [645], 2, 1, False, -1, -1, 0.0)):
+                    ([129], [645], 2, 1, False, -1, -1, 0.0),
+                    # empty and 1-row sequences, blocks without keys (the -3cta variants run
+                    # these with several tiles per CTA)
+                    ([0, 1, 129, 0, 1, 70], [5, 0, 300, 0, 1, 0], 4, 2, True, 100, -1, 0.0)):
                 q, k, v, cu_q, cu_k = make_case(ql, kl, hq, hkv, d, dt, seed=3)
                 args = (cu_q, cu_k, max(ql), max(kl), d ** -0.5, causal, left, right, cap)
                 ran = False
@@ -658,7 +695,8 @@ def main():
                     help="sm90 variants to check (VARIANTS: overlap, serial, pingpong, ovl-regs, "
                     "bn176-ovl, bn176-pp (D=128 only), ovl-poly, pp-poly, poly (D=64/128), "
                     "m192-ovl, m192-pp, m192-ser, m192-regs, m192-ovl-poly, m192-pp-poly (D=64 "
-                    "only), auto)")
+                    "only), nonpersist, pp-qrows, ser-3cta, ovl-3cta, pp-qrows-3cta, pp-poly-3cta "
+                    "(D=64/128), auto)")
     ap.add_argument("--sanitize", action="store_true", help="only the tiny sanitizer cases")
     ap.add_argument("--sanitize-run", action="store_true",
                     help="run --sanitize under compute-sanitizer memcheck, racecheck, synccheck")

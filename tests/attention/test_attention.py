@@ -97,6 +97,56 @@ def test_deterministic_backward_is_bitwise_repeatable(feature, backend, head_dim
         assert torch.equal(runs[0][name], runs[1][name]), name
 
 
+# Work-tile sequences of the persistent sm90 forward: (batch, Sq, Sk, Hq, Hkv, D, features). Each
+# call has far more (q-block, head, sequence) tiles than a GPU has SMs, so that every CTA runs
+# several, of different key counts; some blocks see no key at all.
+SM90_PERSIST_CASES = {
+    "dense-gqa-1152tiles": (8, 1025, 1025, 16, 4, 128, {}),
+    "causal-300x1025": (16, 300, 1025, 8, 2, 64, dict(causal=True)),
+    # bottom-right causal, Sq > Sk: blocks 0-4 of every sequence see no key
+    "causal-1025x300": (8, 1025, 300, 8, 8, 128, dict(causal=True)),
+    # window (10, 5) at lk - lq = -800: blocks 0-5 see no key
+    "window-hides-blocks": (8, 1000, 200, 8, 4, 64, dict(window=(10, 5))),
+    # empty and 1-row sequences (q and k), a sequence without keys
+    "varlen-empty-1row": (1, 700, 700, 16, 4, 128, dict(
+        varlen=True, lens=((0, 1, 129, 0, 1, 700, 1, 300, 64), (5, 0, 300, 0, 1, 700, 64, 1, 0)))),
+    "varlen-empty-1row-causal-window-softcap": (1, 700, 700, 16, 4, 64, dict(
+        varlen=True, causal=True, window=(200, -1), softcap=20.0,
+        lens=((0, 1, 129, 0, 1, 700, 1, 300, 64), (5, 0, 300, 0, 1, 700, 64, 1, 0)))),
+}
+# Launcher overrides (attention_launch_sm90.cuh): the default persistent launch (one CTA per
+# SM), 3 CTAs (dozens of tiles each) with each schedule, O staged in the Q rows (the path of tile
+# tables without an O buffer), and the non-persistent launch.
+SM90_PERSIST_ENVS = {
+    "persistent": {},
+    "3cta-serial": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3", FUSEDOPS_ATTN_SM90_SCHEDULE="serial"),
+    "3cta-overlap": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                         FUSEDOPS_ATTN_SM90_SCHEDULE="overlap"),
+    "3cta-pingpong-qrows": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                                FUSEDOPS_ATTN_SM90_SCHEDULE="pingpong",
+                                FUSEDOPS_ATTN_SM90_EPILOGUE="qrows"),
+    "3cta-overlap-regs": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                              FUSEDOPS_ATTN_SM90_SCHEDULE="overlap",
+                              FUSEDOPS_ATTN_SM90_EPILOGUE="regs"),
+    "nonpersistent": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="0"),
+}
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
+@pytest.mark.parametrize("env", list(SM90_PERSIST_ENVS))
+@pytest.mark.parametrize("case", list(SM90_PERSIST_CASES))
+def test_sm90_persistent_work_tiles(case, env, monkeypatch):
+    """The persistent sm90 forward (forward and the backward fed by its lse) against the float64
+    oracle where CTAs run many work tiles: the pipeline's barrier phases continue across tiles
+    with different key counts, tiles without keys, skipped blocks of short sequences."""
+    for name, value in SM90_PERSIST_ENVS[env].items():
+        monkeypatch.setenv(name, value)
+    *shape, features = SM90_PERSIST_CASES[case]
+    dtype = torch.float16 if "causal" in case else torch.bfloat16
+    A.check(A.Case(*shape, dtype, "cuda", **features), "cuda-sm90", _CACHE)
+
+
 def _other_dq_mode_params():
     """Each backend's non-default dQ mode (the parity suite runs the defaults: Triton separate,
     CUDA atomic)."""
