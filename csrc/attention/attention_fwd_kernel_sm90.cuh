@@ -68,16 +68,26 @@ struct TileOrderSm90 {
   int sec;         // pairs per section, >= 1, sec * n_mb < 2^31
   int reverse;     // 1: block n_mb - 1 first
   __host__ __device__ void decode(int64_t t, int& b, int& h, int& mb) const {
-    const int64_t per = static_cast<int64_t>(sec) * n_mb;
-    const int64_t s = t / per;
-    const int r = static_cast<int>(t - s * per);
-    const int64_t bh0 = s * sec;
-    const int w = static_cast<int>(n_bh - bh0 < sec ? n_bh - bh0 : sec);  // the last is shorter
-    const int k = r / w;
-    const int64_t bh = bh0 + (r - k * w);
+    int k;
+    if (n_work <= 0x7fffffff) {  // the usual case: 32-bit divisions (uniform over the grid)
+      const int ti = static_cast<int>(t), per = sec * n_mb, s = ti / per, r = ti - s * per;
+      const int bh0 = s * sec, left = static_cast<int>(n_bh) - bh0;
+      const int w = left < sec ? left : sec;  // the last section is shorter
+      k = r / w;
+      const int bh = bh0 + (r - k * w);
+      b = bh / hq;
+      h = bh - b * hq;
+    } else {
+      const int64_t per = static_cast<int64_t>(sec) * n_mb, s = t / per;
+      const int r = static_cast<int>(t - s * per);
+      const int64_t bh0 = s * sec;
+      const int w = static_cast<int>(n_bh - bh0 < sec ? n_bh - bh0 : sec);
+      k = r / w;
+      const int64_t bh = bh0 + (r - k * w);
+      b = static_cast<int>(bh / hq);
+      h = static_cast<int>(bh - static_cast<int64_t>(b) * hq);
+    }
     mb = reverse ? n_mb - 1 - k : k;
-    b = static_cast<int>(bh / hq);
-    h = static_cast<int>(bh - static_cast<int64_t>(b) * hq);
   }
 };
 
