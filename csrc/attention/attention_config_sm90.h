@@ -34,9 +34,9 @@ struct TilesSm90 {
   static constexpr int kBlockN = kN;
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
                 "key tiles are whole k-steps of P V (16 keys) and at most wgmma's N (256)");
-  // K/V stages: 2 at D=128 (Q 32 KiB + 2 x (K 32 + V 32) = 160 KiB of the 227 KiB; 208 KiB with
-  // 176 keys) and D=256 (224 KiB); 3 at D=64, where the tiles are half the size and more loads in
-  // flight hide more latency.
+  // K/V stages: 2 at D=128 (Q 32 KiB + 2 x (K 32 + V 32) = 160 KiB of the 227 KiB, + the O
+  // buffer's 32 below; 208 KiB with 176 keys) and D=256 (224 KiB); 3 at D=64, where the tiles are
+  // half the size and more loads in flight hide more latency.
   static constexpr int kStages = D == 64 ? 3 : 2;
   // Independent running maxima per row in the softmax (a shallower FMNMX chain before the
   // exponentials). 4 at D=64 and 256, where the H200 runs (git 657fd6b, run 56fe2941) passed
