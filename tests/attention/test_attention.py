@@ -147,6 +147,39 @@ def test_sm90_persistent_work_tiles(case, env, monkeypatch):
     A.check(A.Case(*shape, dtype, "cuda", **features), "cuda-sm90", _CACHE)
 
 
+@pytest.mark.gpu
+@NEEDS_EXT
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_forward_replays_in_a_cuda_graph(causal):
+    """The persistent sm90 forward keeps no per-call state on the device (static tile order):
+    captured once in a CUDA graph and replayed on new inputs it matches an eager call exactly."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 forward needs compute capability 9.0")
+    lens = [700, 1, 300]
+    cu = torch.tensor([0, 700, 701, 1001], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    args = (cu, cu, max(lens), max(lens), 128 ** -0.5, causal, -1, -1, 0.0, 90)
+    fwd = torch.ops.fusedops.attention_fwd_cuda
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fwd(q, k, v, *args)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fwd(q, k, v, *args)
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g))
+        graph.replay()
+        ref_out, ref_lse = fwd(q, k, v, *args)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+
+
 def _other_dq_mode_params():
     """Each backend's non-default dQ mode (the parity suite runs the defaults: Triton separate,
     CUDA atomic)."""
