@@ -62,6 +62,15 @@ struct TilesSm90 {
   // which issues the 9-10 instructions of a polynomial, may pay; at D=128 the tensor cores take
   // twice as long per tile, at D=256 four times. Estimates, to be measured on the H200.
   static constexpr int kExp2PolyBlocks = kN != 128 ? 0 : D == 64 ? 3 : D == 128 ? 2 : 0;
+  // Whether a CTA loops over work tiles (attention_fwd_kernel_sm90.cuh): the loop's back edge
+  // keeps the tile bookkeeping and the shared-memory addresses live through the key loop, which
+  // ptxas (13.0, sm_90a) fits next to the accumulators -- O (D / 2 floats a thread), S
+  // (BN / 2) and P (BN / 4 packed pairs) -- when they leave 80 of the consumers' registers:
+  // 160 + 80 = 240 at D=128 and 128 keys spills nothing, while 188 (D=256, 80 keys) or 196 (176
+  // keys) at 240, and 128 at 160 (three consumer warpgroups), spill 100-200 bytes. Tiles without
+  // it run one work tile per CTA (the same code, no back edge; grid = the number of tiles).
+  static constexpr int kAccRegs = D / 2 + kBlockN / 2 + kBlockN / 4;
+  static constexpr bool kPersistent = kAccRegs + 80 <= kConsumerRegs;
 
   // Shared memory (bytes, 2-byte elements). Every tile is stored as D / 64 column blocks of
   // rows x 128 bytes (TMA boxes of 64 elements, 128-byte swizzle), each 1024-byte aligned: the

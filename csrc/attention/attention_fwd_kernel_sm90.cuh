@@ -47,7 +47,7 @@ namespace attn {
 
 // The work tiles of a call -- (q-block, head, sequence) triples, n_mb x hq x batch of them --
 // and the order in which the CTAs take them: CTA c runs tiles c, c + gridDim.x, c + 2 gridDim.x,
-// ... (a static round-robin). Static rather than an atomic tile counter: every role of a CTA
+// ... of the launch's range (a static round-robin). Static rather than an atomic tile counter: every role of a CTA
 // computes the same sequence from blockIdx.x alone (no shared-memory handoff, no barrier for
 // it), and there is no global counter to reset per call, so a CUDA graph replays it as is. With
 // the longest tiles first, each round of gridDim.x tiles holds tiles of about the same length,
@@ -59,9 +59,13 @@ namespace attn {
 // the first ones with only a left window bound). The host picks sec: 1 without a mask (every
 // block sees the same keys; then the order is the non-persistent grid's, q-blocks fastest), and
 // as many pairs as keep a section's K/V within part of the L2 with one (attention_launch_sm90.cuh).
-// With grid = n_work and one tile per CTA the same kernel is the non-persistent launch.
+// With grid = n_work and one tile per CTA the same kernel is the non-persistent launch; tile
+// tables without TilesSm90::kPersistent compile it without the loop's back edge.
 struct TileOrderSm90 {
   int64_t n_work;  // n_mb * n_bh
+  // The tiles of this launch: [t_begin, t_end) of [0, n_work) (several launches only when one
+  // CTA per tile needs more than 2^31 - 1 CTAs).
+  int64_t t_begin, t_end;
   int64_t n_bh;    // batch * hq
   int n_mb;        // q-blocks per sequence: ceil(max_q / BM)
   int hq;
@@ -153,6 +157,9 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
   auto bar_kempty = [&](int s) { return bars + 8u * (2 + S + s); };
   auto bar_vfull = [&](int s) { return bars + 8u * (2 + 2 * S + s); };
   auto bar_vempty = [&](int s) { return bars + 8u * (2 + 3 * S + s); };
+  // The CTA's work tiles: t_begin + blockIdx.x, then every gridDim.x-th (persistent tables), or
+  // that one tile alone (the others: no back edge, straight-line code as registers demand).
+  auto next_tile = [&](int64_t t) { return C::kPersistent ? t + gridDim.x : order.t_end; };
 
   // Work tile t: sequence b, head h, first query m0 (TileOrderSm90); the key tiles
   // [t_lo, t_lo + n_tiles) its queries [m0, min(m0 + BM, lq)) can see.
@@ -190,7 +197,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       tma_prefetch_desc(&tm_k);
       tma_prefetch_desc(&tm_v);
       uint32_t kv = 0, q_use = 0;  // running key-tile and Q indices (the comment block above)
-      for (int64_t t = blockIdx.x; t < order.n_work; t += gridDim.x) {
+      for (int64_t t = order.t_begin + blockIdx.x; t < order.t_end; t = next_tile(t)) {
         int b, h, m0, t_lo;
         tile_at(t, b, h, m0);
         const Seq sq(p, b);
@@ -234,7 +241,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     const Score score(p);
     uint32_t kv = 0, q_use = 0;  // as the producer's
 
-    for (int64_t t = blockIdx.x; t < order.n_work; t += gridDim.x) {
+    for (int64_t t = order.t_begin + blockIdx.x; t < order.t_end; t = next_tile(t)) {
       int b, h, m0, t_lo;
       tile_at(t, b, h, m0);
       const Seq sq(p, b);

@@ -135,6 +135,8 @@ inline TileOrderSm90 sm90_tile_order(const AttnParams& p, int block_m, int l2_by
   o.hq = p.hq;
   o.n_bh = static_cast<int64_t>(p.batch) * p.hq;
   o.n_work = o.n_bh * o.n_mb;
+  o.t_begin = 0;
+  o.t_end = o.n_work;
   o.reverse = !(p.left >= 0 && p.right < 0);
   int64_t sec = 1;
   if (p.left >= 0 || p.right >= 0) {
@@ -195,11 +197,12 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
   cudaError_t err = device_sm90(dev);
   if (err != cudaSuccess) return err;
   const TileOrderSm90 order = sm90_tile_order(p, C::kBlockM, dev.l2_bytes);
-  // Persistent: one CTA per SM (the shared memory allows no second); else one per tile (a
-  // grid-stride loop beyond 2^31 - 1 tiles).
-  const int64_t cap = sm90_persistent_ctas(dev.sms);
+  // Persistent: one CTA per SM (the shared memory allows no second), unless the override caps
+  // or disables it or the tile table has no loop (kPersistent); else one CTA per tile, in
+  // launches of at most 2^31 - 1 CTAs.
+  const int64_t cap = C::kPersistent ? sm90_persistent_ctas(dev.sms) : 0;
   const int64_t max_grid = cap > 0 ? std::min<int64_t>(cap, 0x7fffffff) : int64_t{0x7fffffff};
-  const dim3 grid(static_cast<unsigned>(std::min(order.n_work, max_grid)));
+  const int64_t per_launch = cap > 0 ? order.n_work : max_grid;
   CUtensorMap tm_q, tm_k, tm_v, tm_o;
   // With no keys at all (total_k == 0) no CTA reads K or V; the maps then describe one row of q
   // so that they stay valid.
@@ -228,9 +231,16 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(C::kSmem));
   if (err != cudaSuccess) return err;
-  kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_o, sm90_epilogue(),
-                                                     order);
-  return cudaGetLastError();
+  const int epilogue = sm90_epilogue();
+  for (int64_t t0 = 0; t0 < order.n_work; t0 += per_launch) {
+    TileOrderSm90 part = order;
+    part.t_begin = t0;
+    part.t_end = std::min(order.n_work, t0 + per_launch);
+    const dim3 grid(static_cast<unsigned>(std::min(part.t_end - t0, max_grid)));
+    kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_o, epilogue, part);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 // The 192-query tiles (D=64) are instantiated in attention_fwd_sm90_m192.cu, a translation
