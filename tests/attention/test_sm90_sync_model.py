@@ -2,13 +2,17 @@
 interleavings (CPU only; the kernel itself needs a Hopper GPU).
 
 One CTA's actors follow csrc/attention/attention_fwd_kernel_sm90.cuh step by step: the producer
-thread, the two consumer warpgroups (each as one actor: its warps' releases arrive as a count of
-4), and an asynchronous engine that completes TMA loads and TMA-store reads at random moments.
+thread, the consumer warpgroups (two, or three for the 192-query tiles; each as one actor: its
+warps' releases arrive as a count of 4), and an asynchronous engine that completes TMA loads and
+TMA-store reads at random moments.
 Over random work-tile sequences (skipped tiles, tiles without keys, 1..7 key tiles, slabs stored
 by TMA or from registers) and every schedule, stage count and staging buffer it checks: no
 deadlock; every wgmma reads a buffer holding the tile it expects, fully loaded; no TMA load into
 a buffer that is being read; no staging write into rows a store is still reading; every
-ping-pong named-barrier generation completed by one waiting and one arriving warpgroup. A change
+ping-pong named-barrier generation completed by one waiting and one arriving warpgroup (the turns
+go round the warpgroups in a cycle, 0, 1, .., NW - 1, 0, ..). Three consumer warpgroups run one
+work tile per CTA in the kernel (TilesSm90::kPersistent is false there); the model runs them over
+sequences of tiles as well, a stronger check of the same protocol. A change
 to the kernel's barriers, counts or release points must be made here too; the mutation tests
 show that the model catches the classic mistakes.
 """
@@ -89,18 +93,19 @@ class Buf:
         self.readers -= 1
 
 
-def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None):
+def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2):
     rng = random.Random(seed)
-    qfull, qempty = MBar("qfull", 1), MBar("qempty", 8)
+    warps = 4 * nw  # lane 0 of every consumer warp arrives on the empty barriers
+    qfull, qempty = MBar("qfull", 1), MBar("qempty", warps)
     kfull = [MBar(f"kfull{s}", 1) for s in range(S)]
-    kempty = [MBar(f"kempty{s}", 8) for s in range(S)]
+    kempty = [MBar(f"kempty{s}", warps) for s in range(S)]
     vfull = [MBar(f"vfull{s}", 1) for s in range(S)]
-    vempty = [MBar(f"vempty{s}", 8) for s in range(S)]
-    nb = {1: NBar("nb1", 256), 2: NBar("nb2", 256)}
-    sQ = [Buf("sQ0"), Buf("sQ1")]
+    vempty = [MBar(f"vempty{s}", warps) for s in range(S)]
+    nb = {1 + w: NBar(f"nb{1 + w}", 256) for w in range(nw)}  # ping-pong ids 1 .. nw
+    sQ = [Buf(f"sQ{w}") for w in range(nw)]  # each warpgroup's 64 rows
     sK = [Buf(f"sK{s}") for s in range(S)]
     sV = [Buf(f"sV{s}") for s in range(S)]
-    sO = [Buf("sO0"), Buf("sO1")]
+    sO = [Buf(f"sO{w}") for w in range(nw)]
     events = []  # pending async completions: callables
 
     def tma_load(buf_list, tag, bar):
@@ -180,8 +185,11 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None):
                         yield lambda: bar.gen != g0
 
             def hand_over(last):
-                if pp and not (last and cw == 1 and bug != "unbalanced_turns"):
-                    nb[2 - cw].add(128, False)
+                if pp and not (last and cw == nw - 1 and bug != "unbalanced_turns"):
+                    # to the next warpgroup of the cycle; "two_wg_cycle": the two-warpgroup
+                    # kernel's 2 - cw, wrong for three
+                    nxt = 2 - cw if bug == "two_wg_cycle" else 1 + (cw + 1) % nw
+                    nb[nxt].add(128, False)
 
             kempty_ = lambda i, kv=kv: kempty[(kv + i) % S]  # noqa: E731
             vempty_ = lambda i, kv=kv: vempty[(kv + i) % S]  # noqa: E731
@@ -199,8 +207,8 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None):
                     wgmma_wait(0)
                     release(vempty_(i))
             elif n > 0:
-                if pp and cw == 1:
-                    nb[1].add(128, False)
+                if pp and cw == nw - 1:
+                    nb[1].add(128, False)  # warpgroup 0's first turn
                 yield from take_turn()
                 yield from issue_qk(0)
                 hand_over(False)
@@ -252,7 +260,7 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None):
             q_use += n > 0
         yield lambda: not any(f[0] for f in store_reading)
 
-    actors = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
+    actors = {"producer": producer(), **{f"wg{w}": consumer(w) for w in range(nw)}}
     conds = {k: (lambda: True) for k in actors}
     steps = 0
     while actors or events:
@@ -275,14 +283,17 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None):
     for b in sQ + sK + sV + sO:
         if b.readers or b.inflight:
             raise Fail(f"{b.name} busy at exit")
+    for bar in nb.values():  # the turns balance: no generation left half-arrived
+        if bar.arrived:
+            raise Fail(f"{bar.name}: {bar.arrived} arrivals left at exit")
 
 
-def random_tiles(rng):
+def random_tiles(rng, nw=2, max_tiles=9):
     out = []
-    for _ in range(rng.randint(1, 9)):
+    for _ in range(rng.randint(1, max_tiles)):
         skip = rng.random() < 0.15
         n = rng.choice([0, 0, 1, 1, 2, 3, 4, 5, 7])
-        out.append((skip, n, (rng.random() < 0.7, rng.random() < 0.7)))
+        out.append((skip, n, tuple(rng.random() < 0.7 for _ in range(nw))))
     return out
 
 
@@ -297,6 +308,20 @@ def test_sync_model_has_no_deadlock_or_hazard(S, schedule, o_in_q, epilogue):
         run(random_tiles(rng), S, schedule, o_in_q, epilogue, rng.randrange(1 << 30))
 
 
+# Three consumer warpgroups (the 192-query tiles of D=64: 3 stages, O buffer or Q rows): one
+# work tile per CTA as the kernel runs them, and sequences of tiles.
+CONFIGS_3WG = [(sched, o_in_q, epi, max_tiles) for sched in (0, 1, 2) for o_in_q in (False, True)
+               for epi in (0, 1) for max_tiles in (1, 9)]
+
+
+@pytest.mark.parametrize("schedule,o_in_q,epilogue,max_tiles", CONFIGS_3WG)
+def test_sync_model_three_warpgroups(schedule, o_in_q, epilogue, max_tiles):
+    rng = random.Random(7000 + 100 * schedule + 10 * o_in_q + epilogue + max_tiles)
+    for _ in range(150 if max_tiles > 1 else 60):
+        run(random_tiles(rng, nw=3, max_tiles=max_tiles), 3, schedule, o_in_q, epilogue,
+            rng.randrange(1 << 30), nw=3)
+
+
 @pytest.mark.parametrize("bug,config", [
     ("early_q_release", (2, 1, True, 1)),    # Q rows handed back before the store read them
     ("unbalanced_turns", (2, 2, False, 1)),  # warpgroup 1 hands over its last turn too
@@ -308,3 +333,17 @@ def test_sync_model_catches_known_mistakes(bug, config):
     with pytest.raises(Fail):
         for _ in range(300):
             run(random_tiles(rng), *config, rng.randrange(1 << 30), bug=bug)
+
+
+@pytest.mark.parametrize("bug", ["two_wg_cycle", "unbalanced_turns", "early_q_release"])
+def test_sync_model_catches_three_warpgroup_mistakes(bug):
+    """With three consumer warpgroups: the two-warpgroup hand-over (2 - cw) and a last turn
+    handed over, on one work tile per CTA; Q rows handed back before the store read them, over
+    sequences of tiles (with one tile nothing reloads Q)."""
+    rng = random.Random(11)
+    schedule, o_in_q = (1, True) if bug == "early_q_release" else (2, False)
+    max_tiles = 9 if bug == "early_q_release" else 1
+    with pytest.raises(Fail):
+        for _ in range(300):
+            run(random_tiles(rng, nw=3, max_tiles=max_tiles), 3, schedule, o_in_q, 1,
+                rng.randrange(1 << 30), bug=bug, nw=3)
