@@ -4,7 +4,8 @@
         bash benchmarks/gpu_run.sh                  # build, then parity, backward, timing
     python3 benchmarks/check_attention_sm90.py --sanitize-run      # compute-sanitizer x 3 tools
     (options: --schedules serial,ovl-regs, --dims 64 (default 64,128,256), --dtypes bfloat16,
-    --no-timing, --no-backward; --sanitize-run takes --dims and --schedules too)
+    --no-timing, --no-backward, --no-bwd-timing, --timed auto,poly (the variants timed),
+    --baselines cudnn; --sanitize-run takes --dims and --schedules too)
 
 Dispatch runs cuda-sm90 on compute capability 9.0; here the kernel is called directly as
 torch.ops.fusedops.attention_fwd_cuda(..., 90), once per variant (VARIANTS below: the launcher's
@@ -93,18 +94,30 @@ VARIANTS = {
                       "FUSEDOPS_ATTN_SM90_PERSISTENT": "3", **MUFU_M128},
     "pp-poly-3cta": {SCHED: "pingpong", EXP2: "poly", TILE: "m128",
                      "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
+    # Tile tables without the loop (TilesSm90::kPersistent false: three consumer warpgroups,
+    # 176 keys, D=256) must ignore the CTA cap and launch one CTA per tile: a capped grid
+    # would leave tiles unwritten (NaN-poisoned outputs). ovl-3cta runs at D=256 for this too.
+    "m192-pp-3cta": {SCHED: "pingpong", EXP2: "poly", TILE: "m192",
+                     "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
+    "bn176-ovl-3cta": {SCHED: "overlap", "FUSEDOPS_ATTN_SM90_BLOCK_N": "176",
+                       "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
 }
 PERSISTENT_VARIANTS = ("nonpersist", "pp-qrows", "ser-3cta", "ovl-3cta", "pp-qrows-3cta",
-                       "pp-poly-3cta")
+                       "pp-poly-3cta", "m192-pp-3cta", "bn176-ovl-3cta")
 VARIANT_DIMS = {"bn176-ovl": (128,), "bn176-pp": (128,),  # the others: every head dim
                 "ovl-poly": (64, 128), "pp-poly": (64, 128), "poly": (64, 128),
+                **{n: (64, 128) for n in PERSISTENT_VARIANTS},
                 **{n: (64,) for n in VARIANTS if n.startswith("m192")},
-                **{n: (64, 128) for n in PERSISTENT_VARIANTS}}
+                "ovl-3cta": (64, 128, 256), "bn176-ovl-3cta": (128,)}
 SCHEDULES = ("overlap", "serial", "pingpong", "ovl-regs", "bn176-ovl", "bn176-pp",  # parity
              "ovl-poly", "pp-poly", "m192-ovl", "m192-pp", "m192-ser", "m192-regs",
              "m192-ovl-poly", "m192-pp-poly", *PERSISTENT_VARIANTS)
 # Debugging variants, left out of the timing (the -3cta ones are slow by design: 3 CTAs).
-UNTIMED = ("m192-ser", "m192-regs", "ser-3cta", "ovl-3cta", "pp-qrows-3cta", "pp-poly-3cta")
+UNTIMED = ("m192-ser", "m192-regs", "ser-3cta", "ovl-3cta", "pp-qrows-3cta", "pp-poly-3cta",
+           "m192-pp-3cta", "bn176-ovl-3cta")
+# The baselines of the timing table (--baselines): column name -> method.
+BASELINES = {"sm80": "cuda-sm80-fwd", "triton": "triton-fwd", "flash": "sdpa_flash-fwd",
+             "cudnn": "sdpa_cudnn-fwd"}
 DIMS = (64, 128, 256)
 CUDA_BWD_DIMS = (64, 128)  # the sm80 forward and backward kernels; Triton's elsewhere
 
@@ -439,9 +452,10 @@ def report(results):
     return n_fail
 
 
-def time_config(d, length, causal, rep_ms):
+def time_config(d, length, causal, rep_ms, timed=None, baselines=tuple(BASELINES)):
     """{method: forward ms} of one shape (bf16, B*L = 16384, H*D = 2048); NaN when a method
-    cannot run it."""
+    cannot run it. timed: the sm90 variants besides auto (default: every one not UNTIMED);
+    baselines: BASELINES' names."""
     import torch.nn.functional as F
     from common import time_ms
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -476,11 +490,11 @@ def time_config(d, length, causal, rep_ms):
         return run
 
     fns = {"cuda-sm90-fwd": variant("auto")}
-    fns.update({f"cuda-sm90-{n}-fwd": variant(n) for n in VARIANTS
-                if n != "auto" and n not in UNTIMED})
-    fns.update({"cuda-sm80-fwd": ours(80), "triton-fwd": triton_fwd,
-                "sdpa_flash-fwd": sdpa(SDPBackend.FLASH_ATTENTION),
-                "sdpa_cudnn-fwd": sdpa(SDPBackend.CUDNN_ATTENTION)})
+    fns.update({f"cuda-sm90-{n}-fwd": variant(n) for n in timed_variants(timed)})
+    base = {"cuda-sm80-fwd": ours(80), "triton-fwd": triton_fwd,
+            "sdpa_flash-fwd": sdpa(SDPBackend.FLASH_ATTENTION),
+            "sdpa_cudnn-fwd": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    fns.update({BASELINES[b]: base[BASELINES[b]] for b in baselines})
     times = {}
     for name, fn in fns.items():
         variant_name = name.removeprefix("cuda-sm90-").removesuffix("-fwd")
@@ -497,15 +511,22 @@ def time_config(d, length, causal, rep_ms):
     return times
 
 
-def timing(out_dir, rep_ms, dims=DIMS):
+def timed_variants(timed=None):
+    """The sm90 variants timed beside auto: `timed` (names of VARIANTS), else every one not in
+    UNTIMED."""
+    if timed is None:
+        return [n for n in VARIANTS if n != "auto" and n not in UNTIMED]
+    return [n for n in timed if n != "auto"]
+
+
+def timing(out_dir, rep_ms, dims=DIMS, timed=None, baselines=tuple(BASELINES)):
     from common import append_rows, run_meta
     meta = run_meta()
     print(f"\ntiming (bf16, TFLOP/s, median of do_bench): {meta['gpu']}, git {meta['git']}, "
           f"run {meta['run']}")
-    cols = [("auto", "cuda-sm90-fwd")] + [(n, f"cuda-sm90-{n}-fwd") for n in VARIANTS
-                                           if n != "auto" and n not in UNTIMED]
-    cols += [("sm80", "cuda-sm80-fwd"), ("triton", "triton-fwd"), ("flash", "sdpa_flash-fwd"),
-             ("cudnn", "sdpa_cudnn-fwd")]
+    cols = [("auto", "cuda-sm90-fwd")] + [(n, f"cuda-sm90-{n}-fwd")
+                                          for n in timed_variants(timed)]
+    cols += [(b, BASELINES[b]) for b in baselines]
     names = [m for _, m in cols]
     print("auto = the measured table (what dispatch runs); overlap/serial/pingpong: forced "
           "schedules with the TMA-store epilogue; ovl-regs: overlap with register stores of O; "
@@ -524,8 +545,9 @@ def timing(out_dir, rep_ms, dims=DIMS):
             for causal in (False, True):
                 b, h = 16384 // length, 2048 // d
                 flops = 4 * b * h * length * length * d / (2 if causal else 1)
-                times = time_config(d, length, causal, rep_ms)
+                times = time_config(d, length, causal, rep_ms, timed, baselines)
                 tf = {n: flops / times[n] / 1e9 for n in names}
+                nan = float("nan")
                 for n in names:
                     if math.isnan(times[n]):
                         continue
@@ -533,11 +555,12 @@ def timing(out_dir, rep_ms, dims=DIMS):
                                causal=causal, dtype="bfloat16", fwd_ms=round(times[n], 4),
                                fwd_tflops=round(tf[n], 1), **meta)
                     append_rows("attention", [row], out_dir)
-                best = max(tf["sdpa_flash-fwd"], tf["sdpa_cudnn-fwd"])
+                best = max((tf[BASELINES[b]] for b in ("flash", "cudnn") if b in baselines
+                            and not math.isnan(tf[BASELINES[b]])), default=nan)
                 print(f"{d:>4} {length:>6} {str(causal):>6} " +
                       " ".join(f"{tf[n]:>{w}.1f}" for n, w in zip(names, width, strict=True)) +
                       f" {tf['cuda-sm90-fwd'] / best:>7.2f}"
-                      f" {tf['cuda-sm90-fwd'] / tf['triton-fwd']:>9.2f}", flush=True)
+                      f" {tf['cuda-sm90-fwd'] / tf.get('triton-fwd', nan):>9.2f}", flush=True)
                 torch.cuda.empty_cache()
 
 
@@ -696,13 +719,26 @@ def main():
                     "bn176-ovl, bn176-pp (D=128 only), ovl-poly, pp-poly, poly (D=64/128), "
                     "m192-ovl, m192-pp, m192-ser, m192-regs, m192-ovl-poly, m192-pp-poly (D=64 "
                     "only), nonpersist, pp-qrows, ser-3cta, ovl-3cta, pp-qrows-3cta, pp-poly-3cta "
-                    "(D=64/128), auto)")
+                    "(D=64/128), m192-pp-3cta (D=64), bn176-ovl-3cta (D=128), auto)")
+    ap.add_argument("--timed", default=None,
+                    help="sm90 variants timed beside auto (default: every one but the debugging "
+                    "variants, UNTIMED)")
+    ap.add_argument("--baselines", default=",".join(BASELINES),
+                    help="baselines of the timing table (sm80, triton, flash, cudnn)")
     ap.add_argument("--sanitize", action="store_true", help="only the tiny sanitizer cases")
     ap.add_argument("--sanitize-run", action="store_true",
                     help="run --sanitize under compute-sanitizer memcheck, racecheck, synccheck")
     args = ap.parse_args()
     dims = tuple(int(d) for d in args.dims.split(","))
     schedules = tuple(args.schedules.split(","))
+    timed = None if args.timed is None else tuple(t for t in args.timed.split(",") if t)
+    baselines = tuple(b for b in args.baselines.split(",") if b)
+    for what, names, known in (("--schedules", schedules, VARIANTS),
+                               ("--timed", timed or (), VARIANTS),
+                               ("--baselines", baselines, BASELINES)):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            ap.error(f"{what}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     from fusedops import _ext  # loads fusedops._C, which registers the ops
     if not _ext.available():
         print(f"FAIL: fusedops._C is not loaded ({_ext.EXT_ERROR}); pip install "
@@ -729,7 +765,7 @@ def main():
     total = len(res) + len(bres)
     print(f"SUMMARY parity: {total - n_fail} passed, {n_fail} failed ({time.time() - t0:.0f}s)")
     if not args.no_timing:
-        timing(args.out, args.rep_ms, dims)
+        timing(args.out, args.rep_ms, dims, timed, baselines)
     if not args.no_bwd_timing:
         timing_bwd(args.out, args.rep_ms, dims)
     return 1 if n_fail else 0
