@@ -113,10 +113,14 @@ SM90_PERSIST_CASES = {
     "varlen-empty-1row-causal-window-softcap": (1, 700, 700, 16, 4, 64, dict(
         varlen=True, causal=True, window=(200, -1), softcap=20.0,
         lens=((0, 1, 129, 0, 1, 700, 1, 300, 64), (5, 0, 300, 0, 1, 700, 64, 1, 0)))),
+    # D=256: a tile table without the loop (TilesSm90::kPersistent false), one CTA per tile
+    # whatever the overrides say
+    "d256-causal-300x1025": (4, 300, 1025, 8, 2, 256, dict(causal=True)),
 }
 # Launcher overrides (attention_launch_sm90.cuh): the default persistent launch (one CTA per
-# SM), 3 CTAs (dozens of tiles each) with each schedule, O staged in the Q rows (the path of tile
-# tables without an O buffer), and the non-persistent launch.
+# SM), 3 CTAs (dozens of tiles each) with each schedule and the polynomial exponentials, O staged
+# in the Q rows (the path of tile tables without an O buffer), the non-persistent launch, and
+# the cap over tile tables without the loop.
 SM90_PERSIST_ENVS = {
     "persistent": {},
     "3cta-serial": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3", FUSEDOPS_ATTN_SM90_SCHEDULE="serial"),
@@ -129,6 +133,17 @@ SM90_PERSIST_ENVS = {
                               FUSEDOPS_ATTN_SM90_SCHEDULE="overlap",
                               FUSEDOPS_ATTN_SM90_EPILOGUE="regs"),
     "nonpersistent": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="0"),
+    "3cta-pingpong-poly": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                               FUSEDOPS_ATTN_SM90_SCHEDULE="pingpong",
+                               FUSEDOPS_ATTN_SM90_EXP2="poly"),
+    # The 192-query tiles (D=64) and the 176-key tiles (D=128) have no loop: they must ignore
+    # the cap and launch one CTA per tile (at the other head dims these are the 3-CTA runs).
+    "3cta-m192-pingpong": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                               FUSEDOPS_ATTN_SM90_SCHEDULE="pingpong",
+                               FUSEDOPS_ATTN_SM90_TILE="m192"),
+    "3cta-bn176-overlap": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                               FUSEDOPS_ATTN_SM90_SCHEDULE="overlap",
+                               FUSEDOPS_ATTN_SM90_BLOCK_N="176"),
 }
 
 
