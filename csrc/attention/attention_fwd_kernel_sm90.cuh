@@ -2,10 +2,11 @@
 // for both products, online softmax in registers (the sm80 kernel's algorithm, kSlack lazy
 // rescaling included), lse in natural log, rows that see no key -> zeros and lse -inf.
 //
-// Persistent: each CTA runs a sequence of work tiles -- 128 queries of one (sequence, head)
-// each, TileOrderSm90 below -- and the producer loads the next tile's Q and K/V while the
-// consumers still finish the previous one (its last P V and epilogue). With one tile per CTA
-// (grid = the number of tiles, FUSEDOPS_ATTN_SM90_PERSISTENT=0) it is the non-persistent kernel.
+// Persistent: each CTA runs a sequence of work tiles -- BM queries (128; 192 with three consumer
+// warpgroups) of one (sequence, head) each, TileOrderSm90 below -- and the producer loads the
+// next tile's Q and K/V while the consumers still finish the previous one (its last P V and
+// epilogue). With one tile per CTA (grid = the number of tiles, FUSEDOPS_ATTN_SM90_PERSISTENT=0)
+// it is the non-persistent kernel; tile tables without TilesSm90::kPersistent always are.
 //
 // Roles (warp specialisation, FlashAttention-3's scheme): warpgroup 0 is the producer, one of
 // its threads issuing every TMA load -- per work tile its Q, then the K and V tiles of the
@@ -104,18 +105,18 @@ struct TileOrderSm90 {
 // - K/V stages: a running index kv over the key tiles of the CTA's non-empty tiles, kept by the
 //   producer thread and by every consumer thread; key tile kv uses stage kv % S at phase
 //   (kv / S) & 1. "full" barriers (count 1: the producer's arrive.expect_tx, plus the bytes)
-//   complete once per use; "empty" barriers (count 8: lane 0 of each consumer warp, after the
+//   complete once per use; "empty" barriers (count 4 NW: lane 0 of each consumer warp, after the
 //   warp's wgmma reading the stage has completed) complete once per use, and the producer
 //   waits for phase ((kv / S) & 1) ^ 1 before refilling (a fresh barrier passes parity 1, so
 //   the first S fills do not wait). The producer can run at most S key tiles ahead, into the
 //   next work tile as well, since the indices simply continue.
-// - Q: full (count 1 + bytes) and empty (count 8) barriers, used once per non-empty tile, a
+// - Q: full (count 1 + bytes) and empty (count 4 NW) barriers, used once per non-empty tile, a
 //   running count q_use on both sides: the consumers wait full at parity q_use & 1, the producer
 //   waits empty at parity (q_use & 1) ^ 1 before loading the next Q (issued after that tile's
-//   first K, so that K streams in while Q is still held). The 8 empty arrivals: each consumer
+//   first K, so that K streams in while Q is still held). The 4 NW empty arrivals: each consumer
 //   warp's lane 0 after its last Q K^T of the tile (release_q), or -- for a warpgroup that
 //   stages O in its Q rows (q_late) -- one arrive of count 4 by its storing thread after the TMA
-//   store has read them. Either way each of the 8 warps is accounted for exactly once per use,
+//   store has read them. Either way each consumer warp is accounted for exactly once per use,
 //   and the producer cannot complete the next phase of full before the consumers have waited
 //   for the current one (it needs their empty arrivals first).
 // - The producer thread exits after its last tile's loads; the TMA transactions still complete
