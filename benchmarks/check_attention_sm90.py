@@ -153,9 +153,11 @@ class Watchdog:
 
     def __init__(self):
         self.timer = None
+        self.seconds = 60.0  # --watchdog-s
 
-    def arm(self, what, seconds=60.0):
+    def arm(self, what, seconds=None):
         self.disarm()
+        seconds = self.seconds if seconds is None else seconds
 
         def fire():
             print(f"HANG: {what} did not finish within {seconds:.0f}s (a pipeline deadlock?)",
@@ -745,7 +747,10 @@ def main():
                     help="seconds per compute-sanitizer tool")
     ap.add_argument("--no-parity", action="store_true",
                     help="skip the parity checks (timing only)")
+    ap.add_argument("--watchdog-s", type=float, default=60.0,
+                    help="seconds a parity call may take before the run ends as HANG (exit 3)")
     args = ap.parse_args()
+    WATCHDOG.seconds = args.watchdog_s
     dims = tuple(int(d) for d in args.dims.split(","))
     schedules = tuple(args.schedules.split(","))
     timed = None if args.timed is None else tuple(t for t in args.timed.split(",") if t)
