@@ -647,13 +647,14 @@ def timing_bwd(out_dir, rep_ms, dims=DIMS):
                 torch.cuda.empty_cache()
 
 
-def sanitize_cases(dims=DIMS, schedules=SCHEDULES, do_bwd=True):
+def sanitize_cases(dims=DIMS, schedules=SCHEDULES, do_bwd=True,
+                   dtypes=(torch.bfloat16, torch.float16)):
     """Tiny runs of each instantiation (bf16/fp16 x D 64/128/256 x every schedule, the
     epilogues, the 176-key tiles at D=128, persistence): dense with a tail tile, varlen with an
     empty-key sequence, causal + window + softcap, enough key tiles (5 of 128, 8 of 80) to wrap
     the pipeline, empty and 1-row sequences; forward by arch 90, then the CUDA backward from its
     out/lse (not at D=256, whose backward is Triton's)."""
-    for dt in (torch.bfloat16, torch.float16):
+    for dt in dtypes:
         for d in dims:
             for ql, kl, hq, hkv, causal, left, right, cap in (
                     ([77, 130], [93, 600], 4, 2, False, -1, -1, 0.0),
@@ -678,7 +679,8 @@ def sanitize_cases(dims=DIMS, schedules=SCHEDULES, do_bwd=True):
 
 
 def sanitize_run(dims=DIMS, schedules=SCHEDULES, do_bwd=True,
-                 tools=("memcheck", "racecheck", "synccheck"), timeout_s=600):
+                 tools=("memcheck", "racecheck", "synccheck"), timeout_s=600,
+                 dtypes="bfloat16,float16"):
     exe = shutil.which("compute-sanitizer")
     if exe is None:
         for root in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
@@ -695,7 +697,8 @@ def sanitize_run(dims=DIMS, schedules=SCHEDULES, do_bwd=True,
         t0 = time.time()
         cmd = [exe, "--tool", tool, "--error-exitcode", "3", sys.executable,
                os.path.abspath(__file__), "--sanitize", "--dims", ",".join(map(str, dims)),
-               "--schedules", ",".join(schedules)] + ([] if do_bwd else ["--no-backward"])
+               "--schedules", ",".join(schedules), "--dtypes", dtypes] + (
+                   [] if do_bwd else ["--no-backward"])
         # Its own process group, so that a timeout ends the sanitized python too.
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, start_new_session=True)
@@ -767,12 +770,13 @@ def main():
               "--no-build-isolation . on a machine with nvcc")
         return 1
     if args.sanitize:
-        sanitize_cases(dims, schedules, not args.no_backward)
+        sanitize_cases(dims, schedules, not args.no_backward,
+                       tuple(getattr(torch, t) for t in args.dtypes.split(",")))
         return 0
     if args.sanitize_run:
         tools = tuple(t for t in args.sanitize_tools.split(",") if t)
         return 1 if sanitize_run(dims, schedules, not args.no_backward, tools,
-                                 args.sanitize_timeout) else 0
+                                 args.sanitize_timeout, args.dtypes) else 0
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, built archs "
           f"{';'.join(_ext.built_archs())}")
     t0 = time.time()
