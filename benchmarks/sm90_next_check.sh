@@ -83,7 +83,7 @@ note "build: rc=$rc $(( $(date +%s) - t0 ))s; ptxas lines with spill stores > 0:
   "(expected 4, as on main with nvcc 13.0: attn fwd_kernel<T, 128, 2, 48, 4> at sm_80, 8 bytes," \
   "and lce fwd_kernel<Config<4, 900>, T> at sm_90a, 28 bytes; no sm90 attention kernel)"
 if [ "$rc" != 0 ]; then tail -40 "$OUT/build.log" | tee -a "$LOG"; cat "$SUM"; exit 1; fi
-grep -B1 -E "[1-9][0-9]* bytes spill stores" "$OUT/ptxas.txt" | grep -o "properties for .*" \
+grep -B1 -E "[1-9][0-9]* bytes spill stores" "$OUT/ptxas.txt" | grep -o "entry function .*" \
   | sort | uniq -c | head -12 >> "$SUM"
 (cd /tmp && python3 -m fusedops.info) >> "$LOG" 2>&1
 
