@@ -479,14 +479,13 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       for (int kk = 0; kk < BM / 16; ++kk)
         Wgmma<T, D>::rs_mn(dk, dsa[kk], make_desc_sw128(sQ_s + kk * 2048, BM * 128, 1024), 1);
       wgmma_commit();
-      wgmma_wait<1>();
-      reg_fence(dq);
 
       // kDet: wait for this piece's turn -- the offset of key block nb among the query block's
       // contributors [klo / BN, (khi - 1) / BN], counted in adding order. Warp 0 polls (lane 0
-      // loads, the warp exits together), the named barrier (2 + cw) passes the acquire on. The
-      // counter's address is recomputed where needed: nothing extra stays live across the
-      // reductions (at D=128 that spilled).
+      // loads, the warp exits together), the named barrier (2 + cw) passes the acquire on. At
+      // D=128 the wait runs while dQ_part's products do; at D=64 that spilled (8 bytes), so it
+      // follows their wait there. The counter's address is recomputed where needed: nothing
+      // extra stays live across the reductions (at D=128 that spilled).
       auto sem_at = [&] {
         return p.dq_sem + dq_sem_index_sm90<BM>(p, sq.q_start, cta_b(), h, m, cw);
       };
@@ -496,7 +495,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
         else
           named_bar_sync<128>(3);
       };
-      if constexpr (kDet) {
+      auto wait_turn = [&] {
         if (warp == 0) {
           int klo, khi;
           sq.keys_of(m, min(m + BM, sq.lq), p, klo, khi);
@@ -510,7 +509,12 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
           }
         }
         wg_bar();
-      }
+      };
+      constexpr bool kEarlyTurn = D == 128;
+      if constexpr (kDet && kEarlyTurn) wait_turn();
+      wgmma_wait<1>();
+      reg_fence(dq);
+      if constexpr (kDet && !kEarlyTurn) wait_turn();
       // dQ accumulation: the piece's rows 16 warp + g (+ 8), columns 8 n8 + 2 tq (+ 1).
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
