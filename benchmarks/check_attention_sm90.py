@@ -388,6 +388,14 @@ def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
                             try:
                                 g90b = bwd(q, k, v, o90, l90, do, *args, 90, variant=which)
                                 torch.cuda.synchronize()
+                            except Exception as exc:  # noqa: BLE001 - reported as a failure
+                                bwd_results[bkey].append(f"{name} ({which} bwd, repeat): raised "
+                                                         f"{type(exc).__name__}: "
+                                                         f"{str(exc)[:160]}")
+                                if "CUDA" in str(exc) or "cuda" in str(exc):
+                                    raise ContextLost(f"{tag} backward {which} {name}: "
+                                                      f"{exc}") from exc
+                                continue
                             finally:
                                 WATCHDOG.disarm()
                             for nm, a, b in zip(("dq", "dk", "dv"), g90, g90b, strict=True):
