@@ -17,17 +17,20 @@ sm80 kernel at D=64/128 and Triton's forward at D=256 (no sm80 kernel there). Ou
 first (a NaN-filled block of the same size is freed just before the call, so that the caching
 allocator hands it to the kernel): an unwritten row shows as NaN. The backward of arch 90 (the
 sm90 backward, attention_bwd_kernel_sm90.cuh, in each BWD_VARIANTS setting: its serial and
-overlapped schedules and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; Triton's at D=256, as the
-op runs it) is checked from the sm90 forward's out/lse against the baseline backward from the
-baseline forward's, all against float64 gradients (error at most 2x the baseline's + 1e-3 x the
-largest reference gradient; gradients poisoned as the outputs).
+overlapped schedules, its deterministic mode in both orders of the dQ reductions (run twice: the
+gradients must be bit-identical) and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; Triton's at
+D=256, as the op runs it) is checked from the sm90 forward's out/lse against the baseline backward
+from the baseline forward's, all against float64 gradients (error at most 2x the baseline's + 1e-3
+x the largest reference gradient; gradients poisoned as the outputs).
 
 One PASS/FAIL line per variant and group, then a summary; then TFLOP/s of every sm90 variant side by
 side with sm80, Triton, SDPA flash and cuDNN (bf16, B*L = 16384, H*D = 2048), rows appended to
 <out>/attention.jsonl (method cuda-sm90-fwd = auto, cuda-sm90-<variant>-fwd, triton-fwd); then the
 backward's TFLOP/s (2.5x the forward's FLOPs, D=64/128): the sm90 backward (and its overlapped
-schedule), the sm80 one, SDPA flash and cuDNN (their (forward + backward) - forward), methods
-cuda-sm90-bwd, cuda-sm90-overlap-bwd, cuda-sm80-bwd, sdpa_*-bwd (--no-bwd-timing skips it). Exit
+schedule, its deterministic mode), the sm80 one (and its deterministic dQ pass), SDPA flash and
+cuDNN (their (forward + backward) - forward), methods cuda-sm90-bwd, cuda-sm90-overlap-bwd,
+cuda-sm80-bwd, cuda-sm90-det-bwd (default order; -det-asc-bwd, -det-desc-bwd the two orders),
+cuda-sm80-det-bwd, sdpa_*-bwd (--no-bwd-timing skips it). Exit
 status 1 when any parity group fails.
 """
 
@@ -210,23 +213,35 @@ def fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
 
 # Arch 90's backwards at D=64/128, as the environment overrides that select them: the sm90
 # kernel (attention_bwd_kernel_sm90.cuh; FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=overlap its overlapped
-# schedule) and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward.
+# schedule) and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; the det variants run the op's
+# deterministic mode (the sm90 kernel's ordered dQ reductions, key blocks ascending or
+# descending by FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER; "sm90-det" the launcher's default order), which
+# parity also runs twice and requires bit-identical.
 BWD_VARIANTS = {
     "sm90": {},
     "sm90-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
+    "sm90-det-asc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
+    "sm90-det-desc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
 }
+# Timing also runs the default order and the sm80 backward's deterministic mode (its dQ pass).
+BWD_TIMED = {"sm90-det": {}, "sm80-det": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"}, **BWD_VARIANTS}
+
+
+def bwd_deterministic(variant):
+    return "-det" in variant
 
 
 class bwd_env:
     """Sets a backward variant's environment overrides for the duration of a with block."""
 
     def __init__(self, name):
-        self.env = BWD_VARIANTS[name]
+        self.env = BWD_TIMED[name]
 
     def __enter__(self):
         self.saved = {k: os.environ.pop(k, None)
-                      for k in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE")}
+                      for k in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE",
+                                "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER")}
         os.environ.update(self.env)
 
     def __exit__(self, *exc):
@@ -239,7 +254,8 @@ class bwd_env:
 def bwd(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch,
         variant="sm90"):
     """The backward the op runs after a forward of `arch`, gradients poisoned: the CUDA one at
-    D=64/128 (arch 90: under the BWD_VARIANTS environment `variant`), Triton's at D=256."""
+    D=64/128 (arch 90: under the BWD_VARIANTS environment `variant`, deterministic for the det
+    variants), Triton's at D=256."""
     if q.shape[2] not in CUDA_BWD_DIMS:
         from fusedops.attention import triton as ta
         return ta.attention_bwd(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale, causal, left,
@@ -247,8 +263,8 @@ def bwd(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale, causal, left, right, s
     poison((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype))
     with bwd_env(variant):
         return torch.ops.fusedops.attention_bwd_cuda(q, k, v, out, lse, do, cu_q, cu_k, mq, mk,
-                                                     scale, causal, left, right, softcap, False,
-                                                     arch)
+                                                     scale, causal, left, right, softcap,
+                                                     bwd_deterministic(variant), arch)
 
 
 def where_keys(grad, ref, cu_k):
@@ -439,6 +455,27 @@ def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
                                 bwd_results[bkey].append(
                                     f"{name} ({which} bwd): {nm} err {ea:.3e} > 2 x baseline-fwd "
                                     f"path {eb:.3e} + {slack:.1e} ({at})")
+                        if bwd_deterministic(which):  # the same bits again
+                            WATCHDOG.arm(f"{tag} backward {which} repeat {group} {name}")
+                            try:
+                                g90b = bwd(q, k, v, o90, l90, do, *args, 90, variant=which)
+                                torch.cuda.synchronize()
+                            except Exception as exc:  # noqa: BLE001 - reported as a failure
+                                bwd_results[bkey].append(f"{name} ({which} bwd, repeat): raised "
+                                                         f"{type(exc).__name__}: "
+                                                         f"{str(exc)[:160]}")
+                                if "CUDA" in str(exc) or "cuda" in str(exc):
+                                    raise ContextLost(f"{tag} backward {which} {name}: "
+                                                      f"{exc}") from exc
+                                continue
+                            finally:
+                                WATCHDOG.disarm()
+                            for nm, a, b in zip(("dq", "dk", "dv"), g90, g90b, strict=True):
+                                if not torch.equal(a, b):
+                                    bwd_results[bkey].append(
+                                        f"{name} ({which} bwd): {nm} not bit-identical on a "
+                                        f"second run (max diff "
+                                        f"{(a.double() - b.double()).abs().max().item():.3e})")
                 del q, k, v, o90, l90, o80, l80, o64, l64, outs
     return results, bwd_results
 
@@ -585,12 +622,15 @@ def time_bwd_config(d, length, causal, rep_ms):
     def ours(variant):
         def fn():
             with bwd_env(variant):
-                return torch.ops.fusedops.attention_bwd_cuda(q, k, v, out, lse, do, *args, False,
-                                                             90)
+                return torch.ops.fusedops.attention_bwd_cuda(q, k, v, out, lse, do, *args,
+                                                             bwd_deterministic(variant), 90)
         return fn
 
     times = {"cuda-sm90-bwd": ours("sm90"), "cuda-sm90-overlap-bwd": ours("sm90-overlap"),
-             "cuda-sm80-bwd": ours("sm80")}
+             "cuda-sm80-bwd": ours("sm80"), "cuda-sm90-det-bwd": ours("sm90-det"),
+             "cuda-sm90-det-asc-bwd": ours("sm90-det-asc"),
+             "cuda-sm90-det-desc-bwd": ours("sm90-det-desc"),
+             "cuda-sm80-det-bwd": ours("sm80-det")}
     res = {}
     for name, fn in times.items():
         with torch.no_grad():
@@ -618,12 +658,15 @@ def time_bwd_config(d, length, causal, rep_ms):
 def timing_bwd(out_dir, rep_ms, dims=DIMS):
     from common import append_rows, run_meta
     meta = run_meta()
-    names = ("cuda-sm90-bwd", "cuda-sm90-overlap-bwd", "cuda-sm80-bwd", "sdpa_flash-bwd",
-             "sdpa_cudnn-bwd")
+    names = ("cuda-sm90-bwd", "cuda-sm90-overlap-bwd", "cuda-sm80-bwd", "cuda-sm90-det-bwd",
+             "cuda-sm90-det-asc-bwd", "cuda-sm90-det-desc-bwd", "cuda-sm80-det-bwd",
+             "sdpa_flash-bwd", "sdpa_cudnn-bwd")
     print("\nbackward timing (bf16, TFLOP/s = 2.5 x forward FLOPs / backward time; sm90 = "
           "attention_bwd_kernel_sm90 (overlap: its overlapped schedule), sm80 = "
-          "FUSEDOPS_ATTN_SM90_BWD=sm80; vs best = sm90 / max(flash, cudnn))")
-    heads = ("sm90", "overlap", "sm80", "flash", "cudnn")
+          "FUSEDOPS_ATTN_SM90_BWD=sm80; det = deterministic (sm90: ordered dQ, default / "
+          "ascending / descending key blocks; sm80: its dQ pass); vs best = sm90 / max(flash, "
+          "cudnn))")
+    heads = ("sm90", "overlap", "sm80", "det", "det-asc", "det-desc", "det80", "flash", "cudnn")
     print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{c:>8}" for c in heads) +
           f" {'vs best':>7}")
     for d in (d for d in dims if d in CUDA_BWD_DIMS):

@@ -77,13 +77,13 @@ def test_parity(backend, device, dtype, shape, feature):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,head_dim", [
     ("triton", 128), pytest.param("cuda-sm80", 128, marks=NEEDS_EXT),
-    pytest.param("cuda-sm90", 128, marks=NEEDS_EXT),
+    pytest.param("cuda-sm90", 128, marks=NEEDS_EXT), pytest.param("cuda-sm90", 64, marks=NEEDS_EXT),
     pytest.param("cuda-sm90", 256, marks=NEEDS_EXT, id="cuda-sm90-256-triton-backward")])
 @pytest.mark.parametrize("feature", ["plain", "causal_window", "varlen_everything"])
 def test_deterministic_backward_is_bitwise_repeatable(feature, backend, head_dim):
     """Under torch.use_deterministic_algorithms(True) dQ comes from the separate pass (no
-    atomics) on every backend: correct, and bit-identical run to run (cuda-sm90 at D=256: the
-    Triton backward's separate pass)."""
+    atomics) or, in cuda-sm90's backward at D=64/128, from reductions in a fixed order: correct,
+    and bit-identical run to run (cuda-sm90 at D=256: the Triton backward's separate pass)."""
     case = A.Case(2, 1025, 1025, 8, 2, head_dim, torch.bfloat16, "cuda", **FEATURES[feature])
     inp = A.make_inputs(case)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -245,7 +245,14 @@ SM90_BWD_VARIANTS = {
     "sm90-bwd": {},
     "sm90-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm80-bwd": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
+    # The deterministic mode (ordered dQ reductions) in both orders; its default is one of them.
+    "sm90-bwd-ordered-asc": {"FUSEDOPS_ATTN_DQ": "separate",
+                             "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
+    "sm90-bwd-ordered-desc": {"FUSEDOPS_ATTN_DQ": "separate",
+                              "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
 }
+SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ",
+                "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER")
 
 
 @pytest.mark.gpu
@@ -258,9 +265,9 @@ SM90_BWD_VARIANTS = {
 @NEEDS_EXT
 def test_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, monkeypatch):
     """cuda-sm90's backward is the sm90 kernel (serial schedule, or overlapped by
-    FUSEDOPS_ATTN_SM90_BWD_SCHEDULE); FUSEDOPS_ATTN_SM90_BWD=sm80 takes the sm80 one. All pass
-    the oracle."""
-    for name in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ"):
+    FUSEDOPS_ATTN_SM90_BWD_SCHEDULE, or deterministic in either order of its dQ reductions);
+    FUSEDOPS_ATTN_SM90_BWD=sm80 takes the sm80 one. All pass the oracle."""
+    for name in SM90_BWD_ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in SM90_BWD_VARIANTS[variant].items():
         monkeypatch.setenv(name, value)
@@ -285,6 +292,53 @@ def test_sm90_backward_switch_changes_the_kernel(monkeypatch):
                                                      backend="cuda-sm90"), inp, case, case.dtype))
     assert torch.equal(grads[0]["out"], grads[1]["out"])
     assert not torch.equal(grads[0]["dk"], grads[1]["dk"])
+
+
+def _kernel_names(fn):
+    """Names of the CUDA kernels fn() launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_deterministic_backward_runs_the_sm90_kernel(head_dim, monkeypatch):
+    """Deterministic on cuda-sm90 runs the sm90 backward kernel (its ordered-dQ mode), not the
+    sm80 dQ pass; FUSEDOPS_ATTN_SM90_BWD=sm80 still takes the sm80 backward (its dQ pass). The
+    two round differently, and each repeats bit for bit."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backward runs on compute capability 9.0")
+    for name in SM90_BWD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    case = A.Case(2, 1025, 1025, 8, 2, head_dim, torch.bfloat16, "cuda", causal=True)
+    inp = A.make_inputs(case)
+    run = lambda: A.run(lambda *a, **k: attention(*a, **k, return_lse=True,  # noqa: E731
+                                                  backend="cuda-sm90"), inp, case, case.dtype)
+    grads, names = {}, {}
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for value in (None, "sm80"):
+            if value is not None:
+                monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD", value)
+            names[value] = _kernel_names(lambda v=value: grads.setdefault(v, run()))
+            assert torch.equal(run()["dq"], grads[value]["dq"]), value
+    finally:
+        torch.use_deterministic_algorithms(False)
+    if not any(names.values()):
+        pytest.skip("the profiler recorded no CUDA kernels (CUPTI unavailable)")
+    sm90, sm80 = names[None], names["sm80"]
+
+    def dq_pass(n):  # the sm80 dQ kernel, demangled or not (not dq_convert_kernel)
+        return "::dq_kernel<" in n or "9dq_kernelI" in n
+    assert any("bwd_kernel_sm90" in n for n in sm90), sorted(sm90)
+    assert not any(dq_pass(n) for n in sm90), sorted(sm90)
+    assert not any("bwd_kernel_sm90" in n for n in sm80), sorted(sm80)
+    assert any(dq_pass(n) for n in sm80), sorted(sm80)
+    assert not torch.equal(grads[None]["dq"], grads["sm80"]["dq"])
 
 
 def test_dq_mode_selection(monkeypatch):
