@@ -4,30 +4,34 @@
         bash benchmarks/gpu_run.sh                  # build, then parity, backward, timing
     python3 benchmarks/check_attention_sm90.py --sanitize-run      # compute-sanitizer x 3 tools
     (options: --schedules serial,ovl-regs, --dims 64 (default 64,128,256), --dtypes bfloat16,
-    --no-timing, --no-backward; --sanitize-run takes --dims and --schedules too)
+    --no-timing, --no-backward, --no-bwd-timing, --timed auto,poly (the variants timed),
+    --baselines cudnn; --sanitize-run takes --dims and --schedules too)
 
 Dispatch runs cuda-sm90 on compute capability 9.0; here the kernel is called directly as
-torch.ops.fusedops.attention_fwd_cuda(..., 90), once per variant (VARIANTS below: the schedule and
-epilogue overrides FUSEDOPS_ATTN_SM90_SCHEDULE / FUSEDOPS_ATTN_SM90_EPILOGUE, for measurement only;
-unset, the launcher picks from its measured table). Rule (docs/CONVENTIONS): against the float64
-reference, the sm90 error must be at most 2x the baseline's error + 1e-3, for out and for lse
-(finite entries; -inf exactly where the reference has -inf); no NaN anywhere. This is a screen for
-one device call, looser than the tests' rule (2x plain PyTorch's error), which tests/attention
-applies. The baseline is the sm80 kernel at D=64/128 and Triton's forward at D=256 (no sm80 kernel
-there). Outputs are poisoned first (a NaN-filled block of the same size is freed just before the
-call, so that the caching allocator hands it to the kernel): an unwritten row shows as NaN. The
-backward of arch 90 (the sm90 backward, attention_bwd_kernel_sm90.cuh, in each BWD_VARIANTS setting:
-its serial and overlapped schedules and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; Triton's at
-D=256, as the op runs it) is checked from the sm90 forward's out/lse against the baseline backward
-from the baseline forward's, all against float64 gradients (error at most 2x the baseline's + 1e-3 x
-the largest reference gradient; gradients poisoned as the outputs).
+torch.ops.fusedops.attention_fwd_cuda(..., 90), once per variant (VARIANTS below: the launcher's
+overrides FUSEDOPS_ATTN_SM90_*, for measurement only; unset, the launcher picks from its measured
+table). Rule (docs/CONVENTIONS): against the float64 reference, the sm90 error must be at most 2x
+the baseline's error + 1e-3, for out and for lse (finite entries; -inf exactly where the reference
+has -inf); no NaN anywhere. This is a screen for one device call, looser than the tests' rule (2x
+plain PyTorch's error), which tests/attention applies. The baseline is the sm80 kernel at D=64/128
+and Triton's forward at D=256 (no sm80 kernel there). Outputs are poisoned first (a NaN-filled block
+of the same size is freed just before the call, so that the caching allocator hands it to the
+kernel): an unwritten row shows as NaN. The backward of arch 90 (the sm90 backward,
+attention_bwd_kernel_sm90.cuh, in each BWD_VARIANTS setting: its serial and overlapped schedules,
+its deterministic mode in both orders of the dQ reductions (run twice: the gradients must be bit-
+identical) and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; Triton's at D=256, as the op runs it)
+is checked from the sm90 forward's out/lse against the baseline backward from the baseline
+forward's, all against float64 gradients (error at most 2x the baseline's + 1e-3 x the largest
+reference gradient; gradients poisoned as the outputs).
 
 One PASS/FAIL line per variant and group, then a summary; then TFLOP/s of every sm90 variant side by
 side with sm80, Triton, SDPA flash and cuDNN (bf16, B*L = 16384, H*D = 2048), rows appended to
 <out>/attention.jsonl (method cuda-sm90-fwd = auto, cuda-sm90-<variant>-fwd, triton-fwd); then the
 backward's TFLOP/s (2.5x the forward's FLOPs, D=64/128): the sm90 backward (and its overlapped
-schedule), the sm80 one, SDPA flash and cuDNN (their (forward + backward) - forward), methods
-cuda-sm90-bwd, cuda-sm90-overlap-bwd, cuda-sm80-bwd, sdpa_*-bwd (--no-bwd-timing skips it). Exit
+schedule, its deterministic mode), the sm80 one (and its deterministic dQ pass), SDPA flash and
+cuDNN (their (forward + backward) - forward), methods cuda-sm90-bwd, cuda-sm90-overlap-bwd,
+cuda-sm80-bwd, cuda-sm90-det-bwd (default order; -det-asc-bwd, -det-desc-bwd the two orders),
+cuda-sm80-det-bwd, sdpa_*-bwd (--no-bwd-timing skips it). Exit
 status 1 when any parity group fails.
 """
 
@@ -37,6 +41,7 @@ import argparse
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -52,19 +57,72 @@ NAN = float("nan")
 # the measured table sm90_auto_schedule of attention_config_sm90.h) and
 # FUSEDOPS_ATTN_SM90_EPILOGUE (regs: O stored from registers; unset: TMA store), and
 # FUSEDOPS_ATTN_SM90_BLOCK_N=176 (176-key tiles, built at D=128 for the overlap and ping-pong
-# schedules only; the bn176 variants run at D=128 alone). "auto" is what dispatch runs; parity
-# checks the explicit ones (auto picks one of them).
+# schedules only; the bn176 variants run at D=128 alone), FUSEDOPS_ATTN_SM90_EXP2 (mufu: every
+# softmax exponential by MUFU.EX2; poly: a share of them by the polynomial ex2_poly, built for
+# the 128-key tiles of D=64/128 with the overlap and ping-pong schedules; unset: sm90_auto_exp2)
+# and FUSEDOPS_ATTN_SM90_TILE (m128: two consumer warpgroups; m192: three, 192 queries, D=64
+# only; unset: sm90_consumer_warpgroups), FUSEDOPS_ATTN_SM90_EPILOGUE=qrows (the TMA store
+# staged in the Q rows, the path of tile tables without an O buffer) and
+# FUSEDOPS_ATTN_SM90_PERSISTENT (0: one CTA per work tile, the non-persistent launch; N: at most
+# N CTAs, so that every CTA runs dozens of tiles and the cross-tile pipeline is stressed; unset:
+# one CTA per SM; only the 128 x 128 two-warpgroup tiles of D=64/128 loop over work tiles, so
+# these variants run at D=64/128 alone). "auto" is what dispatch runs; parity checks the
+# explicit ones (auto picks one of them); "poly" is auto's schedule with the polynomial, the
+# timing's direct comparison with auto.
+SCHED, EXP2, TILE = ("FUSEDOPS_ATTN_SM90_SCHEDULE", "FUSEDOPS_ATTN_SM90_EXP2",
+                     "FUSEDOPS_ATTN_SM90_TILE")
+MUFU_M128 = {EXP2: "mufu", TILE: "m128"}
 VARIANTS = {
     "auto": {},
-    "overlap": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap"},
-    "serial": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "serial"},
-    "pingpong": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "pingpong"},
-    "ovl-regs": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap", "FUSEDOPS_ATTN_SM90_EPILOGUE": "regs"},
+    "overlap": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap", **MUFU_M128},
+    "serial": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "serial", **MUFU_M128},
+    "pingpong": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "pingpong", **MUFU_M128},
+    "ovl-regs": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap", "FUSEDOPS_ATTN_SM90_EPILOGUE": "regs",
+                 **MUFU_M128},
     "bn176-ovl": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap", "FUSEDOPS_ATTN_SM90_BLOCK_N": "176"},
     "bn176-pp": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "pingpong", "FUSEDOPS_ATTN_SM90_BLOCK_N": "176"},
+    "ovl-poly": {SCHED: "overlap", EXP2: "poly", TILE: "m128"},
+    "pp-poly": {SCHED: "pingpong", EXP2: "poly", TILE: "m128"},
+    "poly": {EXP2: "poly"},
+    "m192-ovl": {SCHED: "overlap", EXP2: "mufu", TILE: "m192"},
+    "m192-pp": {SCHED: "pingpong", EXP2: "mufu", TILE: "m192"},
+    "m192-ser": {SCHED: "serial", EXP2: "mufu", TILE: "m192"},
+    "m192-regs": {SCHED: "pingpong", "FUSEDOPS_ATTN_SM90_EPILOGUE": "regs", EXP2: "mufu",
+                  TILE: "m192"},
+    "m192-ovl-poly": {SCHED: "overlap", EXP2: "poly", TILE: "m192"},
+    "m192-pp-poly": {SCHED: "pingpong", EXP2: "poly", TILE: "m192"},
+    "nonpersist": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "0"},
+    "pp-qrows": {SCHED: "pingpong", "FUSEDOPS_ATTN_SM90_EPILOGUE": "qrows", **MUFU_M128},
+    "ser-3cta": {SCHED: "serial", "FUSEDOPS_ATTN_SM90_PERSISTENT": "3", **MUFU_M128},
+    "ovl-3cta": {SCHED: "overlap", "FUSEDOPS_ATTN_SM90_PERSISTENT": "3", **MUFU_M128},
+    "pp-qrows-3cta": {SCHED: "pingpong", "FUSEDOPS_ATTN_SM90_EPILOGUE": "qrows",
+                      "FUSEDOPS_ATTN_SM90_PERSISTENT": "3", **MUFU_M128},
+    "pp-poly-3cta": {SCHED: "pingpong", EXP2: "poly", TILE: "m128",
+                     "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
+    # Tile tables without the loop (TilesSm90::kPersistent false: three consumer warpgroups,
+    # 176 keys, D=256) must ignore the CTA cap and launch one CTA per tile: a capped grid
+    # would leave tiles unwritten (NaN-poisoned outputs). ovl-3cta runs at D=256 for this too.
+    "m192-pp-3cta": {SCHED: "pingpong", EXP2: "poly", TILE: "m192",
+                     "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
+    "bn176-ovl-3cta": {SCHED: "overlap", "FUSEDOPS_ATTN_SM90_BLOCK_N": "176",
+                       "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
 }
-VARIANT_DIMS = {"bn176-ovl": (128,), "bn176-pp": (128,)}  # the others: every head dim
-SCHEDULES = ("overlap", "serial", "pingpong", "ovl-regs", "bn176-ovl", "bn176-pp")  # parity order
+PERSISTENT_VARIANTS = ("nonpersist", "pp-qrows", "ser-3cta", "ovl-3cta", "pp-qrows-3cta",
+                       "pp-poly-3cta", "m192-pp-3cta", "bn176-ovl-3cta")
+VARIANT_DIMS = {"bn176-ovl": (128,), "bn176-pp": (128,),  # the others: every head dim
+                "ovl-poly": (64, 128), "pp-poly": (64, 128), "poly": (64, 128),
+                **{n: (64, 128) for n in PERSISTENT_VARIANTS},
+                **{n: (64,) for n in VARIANTS if n.startswith("m192")},
+                "ovl-3cta": (64, 128, 256), "bn176-ovl-3cta": (128,)}
+SCHEDULES = ("overlap", "serial", "pingpong", "ovl-regs", "bn176-ovl", "bn176-pp",  # parity
+             "ovl-poly", "pp-poly", "m192-ovl", "m192-pp", "m192-ser", "m192-regs",
+             "m192-ovl-poly", "m192-pp-poly", *PERSISTENT_VARIANTS)
+# Debugging variants, left out of the timing (the -3cta ones are slow by design: 3 CTAs).
+UNTIMED = ("m192-ser", "m192-regs", "ser-3cta", "ovl-3cta", "pp-qrows-3cta", "pp-poly-3cta",
+           "m192-pp-3cta", "bn176-ovl-3cta")
+# The baselines of the timing table (--baselines): column name -> method.
+BASELINES = {"sm80": "cuda-sm80-fwd", "triton": "triton-fwd", "flash": "sdpa_flash-fwd",
+             "cudnn": "sdpa_cudnn-fwd"}
 DIMS = (64, 128, 256)
 CUDA_BWD_DIMS = (64, 128)  # the sm80 forward and backward kernels; Triton's elsewhere
 
@@ -99,9 +157,11 @@ class Watchdog:
 
     def __init__(self):
         self.timer = None
+        self.seconds = 60.0  # --watchdog-s
 
-    def arm(self, what, seconds=60.0):
+    def arm(self, what, seconds=None):
         self.disarm()
+        seconds = self.seconds if seconds is None else seconds
 
         def fire():
             print(f"HANG: {what} did not finish within {seconds:.0f}s (a pipeline deadlock?)",
@@ -154,23 +214,35 @@ def fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
 
 # Arch 90's backwards at D=64/128, as the environment overrides that select them: the sm90
 # kernel (attention_bwd_kernel_sm90.cuh; FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=overlap its overlapped
-# schedule) and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward.
+# schedule) and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; the det variants run the op's
+# deterministic mode (the sm90 kernel's ordered dQ reductions, key blocks ascending or
+# descending by FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER; "sm90-det" the launcher's default order), which
+# parity also runs twice and requires bit-identical.
 BWD_VARIANTS = {
     "sm90": {},
     "sm90-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
+    "sm90-det-asc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
+    "sm90-det-desc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
 }
+# Timing also runs the default order and the sm80 backward's deterministic mode (its dQ pass).
+BWD_TIMED = {"sm90-det": {}, "sm80-det": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"}, **BWD_VARIANTS}
+
+
+def bwd_deterministic(variant):
+    return "-det" in variant
 
 
 class bwd_env:
     """Sets a backward variant's environment overrides for the duration of a with block."""
 
     def __init__(self, name):
-        self.env = BWD_VARIANTS[name]
+        self.env = BWD_TIMED[name]
 
     def __enter__(self):
         self.saved = {k: os.environ.pop(k, None)
-                      for k in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE")}
+                      for k in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE",
+                                "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER")}
         os.environ.update(self.env)
 
     def __exit__(self, *exc):
@@ -183,7 +255,8 @@ class bwd_env:
 def bwd(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch,
         variant="sm90"):
     """The backward the op runs after a forward of `arch`, gradients poisoned: the CUDA one at
-    D=64/128 (arch 90: under the BWD_VARIANTS environment `variant`), Triton's at D=256."""
+    D=64/128 (arch 90: under the BWD_VARIANTS environment `variant`, deterministic for the det
+    variants), Triton's at D=256."""
     if q.shape[2] not in CUDA_BWD_DIMS:
         from fusedops.attention import triton as ta
         return ta.attention_bwd(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale, causal, left,
@@ -191,8 +264,8 @@ def bwd(q, k, v, out, lse, do, cu_q, cu_k, mq, mk, scale, causal, left, right, s
     poison((q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype))
     with bwd_env(variant):
         return torch.ops.fusedops.attention_bwd_cuda(q, k, v, out, lse, do, cu_q, cu_k, mq, mk,
-                                                     scale, causal, left, right, softcap, False,
-                                                     arch)
+                                                     scale, causal, left, right, softcap,
+                                                     bwd_deterministic(variant), arch)
 
 
 def where_keys(grad, ref, cu_k):
@@ -275,7 +348,22 @@ def cases():
              0.0),
             ("nokey", "no keys at all", [50, 20], [0, 0], 4, 4, False, -1, -1, 0.0),
             # off = -260: query i sees keys [i - 270, i - 255], none for i < 255
-            ("nokey", "window leaves rows empty", [300], [40], 4, 4, False, 10, 5, 0.0)]
+            ("nokey", "window leaves rows empty", [300], [40], 4, 4, False, 10, 5, 0.0),
+            # Many work tiles per CTA (>> 132 in the default persistent launch): the K/V and Q
+            # barrier phases run on across tiles of different key counts, empty ones included.
+            ("persist", "8x16 heads S=1025 gqa 4:1", [1025] * 8, [1025] * 8, 16, 4, False, -1, -1,
+             0.0),
+            ("persist", "causal 16x 300x1025", [300] * 16, [1025] * 16, 8, 2, True, -1, -1, 0.0),
+            # bottom-right causal, lq > lk: blocks 0-4 of each sequence see no key
+            ("persist", "causal 8x 1025x300", [1025] * 8, [300] * 8, 8, 8, True, -1, -1, 0.0),
+            # window (10, 5) at off = -800: blocks 0-5 see no key, the rest 1-2 key tiles
+            ("persist", "window hides blocks 8x 1000x200", [1000] * 8, [200] * 8, 8, 4, False, 10,
+             5, 0.0),
+            ("persist", "varlen empty/1-row seqs", [0, 1, 129, 0, 1, 700, 1, 300, 64],
+             [5, 0, 300, 0, 1, 700, 64, 1, 0], 16, 4, False, -1, -1, 0.0),
+            ("persist", "varlen empty/1-row causal+window+softcap",
+             [0, 1, 129, 0, 1, 700, 1, 300, 64], [5, 0, 300, 0, 1, 700, 64, 1, 0], 16, 4, True, 200,
+             -1, 20.0)]
     return out
 
 
@@ -368,6 +456,27 @@ def check_parity(dtypes, dims, do_bwd, schedules=SCHEDULES):
                                 bwd_results[bkey].append(
                                     f"{name} ({which} bwd): {nm} err {ea:.3e} > 2 x baseline-fwd "
                                     f"path {eb:.3e} + {slack:.1e} ({at})")
+                        if bwd_deterministic(which):  # the same bits again
+                            WATCHDOG.arm(f"{tag} backward {which} repeat {group} {name}")
+                            try:
+                                g90b = bwd(q, k, v, o90, l90, do, *args, 90, variant=which)
+                                torch.cuda.synchronize()
+                            except Exception as exc:  # noqa: BLE001 - reported as a failure
+                                bwd_results[bkey].append(f"{name} ({which} bwd, repeat): raised "
+                                                         f"{type(exc).__name__}: "
+                                                         f"{str(exc)[:160]}")
+                                if "CUDA" in str(exc) or "cuda" in str(exc):
+                                    raise ContextLost(f"{tag} backward {which} {name}: "
+                                                      f"{exc}") from exc
+                                continue
+                            finally:
+                                WATCHDOG.disarm()
+                            for nm, a, b in zip(("dq", "dk", "dv"), g90, g90b, strict=True):
+                                if not torch.equal(a, b):
+                                    bwd_results[bkey].append(
+                                        f"{name} ({which} bwd): {nm} not bit-identical on a "
+                                        f"second run (max diff "
+                                        f"{(a.double() - b.double()).abs().max().item():.3e})")
                 del q, k, v, o90, l90, o80, l80, o64, l64, outs
     return results, bwd_results
 
@@ -384,9 +493,10 @@ def report(results):
     return n_fail
 
 
-def time_config(d, length, causal, rep_ms):
+def time_config(d, length, causal, rep_ms, timed=None, baselines=tuple(BASELINES)):
     """{method: forward ms} of one shape (bf16, B*L = 16384, H*D = 2048); NaN when a method
-    cannot run it."""
+    cannot run it. timed: the sm90 variants besides auto (default: every one not UNTIMED);
+    baselines: BASELINES' names."""
     import torch.nn.functional as F
     from common import time_ms
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -421,10 +531,11 @@ def time_config(d, length, causal, rep_ms):
         return run
 
     fns = {"cuda-sm90-fwd": variant("auto")}
-    fns.update({f"cuda-sm90-{n}-fwd": variant(n) for n in VARIANTS if n != "auto"})
-    fns.update({"cuda-sm80-fwd": ours(80), "triton-fwd": triton_fwd,
-                "sdpa_flash-fwd": sdpa(SDPBackend.FLASH_ATTENTION),
-                "sdpa_cudnn-fwd": sdpa(SDPBackend.CUDNN_ATTENTION)})
+    fns.update({f"cuda-sm90-{n}-fwd": variant(n) for n in timed_variants(timed)})
+    base = {"cuda-sm80-fwd": ours(80), "triton-fwd": triton_fwd,
+            "sdpa_flash-fwd": sdpa(SDPBackend.FLASH_ATTENTION),
+            "sdpa_cudnn-fwd": sdpa(SDPBackend.CUDNN_ATTENTION)}
+    fns.update({BASELINES[b]: base[BASELINES[b]] for b in baselines})
     times = {}
     for name, fn in fns.items():
         variant_name = name.removeprefix("cuda-sm90-").removesuffix("-fwd")
@@ -441,29 +552,43 @@ def time_config(d, length, causal, rep_ms):
     return times
 
 
-def timing(out_dir, rep_ms, dims=DIMS):
+def timed_variants(timed=None):
+    """The sm90 variants timed beside auto: `timed` (names of VARIANTS), else every one not in
+    UNTIMED."""
+    if timed is None:
+        return [n for n in VARIANTS if n != "auto" and n not in UNTIMED]
+    return [n for n in timed if n != "auto"]
+
+
+def timing(out_dir, rep_ms, dims=DIMS, timed=None, baselines=tuple(BASELINES)):
     from common import append_rows, run_meta
     meta = run_meta()
     print(f"\ntiming (bf16, TFLOP/s, median of do_bench): {meta['gpu']}, git {meta['git']}, "
           f"run {meta['run']}")
-    cols = [("auto", "cuda-sm90-fwd")] + [(n, f"cuda-sm90-{n}-fwd") for n in VARIANTS
-                                           if n != "auto"]
-    cols += [("sm80", "cuda-sm80-fwd"), ("triton", "triton-fwd"), ("flash", "sdpa_flash-fwd"),
-             ("cudnn", "sdpa_cudnn-fwd")]
+    cols = [("auto", "cuda-sm90-fwd")] + [(n, f"cuda-sm90-{n}-fwd")
+                                          for n in timed_variants(timed)]
+    cols += [(b, BASELINES[b]) for b in baselines]
     names = [m for _, m in cols]
     print("auto = the measured table (what dispatch runs); overlap/serial/pingpong: forced "
           "schedules with the TMA-store epilogue; ovl-regs: overlap with register stores of O; "
-          "bn176-ovl/-pp: 176-key tiles (D=128 only); vs best = auto / max(flash, cudnn); "
+          "bn176-ovl/-pp: 176-key tiles (D=128 only); *-poly: a share of the exponentials by "
+          "the polynomial (poly: auto's schedule; D=64/128); m192-*: 192-query tiles (3 "
+          "consumer warpgroups, D=64 only); nonpersist: auto with one CTA per work tile; "
+          "pp-qrows: ping-pong with O staged in the Q rows (D=64/128); "
+          "vs best = auto / max(flash, cudnn); "
           "vs triton = auto / triton (the D=256 auto order in attention/backends.py)")
-    print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{c:>9}" for c, _ in cols) +
+    width = [max(9, len(c)) for c, _ in cols]
+    print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{c:>{w}}" for (c, _), w in
+                                                          zip(cols, width, strict=True)) +
           f" {'vs best':>7} {'vs triton':>9}")
     for d in dims:
         for length in (1024, 4096, 16384):
             for causal in (False, True):
                 b, h = 16384 // length, 2048 // d
                 flops = 4 * b * h * length * length * d / (2 if causal else 1)
-                times = time_config(d, length, causal, rep_ms)
+                times = time_config(d, length, causal, rep_ms, timed, baselines)
                 tf = {n: flops / times[n] / 1e9 for n in names}
+                nan = float("nan")
                 for n in names:
                     if math.isnan(times[n]):
                         continue
@@ -471,11 +596,12 @@ def timing(out_dir, rep_ms, dims=DIMS):
                                causal=causal, dtype="bfloat16", fwd_ms=round(times[n], 4),
                                fwd_tflops=round(tf[n], 1), **meta)
                     append_rows("attention", [row], out_dir)
-                best = max(tf["sdpa_flash-fwd"], tf["sdpa_cudnn-fwd"])
+                best = max((tf[BASELINES[b]] for b in ("flash", "cudnn") if b in baselines
+                            and not math.isnan(tf[BASELINES[b]])), default=nan)
                 print(f"{d:>4} {length:>6} {str(causal):>6} " +
-                      " ".join(f"{tf[n]:>9.1f}" for n in names) +
+                      " ".join(f"{tf[n]:>{w}.1f}" for n, w in zip(names, width, strict=True)) +
                       f" {tf['cuda-sm90-fwd'] / best:>7.2f}"
-                      f" {tf['cuda-sm90-fwd'] / tf['triton-fwd']:>9.2f}", flush=True)
+                      f" {tf['cuda-sm90-fwd'] / tf.get('triton-fwd', nan):>9.2f}", flush=True)
                 torch.cuda.empty_cache()
 
 
@@ -497,12 +623,15 @@ def time_bwd_config(d, length, causal, rep_ms):
     def ours(variant):
         def fn():
             with bwd_env(variant):
-                return torch.ops.fusedops.attention_bwd_cuda(q, k, v, out, lse, do, *args, False,
-                                                             90)
+                return torch.ops.fusedops.attention_bwd_cuda(q, k, v, out, lse, do, *args,
+                                                             bwd_deterministic(variant), 90)
         return fn
 
     times = {"cuda-sm90-bwd": ours("sm90"), "cuda-sm90-overlap-bwd": ours("sm90-overlap"),
-             "cuda-sm80-bwd": ours("sm80")}
+             "cuda-sm80-bwd": ours("sm80"), "cuda-sm90-det-bwd": ours("sm90-det"),
+             "cuda-sm90-det-asc-bwd": ours("sm90-det-asc"),
+             "cuda-sm90-det-desc-bwd": ours("sm90-det-desc"),
+             "cuda-sm80-det-bwd": ours("sm80-det")}
     res = {}
     for name, fn in times.items():
         with torch.no_grad():
@@ -530,12 +659,15 @@ def time_bwd_config(d, length, causal, rep_ms):
 def timing_bwd(out_dir, rep_ms, dims=DIMS):
     from common import append_rows, run_meta
     meta = run_meta()
-    names = ("cuda-sm90-bwd", "cuda-sm90-overlap-bwd", "cuda-sm80-bwd", "sdpa_flash-bwd",
-             "sdpa_cudnn-bwd")
+    names = ("cuda-sm90-bwd", "cuda-sm90-overlap-bwd", "cuda-sm80-bwd", "cuda-sm90-det-bwd",
+             "cuda-sm90-det-asc-bwd", "cuda-sm90-det-desc-bwd", "cuda-sm80-det-bwd",
+             "sdpa_flash-bwd", "sdpa_cudnn-bwd")
     print("\nbackward timing (bf16, TFLOP/s = 2.5 x forward FLOPs / backward time; sm90 = "
           "attention_bwd_kernel_sm90 (overlap: its overlapped schedule), sm80 = "
-          "FUSEDOPS_ATTN_SM90_BWD=sm80; vs best = sm90 / max(flash, cudnn))")
-    heads = ("sm90", "overlap", "sm80", "flash", "cudnn")
+          "FUSEDOPS_ATTN_SM90_BWD=sm80; det = deterministic (sm90: ordered dQ, default / "
+          "ascending / descending key blocks; sm80: its dQ pass); vs best = sm90 / max(flash, "
+          "cudnn))")
+    heads = ("sm90", "overlap", "sm80", "det", "det-asc", "det-desc", "det80", "flash", "cudnn")
     print(f"{'D':>4} {'L':>6} {'causal':>6} " + " ".join(f"{c:>8}" for c in heads) +
           f" {'vs best':>7}")
     for d in (d for d in dims if d in CUDA_BWD_DIMS):
@@ -559,18 +691,22 @@ def timing_bwd(out_dir, rep_ms, dims=DIMS):
                 torch.cuda.empty_cache()
 
 
-def sanitize_cases(dims=DIMS, schedules=SCHEDULES):
-    """Tiny runs of each instantiation (bf16/fp16 x D 64/128/256 x every schedule, both
-    epilogues, the 176-key tiles at D=128): dense with a tail tile, varlen with an empty-key
-    sequence, causal + window + softcap, and enough key tiles (5 of 128, 8 of 80) to wrap the
-    pipeline; forward by arch 90, then the CUDA backward from its out/lse (not at D=256, whose
-    backward is Triton's)."""
-    for dt in (torch.bfloat16, torch.float16):
+def sanitize_cases(dims=DIMS, schedules=SCHEDULES, do_bwd=True,
+                   dtypes=(torch.bfloat16, torch.float16)):
+    """Tiny runs of each instantiation (bf16/fp16 x D 64/128/256 x every schedule, the
+    epilogues, the 176-key tiles at D=128, persistence): dense with a tail tile, varlen with an
+    empty-key sequence, causal + window + softcap, enough key tiles (5 of 128, 8 of 80) to wrap
+    the pipeline, empty and 1-row sequences; forward by arch 90, then the CUDA backward from its
+    out/lse (not at D=256, whose backward is Triton's)."""
+    for dt in dtypes:
         for d in dims:
             for ql, kl, hq, hkv, causal, left, right, cap in (
                     ([77, 130], [93, 600], 4, 2, False, -1, -1, 0.0),
                     ([70, 1, 33], [90, 0, 40], 2, 2, True, 30, -1, 20.0),
-                    ([129], [645], 2, 1, False, -1, -1, 0.0)):
+                    ([129], [645], 2, 1, False, -1, -1, 0.0),
+                    # empty and 1-row sequences, blocks without keys (the -3cta variants run
+                    # these with several tiles per CTA)
+                    ([0, 1, 129, 0, 1, 70], [5, 0, 300, 0, 1, 0], 4, 2, True, 100, -1, 0.0)):
                 q, k, v, cu_q, cu_k = make_case(ql, kl, hq, hkv, d, dt, seed=3)
                 args = (cu_q, cu_k, max(ql), max(kl), d ** -0.5, causal, left, right, cap)
                 ran = False
@@ -578,7 +714,7 @@ def sanitize_cases(dims=DIMS, schedules=SCHEDULES):
                     with variant_env(sched):
                         o, lse = torch.ops.fusedops.attention_fwd_cuda(q, k, v, *args, 90)
                     ran = True
-                if ran and d in CUDA_BWD_DIMS:
+                if ran and do_bwd and d in CUDA_BWD_DIMS:
                     do = torch.randn_like(q)
                     for variant in BWD_VARIANTS:
                         bwd(q, k, v, o, lse, do, *args, 90, variant=variant)
@@ -586,7 +722,9 @@ def sanitize_cases(dims=DIMS, schedules=SCHEDULES):
     print("sanitize cases ran")
 
 
-def sanitize_run(dims=DIMS, schedules=SCHEDULES):
+def sanitize_run(dims=DIMS, schedules=SCHEDULES, do_bwd=True,
+                 tools=("memcheck", "racecheck", "synccheck"), timeout_s=600,
+                 dtypes="bfloat16,float16"):
     exe = shutil.which("compute-sanitizer")
     if exe is None:
         for root in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
@@ -598,14 +736,25 @@ def sanitize_run(dims=DIMS, schedules=SCHEDULES):
         print("FAIL sanitize: compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda)")
         return 1
     bad = 0
-    for tool in ("memcheck", "racecheck", "synccheck"):
+    for tool in tools:
         env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
         t0 = time.time()
-        proc = subprocess.run([exe, "--tool", tool, "--error-exitcode", "3", sys.executable,
-                               os.path.abspath(__file__), "--sanitize", "--dims",
-                               ",".join(map(str, dims)), "--schedules", ",".join(schedules)],
-                              env=env, capture_output=True, text=True, timeout=600)
-        text = proc.stdout + proc.stderr
+        cmd = [exe, "--tool", tool, "--error-exitcode", "3", sys.executable,
+               os.path.abspath(__file__), "--sanitize", "--dims", ",".join(map(str, dims)),
+               "--schedules", ",".join(schedules), "--dtypes", dtypes] + (
+                   [] if do_bwd else ["--no-backward"])
+        # Its own process group, so that a timeout ends the sanitized python too.
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+        try:
+            text, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            text, _ = proc.communicate()
+            bad += 1
+            print(f"FAIL sanitize {tool:<9} timed out after {timeout_s:.0f}s")
+            print("\n".join((text or "").splitlines()[-10:]))
+            continue
         ok = proc.returncode == 0 and "sanitize cases ran" in text
         bad += not ok
         summary = [ln for ln in text.splitlines() if "ERROR SUMMARY" in ln or "RACECHECK" in ln]
@@ -628,40 +777,70 @@ def main():
     ap.add_argument("--dtypes", default="bfloat16,float16")
     ap.add_argument("--schedules", default=",".join(SCHEDULES),
                     help="sm90 variants to check (VARIANTS: overlap, serial, pingpong, ovl-regs, "
-                    "bn176-ovl, bn176-pp (D=128 only), auto)")
+                    "bn176-ovl, bn176-pp (D=128 only), ovl-poly, pp-poly, poly (D=64/128), "
+                    "m192-ovl, m192-pp, m192-ser, m192-regs, m192-ovl-poly, m192-pp-poly (D=64 "
+                    "only), nonpersist, pp-qrows, ser-3cta, ovl-3cta, pp-qrows-3cta, pp-poly-3cta "
+                    "(D=64/128), m192-pp-3cta (D=64), bn176-ovl-3cta (D=128), auto)")
+    ap.add_argument("--timed", default=None,
+                    help="sm90 variants timed beside auto (default: every one but the debugging "
+                    "variants, UNTIMED)")
+    ap.add_argument("--baselines", default=",".join(BASELINES),
+                    help="baselines of the timing table (sm80, triton, flash, cudnn)")
     ap.add_argument("--sanitize", action="store_true", help="only the tiny sanitizer cases")
     ap.add_argument("--sanitize-run", action="store_true",
                     help="run --sanitize under compute-sanitizer memcheck, racecheck, synccheck")
+    ap.add_argument("--sanitize-tools", default="memcheck,racecheck,synccheck")
+    ap.add_argument("--sanitize-timeout", type=float, default=600,
+                    help="seconds per compute-sanitizer tool")
+    ap.add_argument("--no-parity", action="store_true",
+                    help="skip the parity checks (timing only)")
+    ap.add_argument("--watchdog-s", type=float, default=60.0,
+                    help="seconds a parity call may take before the run ends as HANG (exit 3)")
     args = ap.parse_args()
+    WATCHDOG.seconds = args.watchdog_s
     dims = tuple(int(d) for d in args.dims.split(","))
     schedules = tuple(args.schedules.split(","))
+    timed = None if args.timed is None else tuple(t for t in args.timed.split(",") if t)
+    baselines = tuple(b for b in args.baselines.split(",") if b)
+    for what, names, known in (("--schedules", schedules, VARIANTS),
+                               ("--timed", timed or (), VARIANTS),
+                               ("--baselines", baselines, BASELINES)):
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            ap.error(f"{what}: unknown {', '.join(unknown)} (known: {', '.join(known)})")
     from fusedops import _ext  # loads fusedops._C, which registers the ops
     if not _ext.available():
         print(f"FAIL: fusedops._C is not loaded ({_ext.EXT_ERROR}); pip install "
               "--no-build-isolation . on a machine with nvcc")
         return 1
     if args.sanitize:
-        sanitize_cases(dims, schedules)
+        sanitize_cases(dims, schedules, not args.no_backward,
+                       tuple(getattr(torch, t) for t in args.dtypes.split(",")))
         return 0
     if args.sanitize_run:
-        return 1 if sanitize_run(dims, schedules) else 0
+        tools = tuple(t for t in args.sanitize_tools.split(",") if t)
+        return 1 if sanitize_run(dims, schedules, not args.no_backward, tools,
+                                 args.sanitize_timeout, args.dtypes) else 0
     print(f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, built archs "
           f"{';'.join(_ext.built_archs())}")
     t0 = time.time()
+    n_fail = 0
     try:
-        res, bres = check_parity(tuple(getattr(torch, t) for t in args.dtypes.split(",")),
-                                 dims,
-                                 not args.no_backward, schedules)
+        dtypes = tuple(getattr(torch, t) for t in args.dtypes.split(","))
+        res, bres = ({}, {}) if args.no_parity else check_parity(dtypes, dims,
+                                                                 not args.no_backward, schedules)
     except ContextLost as exc:
         print(f"FAIL the sm90 forward raised a CUDA error, the context is lost: {str(exc)[:400]}")
         print("SUMMARY parity: 0 passed, 1 failed (stopped at the first CUDA error; try "
               "--schedules serial, --dims 64, and --sanitize-run)")
         return 1
-    n_fail = report(res) + report(bres)
-    total = len(res) + len(bres)
-    print(f"SUMMARY parity: {total - n_fail} passed, {n_fail} failed ({time.time() - t0:.0f}s)")
+    if not args.no_parity:
+        n_fail = report(res) + report(bres)
+        total = len(res) + len(bres)
+        print(f"SUMMARY parity: {total - n_fail} passed, {n_fail} failed "
+              f"({time.time() - t0:.0f}s)")
     if not args.no_timing:
-        timing(args.out, args.rep_ms, dims)
+        timing(args.out, args.rep_ms, dims, timed, baselines)
     if not args.no_bwd_timing:
         timing_bwd(args.out, args.rep_ms, dims)
     return 1 if n_fail else 0

@@ -1,5 +1,6 @@
 // Device helpers that every kernel family shares and that need no particular architecture:
-// log2(e), zeroing of accumulator arrays, float <-> fp16/bf16 conversions and packing, and ex2.
+// log2(e), zeroing of accumulator arrays, float <-> fp16/bf16 conversions and packing, and ex2
+// (MUFU.EX2, or a polynomial on the FMA pipe).
 // The tensor-core and async-copy PTX of the Ampere path is mma_sm80.cuh's.
 #pragma once
 
@@ -66,6 +67,40 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x, MUFU.EX2 (ex2(-inf) = 0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+}
+
+// 2^x on the FMA pipe, for kernels whose exponentials outrun MUFU.EX2 (16 per clock per SM on
+// sm_80/sm_90, against 128 FMAs): Cody-Waite reduction x = j + f, j = round(x), f in [-0.5, 0.5],
+// then 2^f by a minimax polynomial (Horner, FFMA) times 2^j, a float whose exponent field is
+// j + 127 (one shift of the rounding sum's bits). Inputs are clamped to -127 first, where
+// 2^j's bits are all zero: -inf and everything below -127 give exactly 0 (no garbage exponent),
+// NaN stays NaN (max.NaN). Valid for x <= 127; the attention softmax passes x <= kSlack.
+// Relative error (tests/attention/test_exp2_poly.py, a float32 model of these steps): degree 3
+// 7.5e-5, degree 4 2.7e-6 (ex2.approx: a few float32 ulps). Instructions: 3 FADD, kDegree FFMA
+// and one FMUL on the FMA pipe, the clamp (FMNMX) and the shift (SHF or IMAD.SHL). Coefficients:
+// minimax of the relative error of 2^f on [-0.5, 0.5] (Lawson's algorithm), rounded to float32.
+template <int kDegree = 3>
+__device__ __forceinline__ float ex2_poly(float x) {
+  static_assert(kDegree == 3 || kDegree == 4, "ex2_poly has degree 3 or 4");
+  float xc;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(xc) : "f"(x), "f"(-127.f));
+  // 1.5 * 2^23 + 127: the sum is rounded to an integer (to nearest) held in the low mantissa
+  // bits, offset by the exponent bias, so that its bits shifted by 23 are 2^j's.
+  constexpr float kRound = 12583039.f;
+  const float t = __fadd_rn(xc, kRound);
+  const float f = __fsub_rn(xc, __fsub_rn(t, kRound));  // exact
+  float p;
+  if constexpr (kDegree == 3) {
+    p = __fmaf_rn(f, 0.05517167f, 0.24261113f);
+    p = __fmaf_rn(p, f, 0.69326097f);
+    p = __fmaf_rn(p, f, 0.99992806f);
+  } else {
+    p = __fmaf_rn(f, 0.009570102f, 0.05591786f);
+    p = __fmaf_rn(p, f, 0.24024744f);
+    p = __fmaf_rn(p, f, 0.6931218f);
+    p = __fmaf_rn(p, f, 0.9999993f);
+  }
+  return __fmul_rn(p, __int_as_float(__float_as_int(t) << 23));
 }
 
 }  // namespace dev

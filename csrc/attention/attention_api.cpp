@@ -213,26 +213,34 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   p.dq_row = dq.stride(0);
   p.dk_row = dk.stride(0);
   p.dv_row = dv.stride(0);
-  // Not deterministic: dQ accumulates in float32 by atomics from the dK/dV kernel; otherwise a
-  // separate dQ kernel recomputes the scores (bit-identical run to run). The atomic kernel needs
-  // Hopper's shared memory; elsewhere the separate pass is taken (same results, within rounding).
-  Tensor dq_acc;
-  if (!deterministic && fam.bwd_atomic_fits(p.head_dim)) {
+  // Every row is written by the kernels (cu_seqlens cover the packed tensors, checked in Python
+  // for user-given ones); keys that no query sees get zero gradients. Arch 90's backward is the
+  // sm90 one (which itself takes the sm80 one under FUSEDOPS_ATTN_SM90_BWD=sm80) where it can
+  // run -- its machine code built, a compute capability 9.0 GPU (the forward refuses the
+  // others; the backward op can be called alone), rows that do not overlap (its TMA tensor
+  // maps) -- and the sm80 backward elsewhere.
+  const bool sm90_bwd = arch == 90 && sm90_runs_on(q.get_device()) && rows_disjoint(q) &&
+                        rows_disjoint(k) && rows_disjoint(v) && rows_disjoint(dout);
+  auto bwd = arch == 90 && !sm90_bwd ? attention_bwd_sm80 : fam.bwd;
+  // Not deterministic: dQ accumulates in float32 by atomics from the dK/dV kernel. Deterministic:
+  // the sm90 backward orders those reductions by counters (p.dq_sem; bit-identical run to run),
+  // the sm80 one computes dQ in a separate kernel that recomputes the scores. The sm80 atomic
+  // kernel needs Hopper's shared memory; elsewhere the separate pass is taken (same results,
+  // within rounding).
+  const bool sm90_ordered = deterministic && sm90_bwd && attention_bwd_sm90_enabled();
+  Tensor dq_acc, dq_sem;
+  if ((!deterministic && fam.bwd_atomic_fits(p.head_dim)) || sm90_ordered) {
     // Rows rounded up to a multiple of 8 for the accumulator's 8 x 8 tiles (dq_acc_index).
     dq_acc = at::zeros({(q.size(0) + 7) / 8 * 8, q.size(1), q.size(2)},
                        q.options().dtype(at::kFloat));
     p.dq_acc = dq_acc.data_ptr<float>();
   }
-  // Every row is written by the kernels (cu_seqlens cover the packed tensors, checked in Python
-  // for user-given ones); keys that no query sees get zero gradients. Arch 90's backward is the
-  // sm90 one (which itself takes the sm80 one in the deterministic mode or under
-  // FUSEDOPS_ATTN_SM90_BWD=sm80) where it can run -- its machine code built, a compute
-  // capability 9.0 GPU (the forward refuses the others; the backward op can be called alone),
-  // rows that do not overlap (its TMA tensor maps) -- and the sm80 backward elsewhere.
-  auto bwd = fam.bwd;
-  if (arch == 90 && !(sm90_runs_on(q.get_device()) && rows_disjoint(q) && rows_disjoint(k) &&
-                      rows_disjoint(v) && rows_disjoint(dout)))
-    bwd = attention_bwd_sm80;
+  if (sm90_ordered) {
+    // Zeroed by the backward's preprocess on the stream (no memset, no host sync).
+    dq_sem = at::empty({dq_sem_count_sm90(q.size(0), q.size(1), cu_q.size(0) - 1)},
+                       q.options().dtype(at::kInt));
+    p.dq_sem = dq_sem.data_ptr<int>();
+  }
   check_launch(bwd(p), "attention backward");
   return {dq, dk, dv};
 }

@@ -28,6 +28,24 @@
 // was last read by step - 2's dQ products, which both warpgroups finished before the named
 // barrier of step - 1.
 // dK is scaled by p.scale here, dQ by dq_convert_kernel.
+// Deterministic mode (kDet, p.dq_sem set; serial schedule): every 64 x 64 dQ piece (query
+// block, query head, consumer warpgroup) is added by the contributing CTAs in one fixed order,
+// key blocks ascending or (p.dq_desc) descending, through a counter per piece: the warpgroup
+// waits (ld.acquire.gpu) until the counter equals its turn, adds, fences (fence.acq_rel.gpu per
+// thread), meets at a 128-thread named barrier, and one thread increments the counter
+// (red.release.gpu). Float addition in a fixed order is bit-identical run to run. The
+// contributors of a query block are the key blocks that see any of its queries, a contiguous
+// range [klo / BN, (khi - 1) / BN] of Seq::keys_of (the same relation KeySteps walks from the
+// keys' side), so a turn is an offset in that range and a key block that sees none of the
+// block's queries neither waits nor holds a turn (causal, windows, varlen). Deadlock freedom:
+// a CTA takes a ticket (an atomic counter) on entry and works on the (key block, KV head,
+// sequence) that the ticket names, key blocks in adding order, so that every CTA it waits for
+// holds a smaller ticket, which it took while running -- it is resident or done, whatever order
+// the hardware starts CTAs in, however few fit at once; the running CTA with the smallest
+// ticket waits on nobody unfinished, so it always progresses. (GQA: a CTA's steps run head by
+// head; each (piece, head) has its own counter and the same order, so the argument holds per
+// step.) A counter that never reaches a turn (a bug) traps after about 2^25 polls instead of
+// hanging.
 //
 // Constraints: T is __half or __nv_bfloat16; D is 64 or 128 (TilesBwdSm90); the packed layout
 // of attention_params.h with row strides that are multiples of 8 elements, rows that do not
@@ -70,14 +88,44 @@ __device__ __forceinline__ int64_t stats_start_sm90(int q_start, int b) {
   return (static_cast<int64_t>(q_start) + static_cast<int64_t>(b) * BM) / BM * BM;
 }
 
+// The deterministic mode's counters (attention_params.h: dq_sem_count_sm90): p.dq_sem[0] the
+// ticket, then one per (query head, BM-row block of the stats layout, consumer warpgroup).
+template <int BM>
+__device__ __forceinline__ int64_t dq_sem_index_sm90(const AttnParams& p, int q_start, int b,
+                                                     int h, int m, int piece) {
+  const int64_t tiles = stats_rows_sm90(p) / BM;
+  const int64_t t = stats_start_sm90<BM>(q_start, b) / BM + m / BM;
+  return 32 + (static_cast<int64_t>(h) * tiles + t) * 2 + piece;
+}
+
+__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* ptr, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_acq_rel_gpu() {
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+}
+
 // Preprocess: the statistics above, one thread per (padded row, head, sequence); delta =
 // rowsum(dO * O) as delta_kernel. Grid (ceil(round_up(max_q, BM) / 256), hq, batch), 256
 // threads, no shared memory; any architecture (the arithmetic is delta_kernel's).
 template <typename T, int D, int BM>
 __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) {
   const int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * 256 + threadIdx.x;
+  // The deterministic mode's counters start at 0: the ticket, and those of each query block
+  // (the blocks of [0, lq) are all that bwd_kernel_sm90 touches).
+  if (p.dq_sem != nullptr && (blockIdx.x | h | b | threadIdx.x) == 0) p.dq_sem[0] = 0;
   const Seq sq(p, b);
   if (i >= (sq.lq + BM - 1) / BM * BM) return;
+  if (p.dq_sem != nullptr && i % BM == 0) {
+    const int64_t at = dq_sem_index_sm90<BM>(p, sq.q_start, b, h, i, 0);
+    p.dq_sem[at] = 0;
+    p.dq_sem[at + 1] = 0;
+  }
   float lse2 = INFINITY, acc = 0.f;
   if (i < sq.lq) {
     const int64_t row = sq.q_start + i;
@@ -134,7 +182,7 @@ FUSEDOPS_WGMMA_TT(__nv_bfloat16, "bf16")
 FUSEDOPS_WGMMA_TT(__half, "f16")
 #undef FUSEDOPS_WGMMA_TT
 
-template <typename T, int D, bool kOverlap>
+template <typename T, int D, bool kOverlap, bool kDet = false>
 __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     bwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
@@ -159,7 +207,29 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
   auto stats_lse = [&](int s) { return stats + s * 2 * BM; };
   auto stats_delta = [&](int s) { return stats + s * 2 * BM + BM; };
 
-  const int b = blockIdx.z, hk = blockIdx.y, n0 = blockIdx.x * BN;
+  // The CTA's key block of KV head cta_hk() and sequence cta_b(): its block index, or (kDet) the
+  // one its ticket names, the key blocks of a (KV head, sequence) in adding order (see the top).
+  // The ticket is read from shared memory at each use, so that it holds no register across the
+  // main loop (at D=64 the three indices held in registers spilled).
+  int* const ticket = reinterpret_cast<int*>(smem_raw + (base - raw_u32) + C::kTicketOff);
+  if constexpr (kDet) {
+    if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(ticket) = atomicAdd(p.dq_sem, 1);
+    __syncthreads();
+  }
+  auto cta_nb = [&]() -> int {
+    if constexpr (!kDet) return blockIdx.x;
+    const int nb = *ticket % gridDim.x;
+    return p.dq_desc ? gridDim.x - 1 - nb : nb;
+  };
+  auto cta_hk = [&]() -> int {
+    if constexpr (!kDet) return blockIdx.y;
+    return (*ticket / gridDim.x) % gridDim.y;
+  };
+  auto cta_b = [&]() -> int {
+    if constexpr (!kDet) return blockIdx.z;
+    return *ticket / (gridDim.x * gridDim.y);
+  };
+  const int hk = cta_hk(), b = cta_b(), n0 = cta_nb() * BN;
   const Seq sq(p, b);
   if (n0 >= sq.lk) return;  // uniform over the CTA, before any barrier is initialised
   const KeySteps<BM, BN> ks(p, sq, n0);
@@ -409,9 +479,42 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       for (int kk = 0; kk < BM / 16; ++kk)
         Wgmma<T, D>::rs_mn(dk, dsa[kk], make_desc_sw128(sQ_s + kk * 2048, BM * 128, 1024), 1);
       wgmma_commit();
+
+      // kDet: wait for this piece's turn -- the offset of key block nb among the query block's
+      // contributors [klo / BN, (khi - 1) / BN], counted in adding order. Warp 0 polls (lane 0
+      // loads, the warp exits together), the named barrier (2 + cw) passes the acquire on. At
+      // D=128 the wait runs while dQ_part's products do; at D=64 that spilled (8 bytes), so it
+      // follows their wait there. The counter's address is recomputed where needed: nothing
+      // extra stays live across the reductions (at D=128 that spilled).
+      auto sem_at = [&] {
+        return p.dq_sem + dq_sem_index_sm90<BM>(p, sq.q_start, cta_b(), h, m, cw);
+      };
+      auto wg_bar = [&] {
+        if (cw == 0)
+          named_bar_sync<128>(2);
+        else
+          named_bar_sync<128>(3);
+      };
+      auto wait_turn = [&] {
+        if (warp == 0) {
+          int klo, khi;
+          sq.keys_of(m, min(m + BM, sq.lq), p, klo, khi);
+          const int nb = cta_nb();
+          const int turn = p.dq_desc ? (khi - 1) / BN - nb : nb - klo / BN;
+          const int* sem = sem_at();
+          for (uint32_t polls = 0;; ++polls) {
+            const int v = __shfl_sync(0xffffffffu, lane == 0 ? ld_acquire_gpu(sem) : 0, 0);
+            if (v == turn) break;
+            if (polls == (1u << 25)) __trap();  // a turn that never comes: an error, not a hang
+          }
+        }
+        wg_bar();
+      };
+      constexpr bool kEarlyTurn = D == 128;
+      if constexpr (kDet && kEarlyTurn) wait_turn();
       wgmma_wait<1>();
       reg_fence(dq);
-
+      if constexpr (kDet && !kEarlyTurn) wait_turn();
       // dQ accumulation: the piece's rows 16 warp + g (+ 8), columns 8 n8 + 2 tq (+ 1).
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -421,6 +524,12 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
 #pragma unroll
         for (int n8 = 0; n8 < 8; ++n8) red_add2(dst + n8 * 64, dq[n8][2 * r], dq[n8][2 * r + 1]);
       }
+      // kDet: pass the turn on once every thread's reductions are performed at gpu scope.
+      if constexpr (kDet) {
+        fence_acq_rel_gpu();
+        wg_bar();
+        if (threadIdx.x % 128 == 0) red_release_gpu_add(sem_at(), 1);
+      }
       wgmma_wait<0>();
       reg_fence(dv);
       reg_fence(dk);
@@ -429,8 +538,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     }
 
     // ---- epilogue: dK (scaled) and dV of keys < lk, 4-byte stores from registers ----
-    T* dK = static_cast<T*>(p.dk) + sq.k_start * p.dk_row + static_cast<int64_t>(hk) * D;
-    T* dV = static_cast<T*>(p.dv) + sq.k_start * p.dv_row + static_cast<int64_t>(hk) * D;
+    T* dK = static_cast<T*>(p.dk) + sq.k_start * p.dk_row + static_cast<int64_t>(cta_hk()) * D;
+    T* dV = static_cast<T*>(p.dv) + sq.k_start * p.dv_row + static_cast<int64_t>(cta_hk()) * D;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int j = j0 + 8 * r;

@@ -52,7 +52,9 @@ struct TilesBwdSm90 {
   static constexpr int kBarOff = kStatsOff + kStages * 2 * kBlockM * 4;
   // Barriers: K/V full; per stage Q/dO full, Q/dO empty.
   static constexpr int kNumBars = 1 + 2 * kStages;
-  static constexpr size_t kSmem = kBarOff + kNumBars * 8 + 1024;  // + 1024: base alignment
+  // The deterministic mode's ticket (attention_bwd_kernel_sm90.cuh), 16 bytes.
+  static constexpr int kTicketOff = kBarOff + kNumBars * 8;
+  static constexpr size_t kSmem = kTicketOff + 16 + 1024;  // + 1024: base alignment
   static_assert(kQBytes % 1024 == 0 && kKvBytes % 1024 == 0 && kDsBytes % 1024 == 0);
   static_assert(kSmem <= 227 * 1024, "exceeds Hopper's shared memory per block");
 };

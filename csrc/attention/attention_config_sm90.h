@@ -18,21 +18,25 @@ namespace attn {
 // (FUSEDOPS_ATTN_SM90_BLOCK_N, attention_launch_sm90.cuh).
 constexpr int sm90_block_n(int head_dim) { return head_dim == 256 ? 80 : 128; }
 
-template <int D, int kN = sm90_block_n(D)>
+// kWarpgroups: consumer warpgroups, 2 (128 queries) or, at D=64 with 128 keys, 3 (192 queries,
+// FlashAttention-3's published hdim-64 tile; sm90_consumer_warpgroups below picks).
+template <int D, int kN = sm90_block_n(D), int kWarpgroups = 2>
 struct TilesSm90 {
   static_assert(D == 64 || D == 128 || D == 256, "the sm90 forward takes head dim 64, 128 or 256");
-  // Queries per CTA: two consumer warpgroups of 64 rows (wgmma's M), sharing each K/V tile, so
-  // that a tile streamed once from L2 feeds 128 rows.
-  static constexpr int kBlockM = 128;
+  static_assert(kWarpgroups == 2 || (kWarpgroups == 3 && D == 64 && kN == 128),
+                "3 consumer warpgroups only at D=64 with 128 keys (registers)");
+  // Queries per CTA: kWarpgroups consumer warpgroups of 64 rows (wgmma's M), sharing each K/V
+  // tile, so that a tile streamed once from L2 feeds 128 (192) rows.
+  static constexpr int kBlockM = 64 * kWarpgroups;
   // Keys per tile (sm90_block_n): S = Q K^T is one m64nN accumulator (N / 2 floats per thread)
   // and the P V product N / 16 k-steps. At D=128, 128 keeps S + O (64 + 64 floats) and the bf16
   // P (32 registers) within the consumers' 240 registers; at D=256, 80 keys (40 + 128 + 20).
   static constexpr int kBlockN = kN;
   static_assert(kBlockN % 16 == 0 && kBlockN <= 256,
                 "key tiles are whole k-steps of P V (16 keys) and at most wgmma's N (256)");
-  // K/V stages: 2 at D=128 (Q 32 KiB + 2 x (K 32 + V 32) = 160 KiB of the 227 KiB; 208 KiB with
-  // 176 keys) and D=256 (224 KiB); 3 at D=64, where the tiles are half the size and more loads in
-  // flight hide more latency.
+  // K/V stages: 2 at D=128 (Q 32 KiB + 2 x (K 32 + V 32) = 160 KiB of the 227 KiB, + the O
+  // buffer's 32 below; 208 KiB with 176 keys) and D=256 (224 KiB); 3 at D=64, where the tiles are
+  // half the size and more loads in flight hide more latency.
   static constexpr int kStages = D == 64 ? 3 : 2;
   // Independent running maxima per row in the softmax (a shallower FMNMX chain before the
   // exponentials). 4 at D=64 and 256, where the H200 runs at git 657fd6b passed parity and
@@ -41,12 +45,32 @@ struct TilesSm90 {
   // 624-645, where one chain had timed 660 against 612, so D=128 keeps the one-chain code.
   static constexpr int kMaxChains = D == 128 ? 1 : 4;
   static_assert(kMaxChains == 1 || kMaxChains == 4, "the softmax combines one or four chains");
-  // Warpgroup 0 produces (one thread issues every TMA load), warpgroups 1 and 2 compute.
-  static constexpr int kConsumerWarpgroups = 2;
+  // Warpgroup 0 produces (one thread issues every TMA load), warpgroups 1.. compute.
+  static constexpr int kConsumerWarpgroups = kWarpgroups;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // setmaxnreg: 24 + 2 x 240 registers per lane of a warpgroup = 504 <= 512 (64 Ki registers
   // over 128-lane warpgroups); the kernel's cap at entry is 65536 / 384 rounded down to 8, 168.
-  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // Three consumers: 24 + 3 x 160 = 504 (cap at entry 128); O 32 + S 64 + P 32 registers at
+  // D=64 leave 32 for the rest.
+  static constexpr int kProducerRegs = 24, kConsumerRegs = kWarpgroups == 3 ? 160 : 240;
+  static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 512);
+  // Softmax exponentials on the FMA pipe (ex2_poly, device_utils.cuh) instead of MUFU.EX2, for
+  // this many of the kBlockN / 8 = 16 column blocks of a tile, when the polynomial is selected
+  // (sm90_auto_exp2 below, FUSEDOPS_ATTN_SM90_EXP2=poly; built for the 128-key tiles and the
+  // overlapped schedules only). At D=64 a 128 x 128 tile takes about as many MUFU cycles
+  // (16384 / 16 per clock) as tensor-core cycles, so moving a share of them to the FMA pipe,
+  // which issues the 9-10 instructions of a polynomial, may pay; at D=128 the tensor cores take
+  // twice as long per tile, at D=256 four times. Estimates, to be measured on the H200.
+  static constexpr int kExp2PolyBlocks = kN != 128 ? 0 : D == 64 ? 3 : D == 128 ? 2 : 0;
+  // Whether a CTA loops over work tiles (attention_fwd_kernel_sm90.cuh): the loop's back edge
+  // keeps the tile bookkeeping and the shared-memory addresses live through the key loop, which
+  // ptxas (13.0, sm_90a) fits next to the accumulators -- O (D / 2 floats a thread), S
+  // (BN / 2) and P (BN / 4 packed pairs) -- when they leave 80 of the consumers' registers:
+  // 160 + 80 = 240 at D=128 and 128 keys spills nothing, while 188 (D=256, 80 keys) or 196 (176
+  // keys) at 240, and 128 at 160 (three consumer warpgroups), spill 100-200 bytes. Tiles without
+  // it run one work tile per CTA (the same code, no back edge; grid = the number of tiles).
+  static constexpr int kAccRegs = D / 2 + kBlockN / 2 + kBlockN / 4;
+  static constexpr bool kPersistent = kAccRegs + 80 <= kConsumerRegs;
 
   // Shared memory (bytes, 2-byte elements). Every tile is stored as D / 64 column blocks of
   // rows x 128 bytes (TMA boxes of 64 elements, 128-byte swizzle), each 1024-byte aligned: the
@@ -57,9 +81,17 @@ struct TilesSm90 {
   static constexpr int kQOff = 0;
   static constexpr int kKOff = kQOff + kQBytes;
   static constexpr int kVOff = kKOff + kStages * kKvBytes;
-  static constexpr int kBarOff = kVOff + kStages * kKvBytes;
-  // Barriers: Q full; per stage K full, K empty, V full, V empty.
-  static constexpr int kNumBars = 1 + 4 * kStages;
+  // Barriers: Q full, Q empty; per stage K full, K empty, V full, V empty.
+  static constexpr int kNumBars = 2 + 4 * kStages;
+  // The epilogue's staging buffer of O (BM x D, the layout of Q), when it fits next to the
+  // pipeline: the Q rows are then free for the next work tile's Q as soon as the last Q K^T has
+  // completed (D=128: 32 + 128 + 32 KiB; D=64: 16 + 96 + 16 KiB). Without it (kSeparateO
+  // false) O is staged in the Q rows, and Q is released only after the TMA store has read
+  // them (attention_fwd_kernel_sm90.cuh).
+  static constexpr bool kSeparateO =
+      kVOff + kStages * kKvBytes + kQBytes + kNumBars * 8 + 1024 <= 227 * 1024;
+  static constexpr int kOOff = kVOff + kStages * kKvBytes;  // used only when kSeparateO
+  static constexpr int kBarOff = kOOff + (kSeparateO ? kQBytes : 0);
   // + 1024: the dynamic shared memory base is rounded up to 1024 bytes in the kernel.
   static constexpr size_t kSmem = kBarOff + kNumBars * 8 + 1024;
   static_assert(kQBytes % 1024 == 0 && kKvBytes % 1024 == 0);
@@ -83,6 +115,16 @@ constexpr int sm90_auto_schedule(int head_dim, bool causal, int max_k) {
   if (!causal) return 1;
   return max_k <= 2048 ? 2 : 1;
 }
+
+// Consumer warpgroups of a call's CTA (TilesSm90's kWarpgroups): 2, until an H200 timing of
+// FUSEDOPS_ATTN_SM90_TILE=m192 (3 warpgroups, 192 queries, D=64 only) says otherwise
+// (benchmarks/check_attention_sm90.py times both).
+constexpr int sm90_consumer_warpgroups(int /*head_dim*/, bool /*causal*/) { return 2; }
+
+// Whether the softmax uses ex2_poly for TilesSm90's kExp2PolyBlocks of its column blocks: not
+// yet, until an H200 timing of FUSEDOPS_ATTN_SM90_EXP2=poly against mufu says where it pays
+// (benchmarks/check_attention_sm90.py times both).
+constexpr bool sm90_auto_exp2(int /*head_dim*/, bool /*causal*/) { return false; }
 
 }  // namespace attn
 }  // namespace fusedops

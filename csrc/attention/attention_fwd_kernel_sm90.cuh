@@ -2,28 +2,37 @@
 // for both products, online softmax in registers (the sm80 kernel's algorithm, kSlack lazy
 // rescaling included), lse in natural log, rows that see no key -> zeros and lse -inf.
 //
+// Persistent: each CTA runs a sequence of work tiles -- BM queries (128; 192 with three consumer
+// warpgroups) of one (sequence, head) each, TileOrderSm90 below -- and the producer loads the
+// next tile's Q and K/V while the consumers still finish the previous one (its last P V and
+// epilogue). With one tile per CTA (grid = the number of tiles, FUSEDOPS_ATTN_SM90_PERSISTENT=0)
+// it is the non-persistent kernel; tile tables without TilesSm90::kPersistent always are.
+//
 // Roles (warp specialisation, FlashAttention-3's scheme): warpgroup 0 is the producer, one of
-// its threads issuing every TMA load -- Q once, then the K and V tiles of the CTA's key range
-// into kStages stages, each stage guarded by a "full" barrier (TMA transaction bytes) and an
-// "empty" barrier (one arrival per consumer warp).
-// Warpgroups 1 and 2 each own 64 query rows: S = Q K^T by wgmma from shared memory (both
-// K-major), the softmax in registers, P converted to bf16/fp16 in registers and O += P V by wgmma
-// with A from registers and V MN-major in shared memory. The output is normalised, staged in
-// the warpgroup's Q rows of shared memory and written by a TMA store (register stores for a
-// slab that crosses the sequence's end, or with tma_store == 0). kSchedule: 0 serial (each wgmma waited for at once),
+// its threads issuing every TMA load -- per work tile its Q, then the K and V tiles of the
+// tile's key range into kStages stages, each stage guarded by a "full" barrier (TMA transaction
+// bytes) and an "empty" barrier (one arrival per consumer warp); Q has its own pair.
+// Warpgroups 1 .. kWarpgroups (2, or 3 at D=64: TilesSm90) each own 64 query rows: S = Q K^T
+// by wgmma from shared memory (both K-major), the softmax in registers, P converted to
+// bf16/fp16 in registers and O += P V by wgmma with A from registers and V MN-major in shared
+// memory. The output is normalised, staged in shared memory (the tile table's O buffer, or the
+// warpgroup's Q rows) and written by a TMA store (register stores for a slab that crosses the
+// sequence's end, or with epilogue == 0). kSchedule: 0 serial (each wgmma waited for at once),
 // 1 intra-warpgroup overlap (the softmax of tile i + 1 while P_i V_i runs), 2 the same with the
-// two consumer warpgroups taking turns at the tensor cores (ping-pong).
+// consumer warpgroups taking turns at the tensor cores (ping-pong). kPolyBlocks: how many of a
+// tile's BN / 8 column blocks take their exponentials from ex2_poly (FMA pipe) instead of
+// MUFU.EX2 (0: none).
 //
 // Constraints: T is __half or __nv_bfloat16; D is 64, 128 or 256 (TilesSm90); the packed layout
 // of attention_params.h with row strides that are multiples of 8 elements and 16-byte aligned
 // tensors (TMA's rules; attention_api.cpp checks them), hq a multiple of hkv, every sequence no
-// longer than max_q (the grid's x). Tensor maps (attention_launch_sm90.cuh): 3-D (D, heads,
-// rows) over the packed tensors, boxes of 64 x 1 x rows (tm_o: 64 rows, one warpgroup's),
-// 128-byte swizzle. A tile that crosses a sequence's end reads the next sequence's rows (TMA
-// zero-fills only past the tensor's end): key columns >= lk are masked to -inf by index, so P
-// is 0 there, and query rows >= lq are never stored. Launch: TilesSm90<D, kN>::kThreads threads,
-// kSmem bytes of dynamic shared memory, one CTA per SM. The body is empty (a trap) unless
-// compiled for sm_90a.
+// longer than max_q (the tile order's n_mb blocks). Tensor maps (attention_launch_sm90.cuh):
+// 3-D (D, heads, rows) over the packed tensors, boxes of 64 x 1 x rows (tm_o: 64 rows, one
+// warpgroup's), 128-byte swizzle. A tile that crosses a sequence's end reads the next
+// sequence's rows (TMA zero-fills only past the tensor's end): key columns >= lk are masked to
+// -inf by index, so P is 0 there, and query rows >= lq are never stored. Launch: a 1-D grid of
+// at most order.n_work CTAs, TilesSm90<D, kN, kWarpgroups>'s kThreads, kSmem bytes of dynamic
+// shared memory, one CTA per SM. The body is empty (a trap) unless compiled for sm_90a.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only; nothing links against the driver)
@@ -37,46 +46,141 @@
 namespace fusedops {
 namespace attn {
 
-template <typename T, int D, int kSchedule, int kN = sm90_block_n(D)>
-__global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
+// The work tiles of a call -- (q-block, head, sequence) triples, n_mb x hq x batch of them --
+// and the order in which the CTAs take them: CTA c runs tiles c, c + gridDim.x, c + 2 gridDim.x,
+// ... of the launch's range (a static round-robin). Static rather than an atomic tile counter: every role of a CTA
+// computes the same sequence from blockIdx.x alone (no shared-memory handoff, no barrier for
+// it), and there is no global counter to reset per call, so a CUDA graph replays it as is. With
+// the longest tiles first, each round of gridDim.x tiles holds tiles of about the same length,
+// so the CTAs' totals differ by about one short tile.
+// Order: the (sequence, head) pairs, head fastest (the query heads of one KV head adjacent, so
+// that they run at the same time and share its K/V tiles in L2), are cut into sections of `sec`
+// pairs; inside a section the q-blocks go one block index at a time over all its pairs, blocks
+// of most keys first (`reverse`: the last blocks, which see the most keys under a causal mask;
+// the first ones with only a left window bound). The host picks sec: 1 without a mask (every
+// block sees the same keys; then the order is the non-persistent grid's, q-blocks fastest), and
+// as many pairs as keep a section's K/V within part of the L2 with one (attention_launch_sm90.cuh).
+// With grid = n_work and one tile per CTA the same kernel is the non-persistent launch; tile
+// tables without TilesSm90::kPersistent compile it without the loop's back edge.
+struct TileOrderSm90 {
+  int64_t n_work;  // n_mb * n_bh
+  // The tiles of this launch: [t_begin, t_end) of [0, n_work) (several launches only when one
+  // CTA per tile needs more than 2^31 - 1 CTAs).
+  int64_t t_begin, t_end;
+  int64_t n_bh;    // batch * hq
+  int n_mb;        // q-blocks per sequence: ceil(max_q / BM)
+  int hq;
+  int sec;         // pairs per section, >= 1, sec * n_mb < 2^31
+  int reverse;     // 1: block n_mb - 1 first
+  __host__ __device__ void decode(int64_t t, int& b, int& h, int& mb) const {
+    int k;
+    if (n_work <= 0x7fffffff) {  // the usual case: 32-bit divisions (uniform over the grid)
+      const int ti = static_cast<int>(t), per = sec * n_mb, s = ti / per, r = ti - s * per;
+      const int bh0 = s * sec, left = static_cast<int>(n_bh) - bh0;
+      const int w = left < sec ? left : sec;  // the last section is shorter
+      k = r / w;
+      const int bh = bh0 + (r - k * w);
+      b = bh / hq;
+      h = bh - b * hq;
+    } else {
+      const int64_t per = static_cast<int64_t>(sec) * n_mb, s = t / per;
+      const int r = static_cast<int>(t - s * per);
+      const int64_t bh0 = s * sec;
+      const int w = static_cast<int>(n_bh - bh0 < sec ? n_bh - bh0 : sec);
+      k = r / w;
+      const int64_t bh = bh0 + (r - k * w);
+      b = static_cast<int>(bh / hq);
+      h = static_cast<int>(bh - static_cast<int64_t>(b) * hq);
+    }
+    mb = reverse ? n_mb - 1 - k : k;
+  }
+};
+
+// Synchronisation across work tiles (every count and parity; a miscount is a hang):
+// - A work tile is *skipped* by every role alike when m0 >= lq (its sequence is shorter than
+//   max_q) and is *empty* when its queries see no key (n_tiles == 0): the producer loads
+//   nothing for it, the consumers touch no barrier and store zeros and lse -inf from registers.
+//   Both roles compute m0, lq and n_tiles with the same code (tile_at, key_tiles), so they
+//   agree on which tiles use the pipeline.
+// - K/V stages: a running index kv over the key tiles of the CTA's non-empty tiles, kept by the
+//   producer thread and by every consumer thread; key tile kv uses stage kv % S at phase
+//   (kv / S) & 1. "full" barriers (count 1: the producer's arrive.expect_tx, plus the bytes)
+//   complete once per use; "empty" barriers (count 4 NW: lane 0 of each consumer warp, after the
+//   warp's wgmma reading the stage has completed) complete once per use, and the producer
+//   waits for phase ((kv / S) & 1) ^ 1 before refilling (a fresh barrier passes parity 1, so
+//   the first S fills do not wait). The producer can run at most S key tiles ahead, into the
+//   next work tile as well, since the indices simply continue.
+// - Q: full (count 1 + bytes) and empty (count 4 NW) barriers, used once per non-empty tile, a
+//   running count q_use on both sides: the consumers wait full at parity q_use & 1, the producer
+//   waits empty at parity (q_use & 1) ^ 1 before loading the next Q (issued after that tile's
+//   first K, so that K streams in while Q is still held). The 4 NW empty arrivals: each consumer
+//   warp's lane 0 after its last Q K^T of the tile (release_q), or -- for a warpgroup that
+//   stages O in its Q rows (q_late) -- one arrive of count 4 by its storing thread after the TMA
+//   store has read them. Either way each consumer warp is accounted for exactly once per use,
+//   and the producer cannot complete the next phase of full before the consumers have waited
+//   for the current one (it needs their empty arrivals first).
+// - The producer thread exits after its last tile's loads; the TMA transactions still complete
+//   on the full barriers the consumers wait for. The last releases of the empty barriers are
+//   never waited for (harmless).
+// - Ping-pong turns (named barriers 1 .. NW, 256 threads): balanced within each non-empty tile
+//   (see take_turn); the epilogue uses ids NW + 1 .. 2 NW (128 threads each), also per tile.
+// - The O staging buffer (o_in_q false): a warpgroup's storing thread waits until its previous
+//   TMA store has read its rows, then a named barrier lets the warpgroup write them; it waits
+//   for the last one before the CTA exits.
+template <typename T, int D, int kSchedule, int kN = sm90_block_n(D), int kPolyBlocks = 0,
+          int kWarpgroups = 2>
+__global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     fwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v,
-                    const __grid_constant__ CUtensorMap tm_o, const int tma_store) {
+                    const __grid_constant__ CUtensorMap tm_o, const int epilogue,
+                    const TileOrderSm90 order) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fusedops::sm90;
-  using C = TilesSm90<D, kN>;
+  using C = TilesSm90<D, kN, kWarpgroups>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, S = C::kStages;
+  constexpr int NW = C::kConsumerWarpgroups;
   constexpr int kBlocks = D / 64;  // 64-element (128-byte) column blocks per row
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle atoms must start 1024-byte aligned (kSmem has the slack for this).
   const uint32_t raw_u32 = smem_u32(smem_raw);
   const uint32_t base = (raw_u32 + 1023u) & ~1023u;
   const uint32_t sQ = base + C::kQOff, sK = base + C::kKOff, sV = base + C::kVOff;
+  // epilogue: 0 register stores, 1 TMA store staged in the O buffer (where the table has one),
+  // 2 TMA store staged in the Q rows (FUSEDOPS_ATTN_SM90_EPILOGUE=qrows; the only TMA path of
+  // a table without an O buffer).
+  const bool o_in_q = !C::kSeparateO || epilogue == 2;
+  const uint32_t sO = o_in_q ? sQ : base + C::kOOff;
   const uint32_t bars = base + C::kBarOff;
-  // Barrier addresses: Q full, then K full / K empty / V full / V empty per stage.
-  const uint32_t bar_q = bars;
-  auto bar_kfull = [&](int s) { return bars + 8u * (1 + s); };
-  auto bar_kempty = [&](int s) { return bars + 8u * (1 + S + s); };
-  auto bar_vfull = [&](int s) { return bars + 8u * (1 + 2 * S + s); };
-  auto bar_vempty = [&](int s) { return bars + 8u * (1 + 3 * S + s); };
+  // Barrier addresses: Q full, Q empty, then K full / K empty / V full / V empty per stage.
+  const uint32_t bar_qfull = bars, bar_qempty = bars + 8u;
+  auto bar_kfull = [&](int s) { return bars + 8u * (2 + s); };
+  auto bar_kempty = [&](int s) { return bars + 8u * (2 + S + s); };
+  auto bar_vfull = [&](int s) { return bars + 8u * (2 + 2 * S + s); };
+  auto bar_vempty = [&](int s) { return bars + 8u * (2 + 3 * S + s); };
+  // The CTA's work tiles: t_begin + blockIdx.x, then every gridDim.x-th (persistent tables), or
+  // that one tile alone (the others: no back edge, straight-line code as registers demand).
+  auto next_tile = [&](int64_t t) { return C::kPersistent ? t + gridDim.x : order.t_end; };
 
-  // Query blocks run last to first (as in the sm80 kernel): under a causal mask the last blocks
-  // see the most keys, and starting them first leaves the light ones for the grid's tail.
-  const int b = blockIdx.z, h = blockIdx.y, m0 = (gridDim.x - 1 - blockIdx.x) * BM;
-  const Seq sq(p, b);
-  if (m0 >= sq.lq) return;  // uniform over the CTA, before any barrier is initialised
-  const int hk = h / (p.hq / p.hkv);
-  int t_lo, t_hi;
-  sq.key_tiles_of<BN>(m0, BM, p, t_lo, t_hi);
-  const int n_tiles = t_hi - t_lo;
+  // Work tile t: sequence b, head h, first query m0 (TileOrderSm90); the key tiles
+  // [t_lo, t_lo + n_tiles) its queries [m0, min(m0 + BM, lq)) can see.
+  auto tile_at = [&](int64_t t, int& b, int& h, int& m0) {
+    order.decode(t, b, h, m0);
+    m0 *= BM;
+  };
+  auto key_tiles = [&](const Seq& sq, int m0, int& t_lo) {
+    int t_hi;
+    sq.key_tiles_of<BN>(m0, BM, p, t_lo, t_hi);
+    return t_hi - t_lo;
+  };
 
   if (threadIdx.x == 0) {
-    mbar_init(bar_q, 1);
+    mbar_init(bar_qfull, 1);
+    mbar_init(bar_qempty, 4 * C::kConsumerWarpgroups);  // lane 0 of every consumer warp
     for (int s = 0; s < S; ++s) {
       mbar_init(bar_kfull(s), 1);
       mbar_init(bar_vfull(s), 1);
-      mbar_init(bar_kempty(s), 4 * C::kConsumerWarpgroups);  // lane 0 of every consumer warp
+      mbar_init(bar_kempty(s), 4 * C::kConsumerWarpgroups);
       mbar_init(bar_vempty(s), 4 * C::kConsumerWarpgroups);
     }
     mbar_init_fence();
@@ -87,28 +191,44 @@ __global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
   if (wg == 0) {
     // ---- producer ----
     setmaxnreg_dec<C::kProducerRegs>();
-    if (threadIdx.x == 0 && n_tiles > 0) {
+    if (threadIdx.x == 0) {
       tma_prefetch_desc(&tm_q);
       tma_prefetch_desc(&tm_k);
       tma_prefetch_desc(&tm_v);
-      mbar_arrive_expect_tx(bar_q, C::kQBytes);
+      uint32_t kv = 0, q_use = 0;  // running key-tile and Q indices (the comment block above)
+      for (int64_t t = order.t_begin + blockIdx.x; t < order.t_end; t = next_tile(t)) {
+        int b, h, m0, t_lo;
+        tile_at(t, b, h, m0);
+        const Seq sq(p, b);
+        if (m0 >= sq.lq) continue;
+        const int n_tiles = key_tiles(sq, m0, t_lo);
+        if (n_tiles == 0) continue;
+        const int hk = h / (p.hq / p.hkv);
+        for (int i = 0; i < n_tiles; ++i) {
+          const uint32_t it = kv + i, s = it % S, ph = (it / S) & 1;
+          const int row = sq.k_start + (t_lo + i) * BN;
+          mbar_wait(bar_kempty(s), ph ^ 1);
+          mbar_arrive_expect_tx(bar_kfull(s), C::kKvBytes);
 #pragma unroll
-      for (int c = 0; c < kBlocks; ++c)
-        tma_load_3d(sQ + c * BM * 128, &tm_q, bar_q, 64 * c, h, sq.q_start + m0);
-      for (int i = 0; i < n_tiles; ++i) {
-        const int s = i % S;
-        const uint32_t ph = (i / S) & 1;
-        const int row = sq.k_start + (t_lo + i) * BN;
-        mbar_wait(bar_kempty(s), ph ^ 1);
-        mbar_arrive_expect_tx(bar_kfull(s), C::kKvBytes);
+          for (int c = 0; c < kBlocks; ++c)
+            tma_load_3d(sK + s * C::kKvBytes + c * BN * 128, &tm_k, bar_kfull(s), 64 * c, hk,
+                        row);
+          if (i == 0) {
+            mbar_wait(bar_qempty, (q_use & 1) ^ 1);
+            mbar_arrive_expect_tx(bar_qfull, C::kQBytes);
 #pragma unroll
-        for (int c = 0; c < kBlocks; ++c)
-          tma_load_3d(sK + s * C::kKvBytes + c * BN * 128, &tm_k, bar_kfull(s), 64 * c, hk, row);
-        mbar_wait(bar_vempty(s), ph ^ 1);
-        mbar_arrive_expect_tx(bar_vfull(s), C::kKvBytes);
+            for (int c = 0; c < kBlocks; ++c)
+              tma_load_3d(sQ + c * BM * 128, &tm_q, bar_qfull, 64 * c, h, sq.q_start + m0);
+          }
+          mbar_wait(bar_vempty(s), ph ^ 1);
+          mbar_arrive_expect_tx(bar_vfull(s), C::kKvBytes);
 #pragma unroll
-        for (int c = 0; c < kBlocks; ++c)
-          tma_load_3d(sV + s * C::kKvBytes + c * BN * 128, &tm_v, bar_vfull(s), 64 * c, hk, row);
+          for (int c = 0; c < kBlocks; ++c)
+            tma_load_3d(sV + s * C::kKvBytes + c * BN * 128, &tm_v, bar_vfull(s), 64 * c, hk,
+                        row);
+        }
+        kv += n_tiles;
+        ++q_use;
       }
     }
   } else {
@@ -117,270 +237,323 @@ __global__ void __launch_bounds__(TilesSm90<D, kN>::kThreads, 1)
     const int cw = wg - 1;  // consumer warpgroup: query rows [64 cw, 64 cw + 64) of the block
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int row0 = 64 * cw + 16 * warp;  // the warp's first row in the block
-    const int i0 = m0 + row0 + g;          // the lane's first query (+8: its second)
     const Score score(p);
+    uint32_t kv = 0, q_use = 0;  // as the producer's
 
-    float o[D / 8][4];
-#pragma unroll
-    for (int d8 = 0; d8 < D / 8; ++d8)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[d8][e] = 0.f;
-    float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, alpha_run[2] = {1.f, 1.f};
+    for (int64_t t = order.t_begin + blockIdx.x; t < order.t_end; t = next_tile(t)) {
+      int b, h, m0, t_lo;
+      tile_at(t, b, h, m0);
+      const Seq sq(p, b);
+      if (m0 >= sq.lq) continue;  // uniform over the CTA
+      const int n_tiles = key_tiles(sq, m0, t_lo);
+      const int i0 = m0 + row0 + g;  // the lane's first query (+8: its second)
+      // This warpgroup's O goes out by a TMA store (warpgroup-uniform); q_late: staged in the Q
+      // rows, which then go back to the producer only after the store has read them.
+      const bool tma_slab = epilogue != 0 && m0 + 64 * cw + 64 <= sq.lq && n_tiles > 0;
+      const bool q_late = tma_slab && o_in_q;
 
-    // The steps of one key tile i (stage i % S, barrier phase (i / S) & 1), shared by the
-    // schedules below.
-    float sacc[BN / 8][4];    // S of a tile, then its probabilities in float
-    uint32_t pa[BN / 16][4];  // P as wgmma A fragments (bf16/fp16 pairs)
-    bool rescale = false;     // the last softmax moved a running maximum: O needs alpha_run
-    // S = Q K^T: D / 16 k-steps of 16 head-dim elements (32 bytes inside a 128-byte row).
-    auto issue_qk = [&](int i) {
-      const int s = i % S;
-      mbar_wait(bar_kfull(s), (i / S) & 1);
-      reg_fence(sacc);
-      wgmma_fence();
+      float o[D / 8][4];
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t blk = kk / 4, in_row = (kk % 4) * 32;
-        const uint64_t da = make_desc_sw128(sQ + blk * BM * 128 + cw * 64 * 128 + in_row, 16, 1024);
-        const uint64_t db =
-            make_desc_sw128(sK + s * C::kKvBytes + blk * BN * 128 + in_row, 16, 1024);
-        Wgmma<T, BN>::ss(sacc, da, db, kk > 0 ? 1 : 0);
-      }
-      wgmma_commit();
-    };
-    // O += P V: BN / 16 k-steps of 16 keys (2048 bytes of V rows); B is MN-major, its N (head
-    // dim) split into 64-wide column blocks BN * 128 bytes apart (the LBO).
-    auto issue_pv = [&](int i) {
-      const int s = i % S;
-      mbar_wait(bar_vfull(s), (i / S) & 1);
-      reg_fence(o);
-      wgmma_fence();
+      for (int d8 = 0; d8 < D / 8; ++d8)
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        const uint64_t db = make_desc_sw128(sV + s * C::kKvBytes + kk * 16 * 128, BN * 128, 1024);
-        Wgmma<T, D>::rs_mn(o, pa[kk], db, 1);
-      }
-      wgmma_commit();
-    };
-    // After the wgmma reading a stage has completed (this warp's wait_group), the warp hands
-    // the stage back to the producer.
-    auto release = [&](uint32_t bar) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(bar);
-    };
-    // Softmax of tile i in place (sacc becomes probabilities), as fwd_kernel (sm80) with one
-    // row tile: Path<0> (every pair visible, no softcap, a positive scale) takes the maximum of
-    // the raw scores and folds the scale into one FFMA per exponential; the masked paths mask
-    // by index (a select, so that scores of another sequence's keys never reach P).
-    auto softmax = [&](int i) {
-      const int n0 = (t_lo + i) * BN;
-      const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16, n0, n0 + BN, p);
-      bool moved = false;
-      auto tile = [&](auto path) {
-        constexpr int kPath = decltype(path)::value;
-        // The row maxima as kMaxChains independent running maxima per row (the tile table's
-        // choice), combined at the end, so that the FMNMX dependency chain that every
-        // exponential waits for is BN / 4 / kMaxChains deep instead of BN / 4.
-        constexpr int kMaxChains = C::kMaxChains;
-        float mxc[2][kMaxChains];
+        for (int e = 0; e < 4; ++e) o[d8][e] = 0.f;
+      float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.f, 0.f}, alpha_run[2] = {1.f, 1.f};
+
+      // The steps of key tile i of the work tile (pipeline index kv + i: stage (kv + i) % S,
+      // barrier phase ((kv + i) / S) & 1), shared by the schedules below.
+      float sacc[BN / 8][4];    // S of a tile, then its probabilities in float
+      uint32_t pa[BN / 16][4];  // P as wgmma A fragments (bf16/fp16 pairs)
+      bool rescale = false;     // the last softmax moved a running maximum: O needs alpha_run
+      // S = Q K^T: D / 16 k-steps of 16 head-dim elements (32 bytes inside a 128-byte row).
+      auto issue_qk = [&](int i) {
+        const uint32_t it = kv + i, s = it % S;
+        mbar_wait(bar_kfull(s), (it / S) & 1);
+        reg_fence(sacc);
+        wgmma_fence();
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint32_t blk = kk / 4, in_row = (kk % 4) * 32;
+          const uint64_t da =
+              make_desc_sw128(sQ + blk * BM * 128 + cw * 64 * 128 + in_row, 16, 1024);
+          const uint64_t db =
+              make_desc_sw128(sK + s * C::kKvBytes + blk * BN * 128 + in_row, 16, 1024);
+          Wgmma<T, BN>::ss(sacc, da, db, kk > 0 ? 1 : 0);
+        }
+        wgmma_commit();
+      };
+      // O += P V: BN / 16 k-steps of 16 keys (2048 bytes of V rows); B is MN-major, its N (head
+      // dim) split into 64-wide column blocks BN * 128 bytes apart (the LBO).
+      auto issue_pv = [&](int i) {
+        const uint32_t it = kv + i, s = it % S;
+        mbar_wait(bar_vfull(s), (it / S) & 1);
+        reg_fence(o);
+        wgmma_fence();
 #pragma unroll
-          for (int c = 0; c < kMaxChains; ++c) mxc[r][c] = -INFINITY;
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          const uint64_t db = make_desc_sw128(sV + s * C::kKvBytes + kk * 16 * 128, BN * 128, 1024);
+          Wgmma<T, D>::rs_mn(o, pa[kk], db, 1);
+        }
+        wgmma_commit();
+      };
+      // After the wgmma reading a stage has completed (this warp's wait_group), the warp hands
+      // the stage back to the producer.
+      auto release = [&](uint32_t bar) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar);
+      };
+      auto kempty = [&](int i) { return bar_kempty((kv + i) % S); };
+      auto vempty = [&](int i) { return bar_vempty((kv + i) % S); };
+      // Q is handed back once this warp's last Q K^T has completed, unless this warpgroup stages
+      // O in its Q rows (then after the TMA store has read them, in the epilogue).
+      auto release_q = [&] {
+        if (!q_late) release(bar_qempty);
+      };
+      // ex2_poly's degree: 3 rounds 0.9% of bf16 probabilities one ulp away from the exact 2^x's
+      // rounding, but 5% of fp16 ones; 4 brings fp16 to 0.2% (tests/attention/test_exp2_poly.py).
+      constexpr int kPolyDegree = std::is_same_v<T, __half> ? 4 : 3;
+      // Softmax of tile i in place (sacc becomes probabilities), as fwd_kernel (sm80) with one
+      // row tile: Path<0> (every pair visible, no softcap, a positive scale) takes the maximum of
+      // the raw scores and folds the scale into one FFMA per exponential; the masked paths mask
+      // by index (a select, so that scores of another sequence's keys never reach P).
+      auto softmax = [&](int i) {
+        const int n0 = (t_lo + i) * BN;
+        const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16, n0, n0 + BN, p);
+        bool moved = false;
+        auto tile = [&](auto path) {
+          constexpr int kPath = decltype(path)::value;
+          // The row maxima as kMaxChains independent running maxima per row (the tile table's
+          // choice), combined at the end, so that the FMNMX dependency chain that every
+          // exponential waits for is BN / 4 / kMaxChains deep instead of BN / 4.
+          constexpr int kMaxChains = C::kMaxChains;
+          float mxc[2][kMaxChains];
 #pragma unroll
-        for (int ni = 0; ni < BN / 8; ++ni)
+          for (int r = 0; r < 2; ++r)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            if constexpr (kPath > 0) {
-              float unused;
-              const float x = score.at<kPath == 2>(sacc[ni][e], unused);
-              sacc[ni][e] =
-                  sq.visible(i0 + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p) ? x : -INFINITY;
+            for (int c = 0; c < kMaxChains; ++c) mxc[r][c] = -INFINITY;
+#pragma unroll
+          for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              if constexpr (kPath > 0) {
+                float unused;
+                const float x = score.at<kPath == 2>(sacc[ni][e], unused);
+                sacc[ni][e] = sq.visible(i0 + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p)
+                                  ? x
+                                  : -INFINITY;
+              }
+              float& m = mxc[e >> 1][(2 * ni + (e & 1)) % kMaxChains];
+              m = fmaxf(m, sacc[ni][e]);
             }
-            float& m = mxc[e >> 1][(2 * ni + (e & 1)) % kMaxChains];
-            m = fmaxf(m, sacc[ni][e]);
+          float mx[2], mu[2];
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            if constexpr (kMaxChains == 4)
+              mx[r] = fmaxf(fmaxf(mxc[r][0], mxc[r][1]), fmaxf(mxc[r][2], mxc[r][3]));
+            else
+              mx[r] = mxc[r][0];
+            mx[r] = quad_max(mx[r]);
+            if constexpr (kPath == 0) mx[r] *= score.scale_log2();
+            if (mx[r] > m_run[r] + kSlack) {
+              const float alpha = ex2(m_run[r] - mx[r]);
+              m_run[r] = mx[r];
+              l_run[r] *= alpha;
+              alpha_run[r] = alpha;
+              moved = true;
+            }
+            mu[r] = m_run[r] == -INFINITY ? 0.f : m_run[r];  // nothing visible yet: p = 0
           }
-        float mx[2], mu[2];
+#pragma unroll
+          for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float x = kPath > 0 ? sacc[ni][e] - mu[e >> 1]
+                                        : fmaf(sacc[ni][e], score.scale_log2(), -mu[e >> 1]);
+              // kPolyBlocks of the BN / 8 column blocks, spread evenly, take ex2_poly (FMA
+              // pipe) instead of MUFU.EX2: a constant condition once the loop is unrolled. Full
+              // and masked tiles; not the softcap path, nor masked tiles with three consumer
+              // warpgroups, where its temporaries made ptxas spill at 160 registers.
+              const bool poly = (kPath == 0 || (kPath == 1 && NW == 2)) &&
+                                (ni * kPolyBlocks) % (BN / 8) < kPolyBlocks;
+              const float pv = poly ? ex2_poly<kPolyDegree>(x) : ex2(x);
+              sacc[ni][e] = pv;
+              l_run[e >> 1] += pv;
+            }
+        };
+        run_path(full && score.scale_log2() > 0.f, score.capped(), tile);
+        rescale = __any_sync(0xffffffffu, moved);  // warp-uniform
+      };
+      // O *= alpha_run where a maximum moved; only while no wgmma writing O is in flight.
+      auto rescale_o = [&] {
+        if (!rescale) return;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          if constexpr (kMaxChains == 4)
-            mx[r] = fmaxf(fmaxf(mxc[r][0], mxc[r][1]), fmaxf(mxc[r][2], mxc[r][3]));
-          else
-            mx[r] = mxc[r][0];
-          mx[r] = quad_max(mx[r]);
-          if constexpr (kPath == 0) mx[r] *= score.scale_log2();
-          if (mx[r] > m_run[r] + kSlack) {
-            const float alpha = ex2(m_run[r] - mx[r]);
-            m_run[r] = mx[r];
-            l_run[r] *= alpha;
-            alpha_run[r] = alpha;
-            moved = true;
+#pragma unroll
+          for (int d8 = 0; d8 < D / 8; ++d8) {
+            o[d8][2 * r] *= alpha_run[r];
+            o[d8][2 * r + 1] *= alpha_run[r];
           }
-          mu[r] = m_run[r] == -INFINITY ? 0.f : m_run[r];  // nothing visible yet: p = 0
+          alpha_run[r] = 1.f;
         }
-#pragma unroll
-        for (int ni = 0; ni < BN / 8; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float pv = kPath > 0 ? ex2(sacc[ni][e] - mu[e >> 1])
-                                       : ex2(fmaf(sacc[ni][e], score.scale_log2(), -mu[e >> 1]));
-            sacc[ni][e] = pv;
-            l_run[e >> 1] += pv;
-          }
       };
-      run_path(full && score.scale_log2() > 0.f, score.capped(), tile);
-      rescale = __any_sync(0xffffffffu, moved);  // warp-uniform
-    };
-    // O *= alpha_run where a maximum moved; only while no wgmma writing O is in flight.
-    auto rescale_o = [&] {
-      if (!rescale) return;
+      // P as wgmma A fragments: keys [16 kk, 16 kk + 16) are the accumulator's 8-column blocks
+      // 2 kk and 2 kk + 1, already in the m16n8k16 A layout (as acc_to_a in the sm80 kernel).
+      auto to_p = [&] {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-#pragma unroll
-        for (int d8 = 0; d8 < D / 8; ++d8) {
-          o[d8][2 * r] *= alpha_run[r];
-          o[d8][2 * r + 1] *= alpha_run[r];
+        for (int kk = 0; kk < BN / 16; ++kk) {
+          pa[kk][0] = pack2<T>(sacc[2 * kk][0], sacc[2 * kk][1]);
+          pa[kk][1] = pack2<T>(sacc[2 * kk][2], sacc[2 * kk][3]);
+          pa[kk][2] = pack2<T>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
+          pa[kk][3] = pack2<T>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
         }
-        alpha_run[r] = 1.f;
-      }
-    };
-    // P as wgmma A fragments: keys [16 kk, 16 kk + 16) are the accumulator's 8-column blocks
-    // 2 kk and 2 kk + 1, already in the m16n8k16 A layout (as acc_to_a in the sm80 kernel).
-    auto to_p = [&] {
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk) {
-        pa[kk][0] = pack2<T>(sacc[2 * kk][0], sacc[2 * kk][1]);
-        pa[kk][1] = pack2<T>(sacc[2 * kk][2], sacc[2 * kk][3]);
-        pa[kk][2] = pack2<T>(sacc[2 * kk + 1][0], sacc[2 * kk + 1][1]);
-        pa[kk][3] = pack2<T>(sacc[2 * kk + 1][2], sacc[2 * kk + 1][3]);
-      }
-    };
+      };
 
-    // Ping-pong (kSchedule 2): the two consumer warpgroups take turns at issuing their wgmmas,
-    // each waiting at its own named barrier (ids 1, 2: 128 threads waiting + 128 arriving) until
-    // the other has issued, so that one's softmax runs while the other's products do. Warpgroup
-    // 0 goes first; every turn taken is handed over, except warpgroup 1's last, which nobody
-    // would wait for (both warpgroups take n_tiles + 1 turns).
-    constexpr bool kPingPong = kSchedule == 2;
-    auto take_turn = [&] {
-      if constexpr (kPingPong) named_bar_sync<256>(1 + cw);
-    };
-    auto hand_over = [&](bool last) {
-      if constexpr (kPingPong)
-        if (!(last && cw == 1)) named_bar_arrive<256>(2 - cw);
-    };
+      // Ping-pong (kSchedule 2): the consumer warpgroups take turns at issuing their wgmmas, in
+      // a cycle 0, 1, .., NW - 1, 0, .., each waiting at its own named barrier (ids 1 .. NW: 128
+      // threads waiting + 128 arriving) until the one before has issued, so that one's softmax
+      // runs while the others' products do. Warpgroup 0 goes first; every turn taken is handed
+      // over, except the last warpgroup's last, which nobody would wait for (every warpgroup
+      // takes n_tiles + 1 turns per work tile, none for a tile without keys): the turns balance
+      // within every work tile, so none is left over for the next one (the comment block at the
+      // top of the kernel).
+      constexpr bool kPingPong = kSchedule == 2;
+      auto take_turn = [&] {
+        if constexpr (kPingPong) named_bar_sync<256>(1 + cw);
+      };
+      auto hand_over = [&](bool last) {
+        if constexpr (kPingPong)
+          if (!(last && cw == NW - 1)) named_bar_arrive<256>(1 + (cw + 1) % NW);
+      };
 
-    if (n_tiles > 0) mbar_wait(bar_q, 0);
-    if constexpr (kSchedule == 0) {
-      // Serial: each tile's two products and its softmax one after another (the other
-      // consumer warpgroup's work fills the tensor cores meanwhile).
-      for (int i = 0; i < n_tiles; ++i) {
-        issue_qk(i);
-        wgmma_wait<0>();
-        reg_fence(sacc);
-        release(bar_kempty(i % S));
-        softmax(i);
-        rescale_o();
-        to_p();
-        issue_pv(i);
-        wgmma_wait<0>();
-        reg_fence(o);
-        release(bar_vempty(i % S));
-      }
-    } else if (n_tiles > 0) {
-      // Overlapped (FlashAttention-3's intra-warpgroup pipelining): S of tile i + 1 and
-      // P_i V_i are issued together, and the softmax of tile i + 1 runs while P_i V_i is still
-      // on the tensor cores. The groups complete in order, so wait_group 1 means S_{i+1} is
-      // done; O (being written) and pa (being read) are touched only after wait_group 0.
-      if (kPingPong && cw == 1) named_bar_arrive<256>(1);  // warpgroup 0's first turn
-      take_turn();
-      issue_qk(0);
-      hand_over(false);
-      wgmma_wait<0>();
-      reg_fence(sacc);
-      release(bar_kempty(0));
-      softmax(0);
-      rescale_o();
-      to_p();
-      // The last tile is peeled off so that every wait_group sits on straight-line code:
-      // ptxas checks (path-insensitively) that no accumulator of an unfinished wgmma is read,
-      // and a conditional S_{i+1} made it serialise every wgmma (C7514).
-      for (int i = 0; i + 1 < n_tiles; ++i) {
+      if (n_tiles > 0) mbar_wait(bar_qfull, q_use & 1);
+      if constexpr (kSchedule == 0) {
+        // Serial: each tile's two products and its softmax one after another (the other
+        // consumer warpgroup's work fills the tensor cores meanwhile).
+        for (int i = 0; i < n_tiles; ++i) {
+          issue_qk(i);
+          wgmma_wait<0>();
+          reg_fence(sacc);
+          release(kempty(i));
+          if (i + 1 == n_tiles) release_q();
+          softmax(i);
+          rescale_o();
+          to_p();
+          issue_pv(i);
+          wgmma_wait<0>();
+          reg_fence(o);
+          release(vempty(i));
+        }
+      } else if (n_tiles > 0) {
+        // Overlapped (FlashAttention-3's intra-warpgroup pipelining): S of tile i + 1 and
+        // P_i V_i are issued together, and the softmax of tile i + 1 runs while P_i V_i is still
+        // on the tensor cores. The groups complete in order, so wait_group 1 means S_{i+1} is
+        // done; O (being written) and pa (being read) are touched only after wait_group 0.
+        if (kPingPong && cw == NW - 1) named_bar_arrive<256>(1);  // warpgroup 0's first turn
         take_turn();
-        issue_qk(i + 1);
-        issue_pv(i);
+        issue_qk(0);
         hand_over(false);
-        wgmma_wait<1>();
-        reg_fence(sacc);
-        release(bar_kempty((i + 1) % S));
-        softmax(i + 1);
         wgmma_wait<0>();
-        reg_fence(o);
-        release(bar_vempty(i % S));
+        reg_fence(sacc);
+        release(kempty(0));
+        softmax(0);
         rescale_o();
         to_p();
+        // The last tile is peeled off so that every wait_group sits on straight-line code:
+        // ptxas checks (path-insensitively) that no accumulator of an unfinished wgmma is read,
+        // and a conditional S_{i+1} made it serialise every wgmma (C7514).
+        for (int i = 0; i + 1 < n_tiles; ++i) {
+          take_turn();
+          issue_qk(i + 1);
+          issue_pv(i);
+          hand_over(false);
+          wgmma_wait<1>();
+          reg_fence(sacc);
+          release(kempty(i + 1));
+          softmax(i + 1);
+          wgmma_wait<0>();
+          reg_fence(o);
+          release(vempty(i));
+          rescale_o();
+          to_p();
+        }
+        release_q();  // the last Q K^T (of tile n_tiles - 1) has completed
+        take_turn();
+        issue_pv(n_tiles - 1);
+        hand_over(true);
+        wgmma_wait<0>();
+        reg_fence(o);
+        release(vempty(n_tiles - 1));
       }
-      take_turn();
-      issue_pv(n_tiles - 1);
-      hand_over(true);
-      wgmma_wait<0>();
-      reg_fence(o);
-      release(bar_vempty((n_tiles - 1) % S));
-    }
 
-    // ---- epilogue: normalise, lse (natural log), store rows < lq ----
-    float inv[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float l = quad_sum(l_run[r]);
-      inv[r] = l > 0.f ? 1.f / l : 0.f;
-      const int i = i0 + r * 8;
-      if (tq == 0 && i < sq.lq)
-        p.lse[static_cast<int64_t>(h) * p.total_q + sq.q_start + i] =
-            l > 0.f ? (m_run[r] + __log2f(l)) * kLn2 : -INFINITY;
-    }
-    // O through shared memory and a TMA store when the warpgroup's 64 rows all lie inside the
-    // sequence (a TMA store clips only at the tensor's end, so a slab crossing lq would write
-    // the next sequence's rows): the rows go into the warpgroup's own Q rows (its last Q K^T
-    // has completed; the other warpgroup reads only its own rows), in the 128-byte swizzle the
-    // tensor map expects -- row r's 16-byte chunk c at chunk c ^ (r % 8), conflict-free for the
-    // accumulator layout -- then one thread stores the D / 64 column blocks. Otherwise, and
-    // with tma_store == 0 (FUSEDOPS_ATTN_SM90_EPILOGUE=regs), 4-byte stores from registers.
-    const bool slab_in_seq = m0 + 64 * cw + 64 <= sq.lq;  // warpgroup-uniform
-    if (tma_store && slab_in_seq) {
+      // ---- epilogue: normalise, lse (natural log), store rows < lq ----
+      float inv[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = 64 * cw + 16 * warp + g + 8 * r;  // row of the block; row % 8 == g
+        const float l = quad_sum(l_run[r]);
+        inv[r] = l > 0.f ? 1.f / l : 0.f;
+        const int i = i0 + r * 8;
+        if (tq == 0 && i < sq.lq)
+          p.lse[static_cast<int64_t>(h) * p.total_q + sq.q_start + i] =
+              l > 0.f ? (m_run[r] + __log2f(l)) * kLn2 : -INFINITY;
+      }
+      // O through shared memory and a TMA store when the warpgroup's 64 rows all lie inside the
+      // sequence (a TMA store clips only at the tensor's end, so a slab crossing lq would write
+      // the next sequence's rows) and the tile has keys: the rows go into the staging buffer sO
+      // (the table's O buffer, or the warpgroup's own Q rows: its last Q K^T has completed, and
+      // the others read only their own rows), in the 128-byte swizzle the tensor map
+      // expects -- row r's 16-byte chunk c at chunk c ^ (r % 8), conflict-free for the
+      // accumulator layout -- then one thread stores the D / 64 column blocks. Otherwise, and
+      // with epilogue == 0 (FUSEDOPS_ATTN_SM90_EPILOGUE=regs), 4-byte stores from registers.
+      if (tma_slab) {
+        if (!o_in_q) {
+          // The O buffer outlives the tile: this warpgroup's store of the previous tile must
+          // have read its rows before they are overwritten.
+          if (threadIdx.x % 128 == 0) tma_store_wait_read<0>();
+          named_bar_sync<128>(1 + NW + cw);
+        }
 #pragma unroll
-        for (int d8 = 0; d8 < D / 8; ++d8) {
-          const uint32_t addr =
-              sQ + (d8 / 8) * BM * 128 + row * 128 + (((d8 % 8) ^ g) << 4) + 4 * tq;
-          st_shared_u32(addr, pack2<T>(o[d8][2 * r] * inv[r], o[d8][2 * r + 1] * inv[r]));
+        for (int r = 0; r < 2; ++r) {
+          const int row = 64 * cw + 16 * warp + g + 8 * r;  // row of the block; row % 8 == g
+#pragma unroll
+          for (int d8 = 0; d8 < D / 8; ++d8) {
+            const uint32_t addr =
+                sO + (d8 / 8) * BM * 128 + row * 128 + (((d8 % 8) ^ g) << 4) + 4 * tq;
+            st_shared_u32(addr, pack2<T>(o[d8][2 * r] * inv[r], o[d8][2 * r + 1] * inv[r]));
+          }
+        }
+        fence_proxy_async_smem();
+        named_bar_sync<128>(1 + NW + cw);  // the warpgroup's 128 threads (1 .. NW: ping-pong)
+        if (threadIdx.x % 128 == 0) {
+#pragma unroll
+          for (int c = 0; c < kBlocks; ++c)
+            tma_store_3d(&tm_o, sO + c * BM * 128 + cw * 64 * 128, 64 * c, h,
+                         sq.q_start + m0 + 64 * cw);
+          tma_store_commit();
+          if (q_late) {
+            // O staged in the Q rows: they go back to the producer (for the next tile's Q) once
+            // read, for the warpgroup's 4 warps at once.
+            tma_store_wait_read<0>();
+            mbar_arrive_cnt(bar_qempty, 4);
+          }
+        }
+      } else {
+        T* O = static_cast<T*>(p.out) + sq.q_start * p.o_row + static_cast<int64_t>(h) * D;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int i = i0 + r * 8;
+          if (i >= sq.lq) continue;
+          T* dst = O + static_cast<int64_t>(i) * p.o_row + 2 * tq;
+#pragma unroll
+          for (int d8 = 0; d8 < D / 8; ++d8)
+            *reinterpret_cast<uint32_t*>(dst + d8 * 8) =
+                pack2<T>(o[d8][2 * r] * inv[r], o[d8][2 * r + 1] * inv[r]);
         }
       }
-      fence_proxy_async_smem();
-      named_bar_sync<128>(3 + cw);  // the warpgroup's 128 threads (ids 1, 2: ping-pong)
-      if (threadIdx.x % 128 == 0) {
-#pragma unroll
-        for (int c = 0; c < kBlocks; ++c)
-          tma_store_3d(&tm_o, sQ + c * BM * 128 + cw * 64 * 128, 64 * c, h,
-                       sq.q_start + m0 + 64 * cw);
-        tma_store_commit();
-        tma_store_wait_read<0>();  // the shared memory stays the CTA's until read
-      }
-    } else {
-      T* O = static_cast<T*>(p.out) + sq.q_start * p.o_row + static_cast<int64_t>(h) * D;
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int i = i0 + r * 8;
-        if (i >= sq.lq) continue;
-        T* dst = O + static_cast<int64_t>(i) * p.o_row + 2 * tq;
-#pragma unroll
-        for (int d8 = 0; d8 < D / 8; ++d8)
-          *reinterpret_cast<uint32_t*>(dst + d8 * 8) =
-              pack2<T>(o[d8][2 * r] * inv[r], o[d8][2 * r + 1] * inv[r]);
-      }
+
+      kv += n_tiles;
+      q_use += n_tiles > 0;
     }
+    // The O buffer's last store must have read it before the CTA's shared memory goes.
+    if (!o_in_q && threadIdx.x % 128 == 0) tma_store_wait_read<0>();
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // built for an architecture without wgmma: the host never launches this

@@ -29,10 +29,27 @@ inline bool sm90_bwd_overlap() {
   return s != nullptr && std::strcmp(s, "overlap") == 0;
 }
 
-// Needs p.dq_acc (zeroed, rows rounded up to a multiple of 8; the deterministic mode is the
-// sm80 backward's, attention_bwd_sm90.cu) and p.delta of 2 hq stats_rows_sm90(p) floats.
+// The deterministic mode's order of dQ reductions (attention_bwd_kernel_sm90.cuh): key blocks
+// descending where queries see keys up to a bound (causal or a right window: the key block
+// nearest the diagonal reaches a query block first, so its turn comes first and nobody waits in
+// the common case), ascending otherwise (non-causal: every key block starts at query block 0).
+// FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER=ascending|descending overrides it, for measurement; read at
+// every call.
+inline bool sm90_bwd_dq_descending(const AttnParams& p) {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER");
+  if (s != nullptr && std::strcmp(s, "ascending") == 0) return false;
+  if (s != nullptr && std::strcmp(s, "descending") == 0) return true;
+  return p.right >= 0;
+}
+
+// Needs p.dq_acc (zeroed, rows rounded up to a multiple of 8) and p.delta of 2 hq
+// stats_rows_sm90(p) floats; p.dq_sem (dq_sem_count_sm90 ints, any contents: the preprocess
+// zeroes them) selects the deterministic mode, which runs the serial schedule whatever
+// FUSEDOPS_ATTN_SM90_BWD_SCHEDULE says.
 template <typename T, int D>
-cudaError_t run_bwd_sm90(const AttnParams& p) {
+cudaError_t run_bwd_sm90(const AttnParams& params) {
+  AttnParams p = params;
+  p.dq_desc = p.dq_sem != nullptr && sm90_bwd_dq_descending(p);
   using C = TilesBwdSm90<D>;
   static_assert(sizeof(T) == C::kElem);
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -51,7 +68,9 @@ cudaError_t run_bwd_sm90(const AttnParams& p) {
         !make_tensor_map(&tm_v, p.v, kBf16, D, p.hkv, p.total_k, p.v_row, C::kBlockN) ||
         !make_tensor_map(&tm_do, p.dout, kBf16, D, p.hq, p.total_q, p.do_row, C::kBlockM))
       return cudaErrorInvalidValue;  // the driver refused a tensor map
-    auto kernel = sm90_bwd_overlap() ? bwd_kernel_sm90<T, D, true> : bwd_kernel_sm90<T, D, false>;
+    auto kernel = p.dq_sem != nullptr ? bwd_kernel_sm90<T, D, false, true>
+                  : sm90_bwd_overlap() ? bwd_kernel_sm90<T, D, true, false>
+                                       : bwd_kernel_sm90<T, D, false, false>;
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(C::kSmem));
     if (err != cudaSuccess) return err;

@@ -1,13 +1,14 @@
 // Host-side launch of the Hopper attention forward: the TMA tensor maps (made once per call
 // through the driver entry point that the CUDA runtime hands out, so nothing links against
-// libcuda), the schedule, key tile and epilogue choices, the grid and the launch (tile sizes and
-// shared memory: attention_config_sm90.h).
+// libcuda), the schedule, tile, exponential, epilogue and persistence choices, the tile order,
+// the grid and the launch (tile sizes and shared memory: attention_config_sm90.h).
 #pragma once
 
 #include <cuda.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -72,13 +73,81 @@ inline int sm90_schedule(const AttnParams& p) {
   return sm90_auto_schedule(p.head_dim, /*causal=*/p.right == 0, p.max_k);
 }
 
-// The epilogue: a TMA store of O through shared memory (the default), or with
-// FUSEDOPS_ATTN_SM90_EPILOGUE=regs the 4-byte stores from registers (for measurement; the same
-// code also stores the slabs a TMA store cannot). A kernel argument, not a template parameter:
-// no extra instantiations.
-inline int sm90_tma_store() {
+// The epilogue (the kernel's `epilogue` argument): a TMA store of O through shared memory (1,
+// the default: staged in the tile table's O buffer where it has one, else in the Q rows), with
+// FUSEDOPS_ATTN_SM90_EPILOGUE=qrows the TMA store staged in the Q rows also where the table has
+// an O buffer (2; the path of tables without one, so that it stays tested), with =regs the
+// 4-byte stores from registers (0; the same code also stores the slabs a TMA store cannot).
+// For measurement and tests; a kernel argument, not a template parameter: no extra
+// instantiations.
+inline int sm90_epilogue() {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_EPILOGUE");
-  return s != nullptr && std::strcmp(s, "regs") == 0 ? 0 : 1;
+  if (s != nullptr && std::strcmp(s, "regs") == 0) return 0;
+  if (s != nullptr && std::strcmp(s, "qrows") == 0) return 2;
+  return 1;
+}
+
+// Persistent launch (the default): min(work tiles, SMs) CTAs, each looping over work tiles.
+// FUSEDOPS_ATTN_SM90_PERSISTENT=0: one CTA per work tile (the same kernel; for measurement);
+// =N (a positive integer): at most N CTAs, so that even a small call runs many tiles per CTA
+// (for tests of the cross-tile pipeline). Returns the CTA cap, 0 for one CTA per tile.
+inline int64_t sm90_persistent_ctas(int sms) {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_PERSISTENT");
+  if (s != nullptr && *s != '\0') {
+    char* end = nullptr;
+    const long n = std::strtol(s, &end, 10);
+    if (*end == '\0' && n >= 0) return n;
+  }
+  return std::max(1, sms);
+}
+
+// The current device's SM count and L2 size, asked once per device.
+struct DeviceSm90 {
+  int sms = 0, l2_bytes = 0;
+};
+inline cudaError_t device_sm90(DeviceSm90& out) {
+  constexpr int kMaxDevices = 64;
+  static DeviceSm90 cache[kMaxDevices];  // sms == 0: not asked yet (benign race: same values)
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  DeviceSm90 d = dev < kMaxDevices ? cache[dev] : DeviceSm90{};
+  if (d.sms == 0) {
+    if ((err = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev)) !=
+            cudaSuccess ||
+        (err = cudaDeviceGetAttribute(&d.l2_bytes, cudaDevAttrL2CacheSize, dev)) != cudaSuccess)
+      return err;
+    if (dev < kMaxDevices) cache[dev] = d;
+  }
+  out = d;
+  return cudaSuccess;
+}
+
+// The work tiles and their order (TileOrderSm90, attention_fwd_kernel_sm90.cuh). Unmasked, all
+// q-blocks see the same keys: sections of one (sequence, head) pair, q-blocks fastest (the
+// non-persistent grid's order: the blocks of a few heads at a time share their K/V in L2).
+// Causal or windowed, the blocks of most keys go first (the last ones, or the first with only
+// a left bound) over sections of as many pairs as keep their K/V (max_k rows of K and V per KV
+// head) within half the L2, whole KV-head groups.
+inline TileOrderSm90 sm90_tile_order(const AttnParams& p, int block_m, int l2_bytes) {
+  TileOrderSm90 o;
+  o.n_mb = (p.max_q + block_m - 1) / block_m;
+  o.hq = p.hq;
+  o.n_bh = static_cast<int64_t>(p.batch) * p.hq;
+  o.n_work = o.n_bh * o.n_mb;
+  o.t_begin = 0;
+  o.t_end = o.n_work;
+  o.reverse = !(p.left >= 0 && p.right < 0);
+  int64_t sec = 1;
+  if (p.left >= 0 || p.right >= 0) {
+    const int64_t group = p.hq / p.hkv;
+    const int64_t kv_bytes = static_cast<int64_t>(p.max_k > 0 ? p.max_k : 1) * p.head_dim * 4;
+    const int64_t kv_heads = std::max<int64_t>(1, (l2_bytes / 2) / kv_bytes);
+    sec = std::min<int64_t>(kv_heads * group, o.n_bh);
+  }
+  sec = std::max<int64_t>(1, std::min<int64_t>(sec, (int64_t{1} << 30) / std::max(1, o.n_mb)));
+  o.sec = static_cast<int>(sec);
+  return o;
 }
 
 // The key tile: the table's (sm90_block_n) unless FUSEDOPS_ATTN_SM90_BLOCK_N=176 asks for 176
@@ -90,13 +159,50 @@ inline bool sm90_block_n_176(const AttnParams& p) {
   return s != nullptr && std::strcmp(s, "176") == 0 && p.head_dim == 128 && sm90_schedule(p) != 0;
 }
 
-template <typename T, int D, int kN>
+// The softmax's exponentials: sm90_auto_exp2 (attention_config_sm90.h) unless
+// FUSEDOPS_ATTN_SM90_EXP2 says "mufu" (every one by MUFU.EX2) or "poly" (ex2_poly for
+// TilesSm90's kExp2PolyBlocks of the column blocks), for measurement; read at every call. A
+// template parameter of the kernel (the blocks must be static inside the unrolled loop), built
+// for the 128-key tiles of D=64/128 with the overlap and ping-pong schedules; elsewhere
+// ignored.
+inline bool sm90_exp2_poly(const AttnParams& p) {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_EXP2");
+  if (s != nullptr) {
+    if (std::strcmp(s, "mufu") == 0) return false;
+    if (std::strcmp(s, "poly") == 0) return true;
+  }
+  return sm90_auto_exp2(p.head_dim, /*causal=*/p.right == 0);
+}
+
+// The consumer warpgroups per CTA: sm90_consumer_warpgroups (attention_config_sm90.h) unless
+// FUSEDOPS_ATTN_SM90_TILE says "m128" (2 warpgroups) or "m192" (3; D=64 only, elsewhere
+// ignored), for measurement; read at every call.
+inline int sm90_warpgroups(const AttnParams& p) {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_TILE");
+  int wg = sm90_consumer_warpgroups(p.head_dim, /*causal=*/p.right == 0);
+  if (s != nullptr) {
+    if (std::strcmp(s, "m128") == 0) wg = 2;
+    if (std::strcmp(s, "m192") == 0) wg = 3;
+  }
+  return p.head_dim == 64 ? wg : 2;
+}
+
+template <typename T, int D, int kN, int kWarpgroups = 2>
 cudaError_t launch_fwd_sm90(const AttnParams& p) {
-  using C = TilesSm90<D, kN>;
+  using C = TilesSm90<D, kN, kWarpgroups>;
   static_assert(sizeof(T) == C::kElem);
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  const dim3 grid((p.max_q + C::kBlockM - 1) / C::kBlockM, p.hq, p.batch);
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return cudaSuccess;
+  if (p.max_q == 0 || p.hq == 0 || p.batch == 0) return cudaSuccess;
+  DeviceSm90 dev;
+  cudaError_t err = device_sm90(dev);
+  if (err != cudaSuccess) return err;
+  const TileOrderSm90 order = sm90_tile_order(p, C::kBlockM, dev.l2_bytes);
+  // Persistent: one CTA per SM (the shared memory allows no second), unless the override caps
+  // or disables it or the tile table has no loop (kPersistent); else one CTA per tile, in
+  // launches of at most 2^31 - 1 CTAs.
+  const int64_t cap = C::kPersistent ? sm90_persistent_ctas(dev.sms) : 0;
+  const int64_t max_grid = cap > 0 ? std::min<int64_t>(cap, 0x7fffffff) : int64_t{0x7fffffff};
+  const int64_t per_launch = cap > 0 ? order.n_work : max_grid;
   CUtensorMap tm_q, tm_k, tm_v, tm_o;
   // With no keys at all (total_k == 0) no CTA reads K or V; the maps then describe one row of q
   // so that they stay valid.
@@ -108,26 +214,46 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
                        no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.v_row, C::kBlockN) ||
       !make_tensor_map(&tm_o, p.out, kBf16, D, p.hq, p.total_q, p.o_row, 64))
     return cudaErrorInvalidValue;  // the driver refused a tensor map (attention_api.cpp says)
-  auto kernel = fwd_kernel_sm90<T, D, 1, kN>;
-  switch (sm90_schedule(p)) {
+  constexpr int W = kWarpgroups, kPoly = C::kExp2PolyBlocks;
+  const int schedule = sm90_schedule(p);
+  auto kernel = fwd_kernel_sm90<T, D, 1, kN, 0, W>;
+  switch (schedule) {
     case 0:  // serial: built with the table's tiles only
-      if constexpr (kN == sm90_block_n(D)) kernel = fwd_kernel_sm90<T, D, 0, kN>;
+      if constexpr (kN == sm90_block_n(D)) kernel = fwd_kernel_sm90<T, D, 0, kN, 0, W>;
       break;
-    case 2: kernel = fwd_kernel_sm90<T, D, 2, kN>; break;
+    case 2: kernel = fwd_kernel_sm90<T, D, 2, kN, 0, W>; break;
     default: break;
   }
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(C::kSmem));
+  if constexpr (kPoly > 0)
+    if (schedule != 0 && sm90_exp2_poly(p))
+      kernel = schedule == 2 ? fwd_kernel_sm90<T, D, 2, kN, kPoly, W>
+                             : fwd_kernel_sm90<T, D, 1, kN, kPoly, W>;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(C::kSmem));
   if (err != cudaSuccess) return err;
-  kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_o,
-                                                     sm90_tma_store());
-  return cudaGetLastError();
+  const int epilogue = sm90_epilogue();
+  for (int64_t t0 = 0; t0 < order.n_work; t0 += per_launch) {
+    TileOrderSm90 part = order;
+    part.t_begin = t0;
+    part.t_end = std::min(order.n_work, t0 + per_launch);
+    const dim3 grid(static_cast<unsigned>(std::min(part.t_end - t0, max_grid)));
+    kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_o, epilogue, part);
+    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
+
+// The 192-query tiles (D=64) are instantiated in attention_fwd_sm90_m192.cu, a translation
+// unit of their own, so that the two halves of the kernels compile side by side.
+extern template cudaError_t launch_fwd_sm90<__half, 64, 128, 3>(const AttnParams&);
+extern template cudaError_t launch_fwd_sm90<__nv_bfloat16, 64, 128, 3>(const AttnParams&);
 
 template <typename T, int D>
 cudaError_t run_fwd_sm90(const AttnParams& p) {
   if constexpr (D == 128)
     if (sm90_block_n_176(p)) return launch_fwd_sm90<T, D, 176>(p);
+  if constexpr (D == 64)
+    if (sm90_warpgroups(p) == 3) return launch_fwd_sm90<T, D, 128, 3>(p);
   return launch_fwd_sm90<T, D, sm90_block_n(D)>(p);
 }
 

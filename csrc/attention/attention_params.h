@@ -22,6 +22,12 @@ struct AttnParams {
   float* lse = nullptr;
   float* delta = nullptr;
   float* dq_acc = nullptr;  // float32 dQ in 8 x 8 tiles (dq_acc_index), zeroed; null: dQ pass
+  // The sm90 backward's deterministic mode (with dq_acc): int32 counters that order the dQ
+  // reductions (attention_bwd_kernel_sm90.cuh), at least dq_sem_count_sm90 of them, zeroed by
+  // the backward's preprocess; null: unordered reductions. dq_desc: the order (set by the
+  // launcher).
+  int* dq_sem = nullptr;
+  bool dq_desc = false;
   const int* cu_q = nullptr;
   const int* cu_k = nullptr;
   // Row strides (elements) of each tensor; the head stride is head_dim everywhere.
@@ -41,13 +47,21 @@ struct AttnParams {
 // arch 80, the sm80 kernels (mma.sync + cp.async, attention_{fwd,bwd}_sm80.cu, also built for
 // sm_90a); arch 90, the Hopper kernels (wgmma + TMA, attention_{fwd,bwd}_sm90.cu, cc 9.0 only;
 // forward head dims 64, 128 and 256, backward 64 and 128; the backward reads the lse either
-// forward writes). The sm90 backward runs the sm80 one when p.dq_acc is null -- the
-// deterministic mode -- or under FUSEDOPS_ATTN_SM90_BWD=sm80. Each returns the CUDA error code
-// of its last launch.
+// forward writes). The sm90 backward's deterministic mode is p.dq_sem set (with p.dq_acc); it
+// runs the sm80 backward when p.dq_acc is null or under FUSEDOPS_ATTN_SM90_BWD=sm80
+// (attention_bwd_sm90_enabled). Each returns the CUDA error code of its last launch.
 cudaError_t attention_fwd_sm80(AttnParams& p);
 cudaError_t attention_fwd_sm90(AttnParams& p);
 cudaError_t attention_bwd_sm80(AttnParams& p);
 cudaError_t attention_bwd_sm90(AttnParams& p);
+// False under FUSEDOPS_ATTN_SM90_BWD=sm80 (read at every call).
+bool attention_bwd_sm90_enabled();
+// Counters the sm90 backward's deterministic mode needs in p.dq_sem: one ticket (padded to 32)
+// and one per (query head, 64-row block of the padded statistics layout, consumer warpgroup).
+inline int64_t dq_sem_count_sm90(int64_t total_q, int64_t hq, int64_t batch) {
+  const int64_t stats_rows = (total_q + 128 * batch + 127) / 128 * 128;
+  return 32 + 2 * hq * (stats_rows / 64);
+}
 // Whether the kernel of the sm80 atomic-dQ backward fits the current device's shared memory
 // (Hopper: yes; Ampere: no, and the backward computes dQ in its own pass instead).
 bool attention_bwd_atomic_fits_sm80(int head_dim);

@@ -29,6 +29,7 @@ class Case:
     softcap: float | None = None
     varlen: bool = False
     seed: int = 0
+    lens: tuple | None = None  # varlen: explicit (lens_q, lens_k) instead of the three below
 
     def kwargs(self):
         return dict(causal=self.causal, window_size=self.window, softcap=self.softcap)
@@ -39,6 +40,8 @@ def make_inputs(c: Case):
     if c.varlen:  # three sequences: full, a shorter one with Sq != Sk, and a tiny one
         lens_q = [c.seq_q, max(1, c.seq_q // 2), 1]
         lens_k = [c.seq_k, max(1, c.seq_k // 3 + 1), 5]
+        if c.lens is not None:
+            lens_q, lens_k = list(c.lens[0]), list(c.lens[1])
         tq, tk = sum(lens_q), sum(lens_k)
         q = torch.randn(tq, c.heads_q, c.head_dim, generator=g)
         k = torch.randn(tk, c.heads_kv, c.head_dim, generator=g)

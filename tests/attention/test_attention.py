@@ -77,13 +77,13 @@ def test_parity(backend, device, dtype, shape, feature):
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,head_dim", [
     ("triton", 128), pytest.param("cuda-sm80", 128, marks=NEEDS_EXT),
-    pytest.param("cuda-sm90", 128, marks=NEEDS_EXT),
+    pytest.param("cuda-sm90", 128, marks=NEEDS_EXT), pytest.param("cuda-sm90", 64, marks=NEEDS_EXT),
     pytest.param("cuda-sm90", 256, marks=NEEDS_EXT, id="cuda-sm90-256-triton-backward")])
 @pytest.mark.parametrize("feature", ["plain", "causal_window", "varlen_everything"])
 def test_deterministic_backward_is_bitwise_repeatable(feature, backend, head_dim):
     """Under torch.use_deterministic_algorithms(True) dQ comes from the separate pass (no
-    atomics) on every backend: correct, and bit-identical run to run (cuda-sm90 at D=256: the
-    Triton backward's separate pass)."""
+    atomics) or, in cuda-sm90's backward at D=64/128, from reductions in a fixed order: correct,
+    and bit-identical run to run (cuda-sm90 at D=256: the Triton backward's separate pass)."""
     case = A.Case(2, 1025, 1025, 8, 2, head_dim, torch.bfloat16, "cuda", **FEATURES[feature])
     inp = A.make_inputs(case)
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -95,6 +95,104 @@ def test_deterministic_backward_is_bitwise_repeatable(feature, backend, head_dim
         torch.use_deterministic_algorithms(False)
     for name in ("dq", "dk", "dv"):
         assert torch.equal(runs[0][name], runs[1][name]), name
+
+
+# Work-tile sequences of the persistent sm90 forward: (batch, Sq, Sk, Hq, Hkv, D, features). Each
+# call has far more (q-block, head, sequence) tiles than a GPU has SMs, so that every CTA runs
+# several, of different key counts; some blocks see no key at all.
+SM90_PERSIST_CASES = {
+    "dense-gqa-1152tiles": (8, 1025, 1025, 16, 4, 128, {}),
+    "causal-300x1025": (16, 300, 1025, 8, 2, 64, dict(causal=True)),
+    # bottom-right causal, Sq > Sk: blocks 0-4 of every sequence see no key
+    "causal-1025x300": (8, 1025, 300, 8, 8, 128, dict(causal=True)),
+    # window (10, 5) at lk - lq = -800: blocks 0-5 see no key
+    "window-hides-blocks": (8, 1000, 200, 8, 4, 64, dict(window=(10, 5))),
+    # empty and 1-row sequences (q and k), a sequence without keys
+    "varlen-empty-1row": (1, 700, 700, 16, 4, 128, dict(
+        varlen=True, lens=((0, 1, 129, 0, 1, 700, 1, 300, 64), (5, 0, 300, 0, 1, 700, 64, 1, 0)))),
+    "varlen-empty-1row-causal-window-softcap": (1, 700, 700, 16, 4, 64, dict(
+        varlen=True, causal=True, window=(200, -1), softcap=20.0,
+        lens=((0, 1, 129, 0, 1, 700, 1, 300, 64), (5, 0, 300, 0, 1, 700, 64, 1, 0)))),
+    # D=256: a tile table without the loop (TilesSm90::kPersistent false), one CTA per tile
+    # whatever the overrides say
+    "d256-causal-300x1025": (4, 300, 1025, 8, 2, 256, dict(causal=True)),
+}
+# Launcher overrides (attention_launch_sm90.cuh): the default persistent launch (one CTA per
+# SM), 3 CTAs (dozens of tiles each) with each schedule and the polynomial exponentials, O staged
+# in the Q rows (the path of tile tables without an O buffer), the non-persistent launch, and
+# the cap over tile tables without the loop.
+SM90_PERSIST_ENVS = {
+    "persistent": {},
+    "3cta-serial": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3", FUSEDOPS_ATTN_SM90_SCHEDULE="serial"),
+    "3cta-overlap": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                         FUSEDOPS_ATTN_SM90_SCHEDULE="overlap"),
+    "3cta-pingpong-qrows": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                                FUSEDOPS_ATTN_SM90_SCHEDULE="pingpong",
+                                FUSEDOPS_ATTN_SM90_EPILOGUE="qrows"),
+    "3cta-overlap-regs": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                              FUSEDOPS_ATTN_SM90_SCHEDULE="overlap",
+                              FUSEDOPS_ATTN_SM90_EPILOGUE="regs"),
+    "nonpersistent": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="0"),
+    "3cta-pingpong-poly": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                               FUSEDOPS_ATTN_SM90_SCHEDULE="pingpong",
+                               FUSEDOPS_ATTN_SM90_EXP2="poly"),
+    # The 192-query tiles (D=64) and the 176-key tiles (D=128) have no loop: they must ignore
+    # the cap and launch one CTA per tile (at the other head dims these are the 3-CTA runs).
+    "3cta-m192-pingpong": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                               FUSEDOPS_ATTN_SM90_SCHEDULE="pingpong",
+                               FUSEDOPS_ATTN_SM90_TILE="m192"),
+    "3cta-bn176-overlap": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                               FUSEDOPS_ATTN_SM90_SCHEDULE="overlap",
+                               FUSEDOPS_ATTN_SM90_BLOCK_N="176"),
+}
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
+@pytest.mark.parametrize("env", list(SM90_PERSIST_ENVS))
+@pytest.mark.parametrize("case", list(SM90_PERSIST_CASES))
+def test_sm90_persistent_work_tiles(case, env, monkeypatch):
+    """The persistent sm90 forward (forward and the backward fed by its lse) against the float64
+    oracle where CTAs run many work tiles: the pipeline's barrier phases continue across tiles
+    with different key counts, tiles without keys, skipped blocks of short sequences."""
+    for name, value in SM90_PERSIST_ENVS[env].items():
+        monkeypatch.setenv(name, value)
+    *shape, features = SM90_PERSIST_CASES[case]
+    dtype = torch.float16 if "causal" in case else torch.bfloat16
+    A.check(A.Case(*shape, dtype, "cuda", **features), "cuda-sm90", _CACHE)
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_forward_replays_in_a_cuda_graph(causal):
+    """The persistent sm90 forward keeps no per-call state on the device (static tile order):
+    captured once in a CUDA graph and replayed on new inputs it matches an eager call exactly."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 forward needs compute capability 9.0")
+    lens = [700, 1, 300]
+    cu = torch.tensor([0, 700, 701, 1001], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    args = (cu, cu, max(lens), max(lens), 128 ** -0.5, causal, -1, -1, 0.0, 90)
+    fwd = torch.ops.fusedops.attention_fwd_cuda
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fwd(q, k, v, *args)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = fwd(q, k, v, *args)
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g))
+        graph.replay()
+        ref_out, ref_lse = fwd(q, k, v, *args)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
 def _other_dq_mode_params():
@@ -147,7 +245,14 @@ SM90_BWD_VARIANTS = {
     "sm90-bwd": {},
     "sm90-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm80-bwd": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
+    # The deterministic mode (ordered dQ reductions) in both orders; its default is one of them.
+    "sm90-bwd-ordered-asc": {"FUSEDOPS_ATTN_DQ": "separate",
+                             "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
+    "sm90-bwd-ordered-desc": {"FUSEDOPS_ATTN_DQ": "separate",
+                              "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
 }
+SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ",
+                "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER")
 
 
 @pytest.mark.gpu
@@ -160,11 +265,11 @@ SM90_BWD_VARIANTS = {
 @NEEDS_EXT
 def test_cuda_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, monkeypatch):
     """cuda-sm90's backward is the sm90 kernel (serial schedule, or overlapped by
-    FUSEDOPS_ATTN_SM90_BWD_SCHEDULE); FUSEDOPS_ATTN_SM90_BWD=sm80 takes the sm80 one. All pass
-    the oracle."""
+    FUSEDOPS_ATTN_SM90_BWD_SCHEDULE, or deterministic in either order of its dQ reductions);
+    FUSEDOPS_ATTN_SM90_BWD=sm80 takes the sm80 one. All pass the oracle."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 kernels run on compute capability 9.0")
-    for name in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ"):
+    for name in SM90_BWD_ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in SM90_BWD_VARIANTS[variant].items():
         monkeypatch.setenv(name, value)
@@ -191,6 +296,53 @@ def test_cuda_sm90_backward_switch_changes_the_kernel(monkeypatch):
                                                      backend="cuda-sm90"), inp, case, case.dtype))
     assert torch.equal(grads[0]["out"], grads[1]["out"])
     assert not torch.equal(grads[0]["dk"], grads[1]["dk"])
+
+
+def _kernel_names(fn):
+    """Names of the CUDA kernels fn() launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key for e in prof.key_averages()}
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_sm90_deterministic_backward_runs_the_sm90_kernel(head_dim, monkeypatch):
+    """Deterministic on cuda-sm90 runs the sm90 backward kernel (its ordered-dQ mode), not the
+    sm80 dQ pass; FUSEDOPS_ATTN_SM90_BWD=sm80 still takes the sm80 backward (its dQ pass). The
+    two round differently, and each repeats bit for bit."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backward runs on compute capability 9.0")
+    for name in SM90_BWD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    case = A.Case(2, 1025, 1025, 8, 2, head_dim, torch.bfloat16, "cuda", causal=True)
+    inp = A.make_inputs(case)
+    run = lambda: A.run(lambda *a, **k: attention(*a, **k, return_lse=True,  # noqa: E731
+                                                  backend="cuda-sm90"), inp, case, case.dtype)
+    grads, names = {}, {}
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for value in (None, "sm80"):
+            if value is not None:
+                monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD", value)
+            names[value] = _kernel_names(lambda v=value: grads.setdefault(v, run()))
+            assert torch.equal(run()["dq"], grads[value]["dq"]), value
+    finally:
+        torch.use_deterministic_algorithms(False)
+    if not any(names.values()):
+        pytest.skip("the profiler recorded no CUDA kernels (CUPTI unavailable)")
+    sm90, sm80 = names[None], names["sm80"]
+
+    def dq_pass(n):  # the sm80 dQ kernel, demangled or not (not dq_convert_kernel)
+        return "::dq_kernel<" in n or "9dq_kernelI" in n
+    assert any("bwd_kernel_sm90" in n for n in sm90), sorted(sm90)
+    assert not any(dq_pass(n) for n in sm90), sorted(sm90)
+    assert not any("bwd_kernel_sm90" in n for n in sm80), sorted(sm80)
+    assert any(dq_pass(n) for n in sm80), sorted(sm80)
+    assert not torch.equal(grads[None]["dq"], grads["sm80"]["dq"])
 
 
 def test_dq_mode_selection(monkeypatch):

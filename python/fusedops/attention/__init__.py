@@ -121,7 +121,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     backend, fp32 atomics (not bit-reproducible) for CUDA, a separate pass (bit-identical run to
     run) for Triton (and after cuda-sm90 at head dim 256, whose backward is Triton's).
     FUSEDOPS_ATTN_DQ=separate or =atomic chooses, and
-    torch.use_deterministic_algorithms(True) always gives the separate pass.
+    torch.use_deterministic_algorithms(True) always gives the deterministic mode ("separate":
+    cuda-sm90's backward at head dim 64/128 adds the same fp32 partials in a fixed order instead
+    of running a separate pass).
     """
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)

@@ -47,8 +47,8 @@ BACKENDS = (
             limits=_cuda_limits("cuda-sm90"), bwd_by=_sm90_bwd_by,
             summary="Hopper kernels (wgmma + TMA, a producer warpgroup and two consumer "
                     "warpgroups): forward at head dims 64, 128 and 256, backward at 64 and 128 "
-                    "(dQ by float32 reductions; the deterministic mode runs cuda-sm80's "
-                    "separate dQ pass), Triton's backward at 256"),
+                    "(dQ by float32 reductions, or deterministic by reductions in a fixed "
+                    "order), Triton's backward at 256"),
     Backend("cuda-sm80", "cuda", _HALF, arch=80, cc_range=((8, 0), (9, 0)),
             limits=_cuda_limits("cuda-sm80"),
             summary="mma.sync + cp.async kernels, head dims 64 and 128; dQ by float32 atomics "

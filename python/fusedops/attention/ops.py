@@ -149,8 +149,9 @@ def _default_dq(backend, head_dim):
 
 
 def dq_mode(backend, head_dim):
-    """How the backward computes dQ: "separate" (its own pass, no atomics, bit-reproducible) or
-    "atomic" (fp32 atomics from the dK/dV kernel). Always "separate" under
+    """How the backward computes dQ: "separate" (deterministic, bit-reproducible: its own pass,
+    or in cuda-sm90's backward at D=64/128 fp32 reductions in a fixed order) or "atomic" (fp32
+    atomics from the dK/dV kernel, in any order). Always "separate" under
     torch.use_deterministic_algorithms(True); else FUSEDOPS_ATTN_DQ, else the faster one for the
     backend and head dim."""
     if torch.are_deterministic_algorithms_enabled():

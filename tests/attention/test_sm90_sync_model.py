@@ -1,0 +1,349 @@
+"""A model of the persistent sm90 attention forward's synchronisation, run under random
+interleavings (CPU only; the kernel itself needs a Hopper GPU).
+
+One CTA's actors follow csrc/attention/attention_fwd_kernel_sm90.cuh step by step: the producer
+thread, the consumer warpgroups (two, or three for the 192-query tiles; each as one actor: its
+warps' releases arrive as a count of 4), and an asynchronous engine that completes TMA loads and
+TMA-store reads at random moments.
+Over random work-tile sequences (skipped tiles, tiles without keys, 1..7 key tiles, slabs stored
+by TMA or from registers) and every schedule, stage count and staging buffer it checks: no
+deadlock; every wgmma reads a buffer holding the tile it expects, fully loaded; no TMA load into
+a buffer that is being read; no staging write into rows a store is still reading; every
+ping-pong named-barrier generation completed by one waiting and one arriving warpgroup (the turns
+go round the warpgroups in a cycle, 0, 1, .., NW - 1, 0, ..). Three consumer warpgroups run one
+work tile per CTA in the kernel (TilesSm90::kPersistent is false there); the model runs them over
+sequences of tiles as well, a stronger check of the same protocol. A change
+to the kernel's barriers, counts or release points must be made here too; the mutation tests
+show that the model catches the classic mistakes.
+"""
+import random
+
+import pytest
+
+
+class Fail(Exception):
+    pass
+
+
+class MBar:
+    def __init__(self, name, count):
+        self.name, self.count, self.pending, self.tx, self.phase = name, count, count, 0, 0
+
+    def _maybe_complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase += 1
+            self.pending = self.count
+
+    def arrive(self, n=1):
+        if n > self.pending:
+            raise Fail(f"{self.name}: {n} arrivals > {self.pending} pending")
+        self.pending -= n
+        self._maybe_complete()
+
+    def expect_tx(self, b):
+        self.tx += b
+        self.arrive(1)
+
+    def complete_tx(self, b):
+        self.tx -= b
+        if self.tx < 0:
+            raise Fail(f"{self.name}: tx < 0")
+        self._maybe_complete()
+
+    def done(self, parity):
+        return (self.phase & 1) != parity
+
+
+class NBar:
+    def __init__(self, name, total):
+        self.name, self.total, self.arrived, self.gen, self.waiters = name, total, 0, 0, 0
+
+    def add(self, n, waiting):
+        self.arrived += n
+        if waiting:
+            self.waiters += 1
+        if self.arrived == self.total:
+            if self.total == 256 and self.waiters != 1:
+                raise Fail(f"{self.name}: completed with {self.waiters} syncing warpgroups")
+            self.arrived, self.waiters = 0, 0
+            self.gen += 1
+            return True
+        return False
+
+
+class Buf:
+    def __init__(self, name):
+        self.name, self.tag, self.loaded, self.inflight, self.readers = name, None, True, False, 0
+
+    def load_issue(self, tag):
+        if self.readers:
+            raise Fail(f"TMA load into {self.name} with {self.readers} active readers")
+        if self.inflight:
+            raise Fail(f"TMA load into {self.name} while one is in flight")
+        self.tag, self.loaded, self.inflight = tag, False, True
+
+    def read_start(self, tag):
+        if tag is not None and (self.tag != tag or not self.loaded):
+            raise Fail(f"read of {self.name}: holds {self.tag} loaded={self.loaded}, want {tag}")
+        if self.inflight:
+            raise Fail(f"read of {self.name} while loading")
+        self.readers += 1
+
+    def read_end(self):
+        self.readers -= 1
+
+
+def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2):
+    rng = random.Random(seed)
+    warps = 4 * nw  # lane 0 of every consumer warp arrives on the empty barriers
+    qfull, qempty = MBar("qfull", 1), MBar("qempty", warps)
+    kfull = [MBar(f"kfull{s}", 1) for s in range(S)]
+    kempty = [MBar(f"kempty{s}", warps) for s in range(S)]
+    vfull = [MBar(f"vfull{s}", 1) for s in range(S)]
+    vempty = [MBar(f"vempty{s}", warps) for s in range(S)]
+    nb = {1 + w: NBar(f"nb{1 + w}", 256) for w in range(nw)}  # ping-pong ids 1 .. nw
+    sQ = [Buf(f"sQ{w}") for w in range(nw)]  # each warpgroup's 64 rows
+    sK = [Buf(f"sK{s}") for s in range(S)]
+    sV = [Buf(f"sV{s}") for s in range(S)]
+    sO = [Buf(f"sO{w}") for w in range(nw)]
+    events = []  # pending async completions: callables
+
+    def tma_load(buf_list, tag, bar):
+        for b in buf_list:
+            b.load_issue(tag)
+
+        def complete():
+            for b in buf_list:
+                b.loaded, b.inflight = True, False
+            bar.complete_tx(1)
+        events.append(complete)
+
+    def producer():
+        kv = q_use = 0
+        for t, (skip, n, _) in enumerate(tiles):
+            if skip or (n == 0 and bug != "load_empty_tiles"):
+                continue
+            for i in range(max(n, 1)):
+                it = kv + i
+                s, ph = it % S, (it // S) & 1
+                yield lambda s=s, ph=ph: kempty[s].done(ph ^ 1)
+                kfull[s].expect_tx(1)
+                tma_load([sK[s]], (t, i), kfull[s])
+                if i == 0:
+                    yield lambda q=q_use: qempty.done((q & 1) ^ 1)
+                    qfull.expect_tx(1)
+                    tma_load(sQ, t, qfull)
+                yield lambda s=s, ph=ph: vempty[s].done(ph ^ 1)
+                vfull[s].expect_tx(1)
+                tma_load([sV[s]], (t, i), vfull[s])
+            kv += n
+            q_use += 1
+
+    def consumer(cw):
+        kv = q_use = 0
+        groups = []  # outstanding wgmma groups: lists of buffers being read
+        store_reading = []  # this WG's TMA stores still reading their staging rows: [flag]
+        pp = schedule == 2
+        for t, (skip, n, slabs) in enumerate(tiles):
+            if skip:
+                continue
+            tma_slab = epilogue != 0 and slabs[cw] and n > 0
+            q_late = tma_slab and o_in_q
+
+            def issue_qk(i, kv=kv, t=t):
+                it = kv + i
+                s = it % S
+                yield lambda: kfull[s].done((it // S) & 1)
+                sQ[cw].read_start(t)
+                sK[s].read_start((t, i))
+                groups.append([sQ[cw], sK[s]])
+
+            def issue_pv(i, kv=kv, t=t):
+                it = kv + i
+                s = it % S
+                yield lambda: vfull[s].done((it // S) & 1)
+                sV[s].read_start((t, i))
+                groups.append([sV[s]])
+
+            def wgmma_wait(k):
+                while len(groups) > k:
+                    for b in groups.pop(0):
+                        b.read_end()
+
+            def release(bar):
+                bar.arrive(4)
+
+            def release_q(q_late=q_late):
+                if not q_late or bug == "early_q_release":
+                    release(qempty)
+
+            def take_turn():
+                if pp:
+                    bar = nb[1 + cw]
+                    g0 = bar.gen
+                    if not bar.add(128, True):
+                        yield lambda: bar.gen != g0
+
+            def hand_over(last):
+                if pp and not (last and cw == nw - 1 and bug != "unbalanced_turns"):
+                    # to the next warpgroup of the cycle; "two_wg_cycle": the two-warpgroup
+                    # kernel's 2 - cw, wrong for three
+                    nxt = 2 - cw if bug == "two_wg_cycle" else 1 + (cw + 1) % nw
+                    nb[nxt].add(128, False)
+
+            kempty_ = lambda i, kv=kv: kempty[(kv + i) % S]  # noqa: E731
+            vempty_ = lambda i, kv=kv: vempty[(kv + i) % S]  # noqa: E731
+            if n > 0:
+                yield lambda q=q_use: qfull.done(q & 1)
+            if schedule == 0:
+                for i in range(n):
+                    yield from issue_qk(i)
+                    wgmma_wait(0)
+                    release(kempty_(i))
+                    if i + 1 == n:
+                        release_q()
+                    yield lambda: True  # softmax: a scheduling point
+                    yield from issue_pv(i)
+                    wgmma_wait(0)
+                    release(vempty_(i))
+            elif n > 0:
+                if pp and cw == nw - 1:
+                    nb[1].add(128, False)  # warpgroup 0's first turn
+                yield from take_turn()
+                yield from issue_qk(0)
+                hand_over(False)
+                wgmma_wait(0)
+                release(kempty_(0))
+                yield lambda: True
+                for i in range(n - 1):
+                    yield from take_turn()
+                    yield from issue_qk(i + 1)
+                    yield from issue_pv(i)
+                    hand_over(False)
+                    wgmma_wait(1)
+                    release(kempty_(i + 1))
+                    yield lambda: True
+                    wgmma_wait(0)
+                    release(vempty_(i))
+                release_q()
+                yield from take_turn()
+                yield from issue_pv(n - 1)
+                hand_over(True)
+                wgmma_wait(0)
+                release(vempty_(n - 1))
+            if groups:
+                raise Fail("wgmma groups left at the epilogue")
+            # epilogue
+            if tma_slab:
+                buf = sQ[cw] if o_in_q else sO[cw]
+                if not o_in_q and bug != "no_store_wait":
+                    yield lambda: not any(f[0] for f in store_reading)
+                # staging writes: a writer must not meet a load in flight or active readers
+                if buf.inflight or buf.readers:
+                    raise Fail(f"staging write into {buf.name}: inflight={buf.inflight} "
+                               f"readers={buf.readers}")
+                yield lambda: True
+                if buf.inflight or buf.readers:
+                    raise Fail(f"staging write into {buf.name} (end)")
+                buf.read_start(None)  # the store reads the rows until its read completes
+                flag = [True]
+                store_reading.append(flag)
+
+                def store_done(buf=buf, flag=flag):
+                    buf.read_end()
+                    flag[0] = False
+                events.append(store_done)
+                if q_late:
+                    yield lambda flag=flag: not flag[0]
+                    qempty.arrive(4)
+            kv += n
+            q_use += n > 0
+        yield lambda: not any(f[0] for f in store_reading)
+
+    actors = {"producer": producer(), **{f"wg{w}": consumer(w) for w in range(nw)}}
+    conds = {k: (lambda: True) for k in actors}
+    steps = 0
+    while actors or events:
+        steps += 1
+        if steps > 200000:
+            raise Fail("too many steps")
+        ready = [k for k in actors if conds[k]()]
+        choices = [("a", k) for k in ready] + [("e", i) for i in range(len(events))]
+        if not choices:
+            raise Fail(f"DEADLOCK: blocked {list(actors)}")
+        kind, x = rng.choice(choices)
+        if kind == "e":
+            events.pop(x)()
+            continue
+        try:
+            conds[x] = next(actors[x])
+        except StopIteration:
+            del actors[x]
+            del conds[x]
+    for b in sQ + sK + sV + sO:
+        if b.readers or b.inflight:
+            raise Fail(f"{b.name} busy at exit")
+    for bar in nb.values():  # the turns balance: no generation left half-arrived
+        if bar.arrived:
+            raise Fail(f"{bar.name}: {bar.arrived} arrivals left at exit")
+
+
+def random_tiles(rng, nw=2, max_tiles=9):
+    out = []
+    for _ in range(rng.randint(1, max_tiles)):
+        skip = rng.random() < 0.15
+        n = rng.choice([0, 0, 1, 1, 2, 3, 4, 5, 7])
+        out.append((skip, n, tuple(rng.random() < 0.7 for _ in range(nw))))
+    return out
+
+
+CONFIGS = [(S, sched, o_in_q, epi) for S in (2, 3) for sched in (0, 1, 2)
+           for o_in_q in (False, True) for epi in (0, 1)]
+
+
+@pytest.mark.parametrize("S,schedule,o_in_q,epilogue", CONFIGS)
+def test_sync_model_has_no_deadlock_or_hazard(S, schedule, o_in_q, epilogue):
+    rng = random.Random(1000 * S + 100 * schedule + 10 * o_in_q + epilogue)
+    for _ in range(150):
+        run(random_tiles(rng), S, schedule, o_in_q, epilogue, rng.randrange(1 << 30))
+
+
+# Three consumer warpgroups (the 192-query tiles of D=64: 3 stages, O buffer or Q rows): one
+# work tile per CTA as the kernel runs them, and sequences of tiles.
+CONFIGS_3WG = [(sched, o_in_q, epi, max_tiles) for sched in (0, 1, 2) for o_in_q in (False, True)
+               for epi in (0, 1) for max_tiles in (1, 9)]
+
+
+@pytest.mark.parametrize("schedule,o_in_q,epilogue,max_tiles", CONFIGS_3WG)
+def test_sync_model_three_warpgroups(schedule, o_in_q, epilogue, max_tiles):
+    rng = random.Random(7000 + 100 * schedule + 10 * o_in_q + epilogue + max_tiles)
+    for _ in range(150 if max_tiles > 1 else 60):
+        run(random_tiles(rng, nw=3, max_tiles=max_tiles), 3, schedule, o_in_q, epilogue,
+            rng.randrange(1 << 30), nw=3)
+
+
+@pytest.mark.parametrize("bug,config", [
+    ("early_q_release", (2, 1, True, 1)),    # Q rows handed back before the store read them
+    ("unbalanced_turns", (2, 2, False, 1)),  # warpgroup 1 hands over its last turn too
+    ("load_empty_tiles", (2, 1, False, 1)),  # the producer loads for a tile without keys
+    ("no_store_wait", (2, 1, False, 1)),     # O buffer rewritten while a store reads it
+])
+def test_sync_model_catches_known_mistakes(bug, config):
+    rng = random.Random(5)
+    with pytest.raises(Fail):
+        for _ in range(300):
+            run(random_tiles(rng), *config, rng.randrange(1 << 30), bug=bug)
+
+
+@pytest.mark.parametrize("bug", ["two_wg_cycle", "unbalanced_turns", "early_q_release"])
+def test_sync_model_catches_three_warpgroup_mistakes(bug):
+    """With three consumer warpgroups: the two-warpgroup hand-over (2 - cw) and a last turn
+    handed over, on one work tile per CTA; Q rows handed back before the store read them, over
+    sequences of tiles (with one tile nothing reloads Q)."""
+    rng = random.Random(11)
+    schedule, o_in_q = (1, True) if bug == "early_q_release" else (2, False)
+    max_tiles = 9 if bug == "early_q_release" else 1
+    with pytest.raises(Fail):
+        for _ in range(300):
+            run(random_tiles(rng, nw=3, max_tiles=max_tiles), 3, schedule, o_in_q, 1,
+                rng.randrange(1 << 30), bug=bug, nw=3)
