@@ -223,10 +223,10 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         check_int("cache_seqlens", cache_seqlens)
         cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     cap = reference.capacity(k_cache, page_table)
+    if n_new > cap:
+        raise ValueError(f"S_new = {n_new} keys cannot fit a cache of {cap} keys per sequence")
     if check or (check is None and q.device.type == "cpu"):
         check_values(cache_seqlens, page_table, n_new, cap, k_cache.shape[0], k_cache.shape[1])
-    elif n_new > cap:
-        raise ValueError(f"S_new = {n_new} keys cannot fit a cache of {cap} keys per sequence")
     if k_new is not None:
         append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
