@@ -111,10 +111,9 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        voff = koff
-        if stride_vb != stride_kb or stride_vs != stride_ks:
-            voff = _key_offsets(cols, keep, b, PT, stride_pt, page_size, num_pages, stride_vb,
-                                stride_vs, PAGED)
+        # k_cache and v_cache may have different strides (one page-table read each; cached)
+        voff = _key_offsets(cols, keep, b, PT, stride_pt, page_size, num_pages, stride_vb,
+                            stride_vs, PAGED)
         v = tl.load(V + voff[:, None] + kvh.to(tl.int64) * stride_vh + offs_d[None, :],
                     mask=keep[:, None] & d_ok[None, :], other=0.0)
         if IEEE:
