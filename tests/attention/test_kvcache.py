@@ -10,8 +10,9 @@ import attn_oracle as A
 import pytest
 import torch
 
-from fusedops import dispatch
+from fusedops import _ext, dispatch
 from fusedops.attention import attention, attention_with_kvcache
+from fusedops.attention.kvcache_backends import CUDA_ENABLED as CUDA_DECODE
 
 HAS_GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -20,6 +21,11 @@ try:
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
+# The CUDA decode kernel runs only when built and enabled (FUSEDOPS_ATTN_DECODE_CUDA=1: it is not
+# yet validated on a GPU).
+NEEDS_CUDA_DECODE = [pytest.mark.skipif(not _ext.available(), reason="fusedops._C not built"),
+                     pytest.mark.skipif(not CUDA_DECODE, reason="FUSEDOPS_ATTN_DECODE_CUDA=1 "
+                                        "not set")]
 
 
 @dataclass
@@ -212,13 +218,13 @@ def _params():
             for dtype in (torch.float32, torch.float16):
                 out.append(pytest.param("triton", "cpu", dtype, name, CPU_CASES,
                                         id=f"triton-cpu-{str(dtype)[6:]}-{name}"))
-    for backend in ("triton", "torch"):
+    for backend in ("cuda-sm80", "triton", "torch"):
+        marks = [pytest.mark.gpu] + (NEEDS_CUDA_DECODE if backend.startswith("cuda") else [])
         for dtype in (torch.bfloat16, torch.float16):
             if backend == "torch" and dtype != torch.bfloat16:
                 continue
             for name in GPU_CASES:
-                out.append(pytest.param(backend, "cuda", dtype, name, GPU_CASES,
-                                        marks=pytest.mark.gpu,
+                out.append(pytest.param(backend, "cuda", dtype, name, GPU_CASES, marks=marks,
                                         id=f"{backend}-cuda-{str(dtype)[6:]}-{name}"))
     return out
 
@@ -434,18 +440,20 @@ def test_dispatch_declares_the_decode_op():
     table = dispatch.op_backends("attention_decode")
     assert [b.name for b in table.backends] == list(dispatch.BACKENDS)
     sig = dispatch.InputSig("attention_decode", "cuda", 0, torch.bfloat16, 128, True)
-    for name in ("cuda-sm90", "cuda-sm80"):
-        assert "no CUDA decode kernels are built yet" in dispatch.why_not(name, sig)
+    assert "no Hopper-specific decode kernel is built yet" in dispatch.why_not("cuda-sm90", sig)
+    if not CUDA_DECODE:
+        assert "not yet validated" in dispatch.why_not("cuda-sm80", sig)
+    sig96 = dispatch.InputSig("attention_decode", "cuda", 0, torch.bfloat16, 96, True)
+    assert "head dim 96" in (table.by_name["cuda-sm80"].limits(sig96) or "")
     x = torch.randn(2, 1, 4, 16)
     assert dispatch.select("attention_decode", x, 16, causal=True) == "torch"
-    with pytest.raises(RuntimeError, match="no CUDA decode kernels are built yet"):
+    with pytest.raises(RuntimeError, match="no Hopper-specific decode kernel"):
         attention_with_kvcache(x, torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16), 2,
-                               backend="cuda")
+                               backend="cuda-sm90")
 
 
 def test_num_splits_heuristic():
-    pytest.importorskip("triton")
-    from fusedops.attention.kvcache_triton import num_splits_heuristic
+    from fusedops.attention.kvcache import num_splits_heuristic
     # H200 (132 SMs), 8 KV heads, 64-key blocks
     assert num_splits_heuristic(1, 8, 131072, 132, 64) == 33
     assert num_splits_heuristic(8, 8, 8192, 132, 64) == 5
@@ -455,8 +463,9 @@ def test_num_splits_heuristic():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_CUDA_DECODE)])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged64"])
-def test_cuda_graph_capture_of_a_decode_step(paged):
+def test_cuda_graph_capture_of_a_decode_step(paged, backend):
     """A decode step (append one key, attend) is captured once and replayed with new inputs and
     lengths copied into the static tensors: the replays equal eager calls."""
     torch.manual_seed(0)
@@ -475,7 +484,7 @@ def test_cuda_graph_capture_of_a_decode_step(paged):
 
     def step():
         return attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=vn, page_table=pages,
-                                      backend="triton", check=False)
+                                      backend=backend, check=False)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -494,14 +503,15 @@ def test_cuda_graph_capture_of_a_decode_step(paged):
         lens.copy_(torch.tensor([it, 100 + it, 2000 + it, 4000 + it], dtype=torch.int32))
         graph.replay()
         want = attention_with_kvcache(q, kc_eager, vc_eager, lens, k_new=kn, v_new=vn,
-                                      page_table=pages, backend="triton", check=True)
+                                      page_table=pages, backend=backend, check=True)
         torch.cuda.synchronize()
         assert torch.equal(out, want), it
         assert torch.equal(kc, kc_eager) and torch.equal(vc, vc_eager), it
 
 
 @pytest.mark.gpu
-def test_poisoned_output_is_overwritten():
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_CUDA_DECODE)])
+def test_poisoned_output_is_overwritten(backend):
     """Every output element is written (NaN-filled memory in the allocator does not leak)."""
     torch.manual_seed(0)
     for splits in (1, 4):
@@ -511,7 +521,29 @@ def test_poisoned_output_is_overwritten():
         lens = torch.tensor([0, 1, 500], dtype=torch.int32, device="cuda")
         junk = torch.full((10**6,), float("nan"), device="cuda")
         del junk
-        out, lse = attention_with_kvcache(q, kc, vc, lens, return_lse=True, backend="triton",
+        out, lse = attention_with_kvcache(q, kc, vc, lens, return_lse=True, backend=backend,
                                           num_splits=splits)
         assert not out.isnan().any() and not lse.isnan().any()
         assert torch.all(out[0] == 0) and torch.all(lse[0] == -math.inf)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,match", [
+    ("head_dim", "head dim 64 or 128"), ("rows", "<= 16 query rows"), ("arch", "arch must be 80"),
+    ("dtype", "float16 or bfloat16"), ("strides", "multiples of 8")])
+def test_cuda_decode_op_checks_its_inputs(case, match):
+    """The C++ op names what it refuses (callers going around the Python API)."""
+    if not _ext.available():
+        pytest.skip("fusedops._C not built")
+    dev, dt = "cuda", torch.bfloat16
+    d, hq, sq = (96 if case == "head_dim" else 64), (32 if case == "rows" else 8), 1
+    q = torch.randn(2, sq, hq, d, device=dev, dtype=dt)
+    kc = torch.randn(2, 64, 2 if case != "rows" else 1, d, device=dev, dtype=dt)
+    if case == "dtype":
+        q, kc = q.float(), kc.float()
+    if case == "strides":
+        kc = torch.randn(2, 64, 2, d + 4, device=dev, dtype=dt)[..., :d]
+    lens = torch.tensor([3, 64], dtype=torch.int32, device=dev)
+    with pytest.raises((ValueError, TypeError), match=match):
+        torch.ops.fusedops.attention_decode_cuda(q, kc, kc, lens, None, 0.125, True, -1, -1, 0.0,
+                                                 1, 90 if case == "arch" else 80)

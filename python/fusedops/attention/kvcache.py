@@ -160,8 +160,51 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table) -> None
     v_cache.index_put_((rows, slots), v_new)
 
 
+_SMS: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (asked once per device; 4 off the GPU, so that
+    the CPU tests under the Triton interpreter see several splits)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def num_splits_heuristic(batch: int, heads_kv: int, capacity: int, num_sms: int,
+                         block_n: int) -> int:
+    """Splits per sequence from static sizes only (no lengths: they stay on the device).
+
+    Enough programs (batch * Hkv * splits) for about two per SM, but each split at least four key
+    blocks of the capacity, and at most 128: one split when batch * Hkv already fills the GPU.
+    Not yet tuned by a measurement.
+    """
+    work = batch * heads_kv
+    if work >= num_sms:
+        return 1
+    want = -(-2 * num_sms // work)
+    most = max(1, -(-capacity // block_n) // 4)
+    return max(1, min(want, most, 128))
+
+
 def _run(q, k_cache, v_cache, seqlens_k, page_table, scale, causal, left, right, softcap,
          num_splits, backend):
+    if backend == "cuda-sm80":
+        rows = q.shape[2] // k_cache.shape[2] * q.shape[1]
+        if rows > _backends.CUDA_MAX_ROWS:
+            raise ValueError(f"the CUDA decode kernel takes (Hq / Hkv) * Sq <= "
+                             f"{_backends.CUDA_MAX_ROWS} query rows per KV head, got {rows}; "
+                             "use backend='triton'")
+        if num_splits is None:
+            cap = reference.capacity(k_cache, page_table)
+            num_splits = num_splits_heuristic(q.shape[0], k_cache.shape[2], cap,
+                                              sm_count(q.device), 64)
+        return torch.ops.fusedops.attention_decode_cuda(
+            q, k_cache, v_cache, seqlens_k, page_table, scale, causal, left, right, softcap,
+            num_splits, 80)
     if backend == "torch":
         return reference.decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale, causal,
                                     left, right, softcap)

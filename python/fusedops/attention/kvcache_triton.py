@@ -25,6 +25,7 @@ import triton.language as tl
 
 from fusedops._triton import INTERPRET, LOG2E
 from fusedops._triton import tanh as _tanh
+from fusedops.attention.kvcache import num_splits_heuristic, sm_count
 
 
 @triton.jit
@@ -174,36 +175,6 @@ def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, stride_ob, stride_os, 
     qi = rows // GROUP
     h = kvh * GROUP + rows % GROUP
     tl.store(LSE + (b.to(tl.int64) * n_kv * GROUP + h) * sq + qi, lse, mask=row_ok)
-
-
-_SMS: dict = {}
-
-
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the device (asked once per device; 4 under the interpreter,
-    so that the CPU tests see several splits)."""
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
-
-
-def num_splits_heuristic(batch: int, heads_kv: int, capacity: int, num_sms: int,
-                         block_n: int) -> int:
-    """Splits per sequence from static sizes only (no lengths: they stay on the device).
-
-    Enough programs (batch * Hkv * splits) for about two per SM, but each split at least four key
-    blocks of the capacity, and at most 128: one split when batch * Hkv already fills the GPU.
-    Not yet tuned by a measurement.
-    """
-    work = batch * heads_kv
-    if work >= num_sms:
-        return 1
-    want = triton.cdiv(2 * num_sms, work)
-    most = max(1, triton.cdiv(capacity, block_n) // 4)
-    return max(1, min(want, most, 128))
 
 
 def _config(head_dim: int, dtype: torch.dtype):
