@@ -38,6 +38,14 @@ def fused(backend):
     return fn
 
 
+def cuda_sm80():
+    """The sm80-family CUDA kernel, offered only with FUSEDOPS_ATTN_DECODE_CUDA=1 (unvalidated)."""
+    from fusedops.attention.kvcache_backends import CUDA_ENABLED
+    if not CUDA_ENABLED:
+        raise ImportError("FUSEDOPS_ATTN_DECODE_CUDA=1 is not set")
+    return fused("cuda-sm80")
+
+
 def sdpa():
     """PyTorch SDPA on the padded contiguous cache (every key valid here: no mask needed)."""
     def fn(q, kc, vc, lens, pt):
@@ -129,7 +137,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768,65536,131072")
-    ap.add_argument("--methods", default="triton,torch,sdpa,fa4")
+    ap.add_argument("--methods", default="triton,cuda-sm80,torch,sdpa,fa4")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--torch-max-keys", type=int, default=8 * 16384,
                     help="the torch reference runs only where B * ctx is at most this")
@@ -139,8 +147,8 @@ def main():
     args = ap.parse_args()
     meta = run_meta()
     path = results_path("attention_decode", args.out)
-    makers = {"triton": lambda: fused("triton"), "torch": lambda: fused("torch"),
-              "sdpa": sdpa, "fa4": fa4}
+    makers = {"triton": lambda: fused("triton"), "cuda-sm80": cuda_sm80,
+              "torch": lambda: fused("torch"), "sdpa": sdpa, "fa4": fa4}
     fns = {}
     for m in args.methods.split(","):
         try:
@@ -183,11 +191,12 @@ def main():
                        ("method", "method", ""), ("ms", "ms", ".4f"), ("GB/s", "gbps", ".0f"),
                        ("of copy", "frac_of_copy", ".2f"), ("graph", "graph", "")],
                 title=f"\n{describe(meta)} -> {path}; device copy {copy:.0f} GB/s")
-    slow = [r for r in rows if r["method"] == "triton" and r["ctx"] >= 8192
-            and r["frac_of_copy"] < 0.85]
-    print(f"triton rows at ctx >= 8192 below 85% of the copy bandwidth: {len(slow)}"
-          + "".join(f"\n  B={r['B']} ctx={r['ctx']} paged={r['paged']}: {r['frac_of_copy']:.2f}"
-                    for r in slow))
+    for method in ("triton", "cuda-sm80"):
+        slow = [r for r in rows if r["method"] == method and r["ctx"] >= 8192
+                and r["frac_of_copy"] < 0.85]
+        print(f"{method} rows at ctx >= 8192 below 85% of the copy bandwidth: {len(slow)}"
+              + "".join(f"\n  B={r['B']} ctx={r['ctx']} paged={r['paged']}: "
+                        f"{r['frac_of_copy']:.2f}" for r in slow))
 
 
 if __name__ == "__main__":

@@ -73,6 +73,24 @@ __device__ __forceinline__ void unpack8(const uint4& w, float (&f)[8], __half) {
   }
 }
 
+// kCols (2 or 4) consecutive 16-bit values from shared memory as floats, in one 4- or 8-byte read.
+template <int kCols, typename T>
+__device__ __forceinline__ void unpack_cols(const T* src, float (&f)[kCols], T tag) {
+  static_assert(kCols == 2 || kCols == 4, "2 or 4 columns per lane");
+  uint4 w{0u, 0u, 0u, 0u};
+  if constexpr (kCols == 4) {
+    const uint2 x = *reinterpret_cast<const uint2*>(src);
+    w.x = x.x;
+    w.y = x.y;
+  } else {
+    w.x = *reinterpret_cast<const uint32_t*>(src);
+  }
+  float all[8];
+  unpack8(w, all, tag);
+#pragma unroll
+  for (int c = 0; c < kCols; ++c) f[c] = all[c];
+}
+
 // Offset (elements) of logical key `key` of sequence b in a cache (through the page table).
 __device__ __forceinline__ int64_t key_offset(const DecodeParams& p, int b, int key,
                                               int64_t stride_b, int64_t stride_s) {
@@ -217,8 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int j = 0; j < kKeysPerWarp; ++j) {
       const T* vrow = v_tile + (warp * kKeysPerWarp + j) * S::kRow + lane * kCols;
       float vf[kCols];
-#pragma unroll
-      for (int c = 0; c < kCols; ++c) vf[c] = to_f(vrow[c]);
+      unpack_cols<kCols>(vrow, vf, T());
 #pragma unroll
       for (int r = 0; r < kMaxRows; ++r) {
         const float pj = __shfl_sync(0xffffffffu, s[r], j);
