@@ -325,6 +325,25 @@ def test_no_host_synchronisation_with_check_false(monkeypatch):
         assert torch.equal(got["k"], want["k"])
 
 
+def test_compiles_without_graph_breaks():
+    """torch.compile(fullgraph=True) traces a decode step with an append (no value checks, no
+    host synchronisation under compile), with the eager result and the same cache."""
+    torch.manual_seed(2)
+    q, kn, vn = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    kc, vc = torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+
+    def step(q, kc, vc, lens, kn, vn):
+        return attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=vn, window_size=(4, 0),
+                                      softcap=5.0, backend="torch")
+
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = step(q, kc, vc, lens, kn, vn)
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(q, kc2, vc2, lens, kn, vn)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
 def test_gradients_are_refused():
     q = torch.randn(1, 1, 4, 16, requires_grad=True)
     kc, vc = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16)

@@ -243,7 +243,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     heuristic of B * Hkv against the GPU's SMs and the cache capacity (no host synchronisation:
     the lengths stay on the device). check: validate cache_seqlens and page_table values
     (lengths in [0, capacity - S_new], used pages in [0, num_pages)), which synchronises with
-    the host; None checks CPU tensors (no cost) and not CUDA ones, whose kernels clamp indices
+    the host; None checks CPU tensors in eager mode (no cost) and not CUDA ones (nor anything
+    under torch.compile), whose kernels clamp indices
     into range instead (no memory fault; wrong values give undefined results). Inference only: a
     RuntimeError if a gradient could be asked for (an input requires grad under grad mode).
     """
@@ -268,7 +269,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     cap = reference.capacity(k_cache, page_table)
     if n_new > cap:
         raise ValueError(f"S_new = {n_new} keys cannot fit a cache of {cap} keys per sequence")
-    if check or (check is None and q.device.type == "cpu"):
+    if check or (check is None and q.device.type == "cpu"
+                 and not torch.compiler.is_compiling()):
         check_values(cache_seqlens, page_table, n_new, cap, k_cache.shape[0], k_cache.shape[1])
     if k_new is not None:
         append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
