@@ -325,6 +325,22 @@ def test_no_host_synchronisation_with_check_false(monkeypatch):
         assert torch.equal(got["k"], want["k"])
 
 
+def test_strided_lengths_and_page_table():
+    """cache_seqlens and page_table given as strided views mean what their values say."""
+    c = Case(**CPU_CASES["paged16-sq1"], dtype=torch.float32, device="cpu")
+    inp = make_inputs(c)
+    want = call(attention_with_kvcache, inp, c, torch.float32, backend="torch")
+    lens = torch.stack([inp["lens"], torch.full_like(inp["lens"], 99)], 1)[:, 0]
+    table = inp["page_table"].t().contiguous().t()
+    assert not lens.is_contiguous() and table.stride(-1) != 1
+    backends = ["torch"] + (["triton"] if INTERPRET and HAS_TRITON and not HAS_GPU else [])
+    for backend in backends:
+        with torch.no_grad():
+            out = attention_with_kvcache(inp["q"], inp["k"], inp["v"], lens, page_table=table,
+                                         backend=backend)
+        torch.testing.assert_close(out, want["out"], rtol=1e-5, atol=1e-5)
+
+
 def test_compiles_without_graph_breaks():
     """torch.compile(fullgraph=True) traces a decode step with an append (no value checks, no
     host synchronisation under compile), with the eager result and the same cache."""
@@ -427,6 +443,8 @@ BAD = [
      ValueError, r"page_table\[1, 1\] = -1 is not a page"),
     (lambda: {**_paged(), "cache_seqlens": torch.tensor([3, 9], dtype=torch.int32)},
      ValueError, "past the capacity: page_table holds 2 pages of 4"),
+    (lambda: (lambda a: {**_new(a), "v_cache": a["k_cache"]})(_good()), ValueError,
+     "k_cache and v_cache are one tensor"),
     (lambda: {**_good(), "window_size": (-2, 0)}, ValueError, "window_size"),
     (lambda: {**_good(), "window_size": 4}, TypeError, "window_size must be a"),
     (lambda: {**_good(), "softcap": -1.0}, ValueError, "softcap"),

@@ -273,7 +273,16 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                  and not torch.compiler.is_compiling()):
         check_values(cache_seqlens, page_table, n_new, cap, k_cache.shape[0], k_cache.shape[1])
     if k_new is not None:
+        same = (k_cache is v_cache if torch.compiler.is_compiling()
+                else k_cache.data_ptr() == v_cache.data_ptr())
+        if same:
+            raise ValueError("k_cache and v_cache are one tensor: appending k_new and v_new "
+                             "would overwrite each other")
         append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+    # The kernels index the lengths and the page table's rows as contiguous (small copies if not)
+    cache_seqlens = cache_seqlens.contiguous()
+    if page_table is not None and page_table.stride(-1) != 1:
+        page_table = page_table.contiguous()
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     seqlens_k = cache_seqlens + n_new if n_new else cache_seqlens
     if batch == 0 or sq == 0:
