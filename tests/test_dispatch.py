@@ -15,7 +15,7 @@ def _sig(op, dtype=torch.bfloat16, inner=128, device="cuda", causal=False):
 
 
 def test_every_op_declares_every_backend_name():
-    for op in ("linear_ce", "attention"):
+    for op in ("linear_ce", "attention", "attention_decode"):
         table = dispatch.op_backends(op)
         assert [b.name for b in table.backends] == list(dispatch.BACKENDS)
         for b in table.backends:
@@ -104,7 +104,8 @@ def test_info_answers_for_the_users_case(capsys):
     out = capsys.readouterr().out
     assert "linear_ce on float32 cpu inputs, hidden size 60:" in out
     assert "attention on float32 cpu inputs, head dim 96, causal:" in out
-    assert out.count("default -> torch") == 2
+    assert "attention_decode on float32 cpu inputs, head dim 96, causal:" in out
+    assert out.count("default -> torch") == 3
     for b in dispatch.BACKENDS:
         assert f"  {b}" in out
 

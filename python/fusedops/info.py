@@ -50,13 +50,14 @@ def report(dtype: str = "bfloat16", hidden: int = 4096, head_dim: int = 128,
     dev_type, dev_index = _device(device)
     for name in ("FUSEDOPS_BACKEND", "FUSEDOPS_CUDA_ARCH", "TRITON_INTERPRET"):
         lines.append(f"{name}={os.environ.get(name, '(unset)')}")
-    sizes = {"linear_ce": hidden, "attention": head_dim}
+    sizes = {"linear_ce": hidden, "attention": head_dim, "attention_decode": head_dim}
     for op, inner in sizes.items():
         table = dispatch.op_backends(op)
-        extra = ", causal" if causal and op == "attention" else ""
+        is_attn = op.startswith("attention")
+        extra = ", causal" if causal and is_attn else ""
         lines.append(f"{op} on {dtype} {dev_type} inputs, {table.inner_name} {inner}{extra}:")
         sig = dispatch.InputSig(op, dev_type, dev_index, getattr(torch, dtype), inner,
-                                causal and op == "attention")
+                                causal and is_attn)
         for b in table.backends:
             why = dispatch.why_not(b.name, sig)
             lines.append(f"  {b.name:10} {'available' if why is None else 'no: ' + why}")
@@ -68,7 +69,7 @@ def report(dtype: str = "bfloat16", hidden: int = 4096, head_dim: int = 128,
                              + ("" if why_by is None else f" (no: {why_by})"))
         try:
             chosen = dispatch.select_name(op, dev_type, dev_index, dtype, inner, None,
-                                          causal and op == "attention")
+                                          causal and is_attn)
             order = " > ".join(dispatch.candidates("auto", sig))
             lines.append(f"  default -> {chosen} (auto tries {order})")
         except (RuntimeError, ValueError) as exc:

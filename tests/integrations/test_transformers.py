@@ -239,9 +239,22 @@ def test_trainer_step(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
-def test_generate_greedy(family, dtype):
+def test_generate_greedy(family, dtype, monkeypatch):
+    """Greedy generate() equals stock's; the decode steps of the unpadded prompt run
+    attention_with_kvcache (every layer, every step after the prefill), the left-padded batch
+    the packed variable-length path."""
     # Stock eager gives NaN for left-padded rows in float64 (its float32 softmax turns the
     # float64 mask minimum into -inf): float64 compares with eager_exact.
+    from fusedops.integrations.transformers import attention as fo_attn
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    real = fo_attn.attention_with_kvcache
+    monkeypatch.setattr(fo_attn, "attention_with_kvcache", counted)
     ref, cand = model_pair(family, dtype)
     fo_hf.apply_fusedops(cand)
     ref.eval()
@@ -252,12 +265,43 @@ def test_generate_greedy(family, dtype):
     mask[1, :3] = 0
     prompts = prompts.masked_fill(mask == 0, 0)
     kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+    layers = cand.config.num_hidden_layers
     with torch.no_grad():
         for ids, m in ((prompts, mask), (prompts[:1, 2:], mask[:1, 2:])):
+            calls.clear()
             want = ref.generate(input_ids=ids, attention_mask=m, **kw)
             got = cand.generate(input_ids=ids, attention_mask=m, **kw)
             assert got.shape == (ids.shape[0], ids.shape[1] + 10)
             assert torch.equal(got, want)
+            assert all(c[1] == 1 for c in calls), calls
+            if ids.shape[0] == 1:  # no padding: every decode step of every layer
+                assert len(calls) == 9 * layers, calls
+            else:  # padding in view: the packed path (sliding layers decode once it slid out)
+                assert len(calls) < 9 * layers, calls
+
+
+def test_static_cache_decode_steps_take_the_decode_path(monkeypatch):
+    """A static cache: the decode step reads only the filled slots of the cache tensors."""
+    from transformers import StaticCache
+
+    from fusedops.integrations.transformers import attention as fo_attn
+
+    calls = []
+    real = fo_attn.attention_with_kvcache
+    monkeypatch.setattr(fo_attn, "attention_with_kvcache",
+                        lambda *a, **k: calls.append(a[3].tolist()) or real(*a, **k))
+    ref, cand = model_pair("llama", torch.float64)
+    fo_hf.apply_fusedops(cand)
+    cand.eval()
+    ids = torch.randint(3, VOCAB, (1, 9), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = cand(ids).logits
+        cache = StaticCache(config=cand.config, max_cache_len=32)
+        cand(ids[:, :6], past_key_values=cache, use_cache=True)
+        got = cand(ids[:, 6:], past_key_values=cache, use_cache=True,
+                   cache_position=torch.arange(6, 9)).logits
+    torch.testing.assert_close(got, want[:, 6:], rtol=1e-10, atol=1e-10)
+    assert calls == [[9]] * cand.config.num_hidden_layers
 
 
 def test_packed_from_flash_kwargs():

@@ -11,7 +11,7 @@ from fusedops import dispatch
 from fusedops._checks import check_bool, check_int, check_real
 from fusedops.attention import backends as _backends  # noqa: F401  (declares the backends)
 
-__all__ = ["attention", "Attention"]
+__all__ = ["attention", "Attention", "attention_with_kvcache"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -177,3 +177,4 @@ class Attention(nn.Module):
 
 
 from fusedops.attention import ops as _ops  # noqa: E402,F401  (registers torch.ops.fusedops.*)
+from fusedops.attention.kvcache import attention_with_kvcache  # noqa: E402,F401

@@ -15,6 +15,11 @@ mask, and the attention function turns each batch into one fusedops call:
   each run of consecutive positions is one sequence, cu_seqlens from position_ids; or the
   cu_seq_lens_q / cu_seq_lens_k / max_length_q / max_length_k keyword arguments, when given.
 
+* a decode step (at most DECODE_MAX_Q new queries after cached keys, no gradient needed, no
+  padding): :func:`fusedops.attention.attention_with_kvcache` on transformers' cache tensors as
+  they are (already appended to by the cache's update; nothing is appended again), the split-KV
+  decode kernels, cache_seqlens = the number of keys (a static cache's filled slots).
+
 Sliding windows follow transformers' masks: a causal query sees itself and the
 `sliding_window - 1` keys before it; softcap (Gemma-2's attn_logit_softcapping) and the module's
 `scaling` go to fusedops as they are, grouped-query heads need no repeat.
@@ -28,11 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fusedops.attention import attention
+from fusedops.attention import attention, attention_with_kvcache
 
 __all__ = ["fusedops_attention_forward", "fusedops_attention_mask", "register", "NAME"]
 
 NAME = "fusedops"
+#: Steps with at most this many new queries over cached keys take the decode kernels.
+DECODE_MAX_Q = 16
 
 
 def fusedops_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
@@ -171,10 +178,18 @@ def fusedops_attention_forward(module: torch.nn.Module, query: Tensor, key: Tens
     k = key.transpose(1, 2)
     v = value.transpose(1, 2)
     batch, q_len, q_heads, head_dim = q.shape
+    decode = (q_len <= DECODE_MAX_Q and q_len < k.shape[1]
+              and not any(kwargs.get(n) is not None for n in ("cu_seq_lens_q", "cu_seq_lens_k"))
+              and not (torch.is_grad_enabled()
+                       and (query.requires_grad or key.requires_grad or value.requires_grad)))
 
     if attention_mask is not None:
         _check_mask(attention_mask)
         mask_len = attention_mask.shape[1]
+        if (decode and q_len < mask_len <= k.shape[1]
+                and _MEMO.get(attention_mask, ("full",), lambda: bool(attention_mask.all()))):
+            # No padding, a static cache whose first mask_len slots hold keys.
+            return _decode(q, k, v, mask_len, opts), None
         if k.shape[1] > mask_len:  # a static cache: only the first mask_len slots hold keys
             k, v = k[:, :mask_len], v[:, :mask_len]
         k_len = k.shape[1]
@@ -217,7 +232,18 @@ def fusedops_attention_forward(module: torch.nn.Module, query: Tensor, key: Tens
                         max_seqlen_k=max_k, **opts)
         return out.view(batch, q_len, q_heads, head_dim), None
 
+    if decode:
+        return _decode(q, k, v, k.shape[1], opts), None
     return attention(q, k, v, **opts), None
+
+
+def _decode(q: Tensor, k: Tensor, v: Tensor, n_keys: int, opts: dict) -> Tensor:
+    """A decode step on the cache tensors (B, S_cache, Hkv, D), the first n_keys of each
+    sequence being keys (the last q_len of them the new tokens' own)."""
+    if k.stride(-1) != 1 or v.stride(-1) != 1:  # read only (nothing is appended): a copy is fine
+        k, v = k.contiguous(), v.contiguous()
+    lens = torch.full((q.shape[0],), n_keys, dtype=torch.int32, device=q.device)
+    return attention_with_kvcache(q, k, v, lens, check=False, **opts)
 
 
 def register() -> None:

@@ -1,0 +1,203 @@
+"""Benchmark: decode attention over a KV cache (attention_with_kvcache) against SDPA on the padded
+cache and FlashAttention-4's paged forward, with the device copy bandwidth of the same run.
+
+bf16, D=128, 32 query heads over 8 KV heads, one query per sequence, every sequence holding ctx
+keys; contiguous caches (B, ctx, Hkv, D) and paged ones (pages of --page-size). Appends one JSON
+object per row to benchmarks/results/attention_decode.jsonl (or <--out>/attention_decode.jsonl):
+op "attention_decode", method, B, ctx, paged, gbps (bytes of K and V read per second / 1e9:
+2 * B * ctx * Hkv * D * 2 bytes over the median time) and copy_gbps (a device-to-device copy of
+1 GiB, bytes read plus bytes written per second / 1e9, measured in the same run).
+
+    python benchmarks/bench_decode.py [--batches 1,8,64] [--contexts 1024,...,131072]
+
+Each call is captured in a CUDA graph and the replays are timed (a decode step is launched that
+way; eager timing would measure Python, not the kernels); a method that cannot be captured is
+timed eagerly and its row says graph=false. triton.testing.do_bench clears the L2 cache before
+each call. --check compares every method with the float64 reference on a small case first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from common import add_out_arg, append_rows, describe, print_table, results_path, run_meta, time_ms
+
+from fusedops.attention import attention_with_kvcache
+
+HQ, HKV, D = 32, 8, 128
+DTYPE = torch.bfloat16
+
+
+def fused(backend):
+    def fn(q, kc, vc, lens, pt):
+        return attention_with_kvcache(q, kc, vc, lens, page_table=pt, backend=backend,
+                                      check=False)
+    return fn
+
+
+def cuda_sm80():
+    """The sm80-family CUDA kernel, offered only with FUSEDOPS_ATTN_DECODE_CUDA=1 (unvalidated)."""
+    from fusedops.attention.kvcache_backends import CUDA_ENABLED
+    if not CUDA_ENABLED:
+        raise ImportError("FUSEDOPS_ATTN_DECODE_CUDA=1 is not set")
+    return fused("cuda-sm80")
+
+
+def sdpa():
+    """PyTorch SDPA on the padded contiguous cache (every key valid here: no mask needed)."""
+    def fn(q, kc, vc, lens, pt):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), kc.transpose(1, 2),
+                                             vc.transpose(1, 2), enable_gqa=True)
+        return out.transpose(1, 2)
+    return fn
+
+
+def fa4():
+    """FlashAttention-4's forward (flash-attn-4, CuTe DSL) with seqused_k, and page_table for a
+    paged cache; its own split heuristic (num_splits=0)."""
+    from flash_attn.cute import flash_attn_varlen_func
+
+    def fn(q, kc, vc, lens, pt):
+        out = flash_attn_varlen_func(q, kc, vc, seqused_k=lens, page_table=pt, causal=True,
+                                     num_splits=0)
+        return out[0] if isinstance(out, tuple) else out
+    return fn
+
+
+def copy_gbps(rep_ms: int) -> float:
+    """Device copy bandwidth: bytes read + written per second / 1e9, 1 GiB buffers."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), rep_ms)
+    return 2 * 2**30 / ms / 1e6
+
+
+def graph_timed(fn, args, rep_ms: int):
+    """(median ms, captured) of fn(*args), by CUDA-graph replay when it can be captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile / autotune outside the capture
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(*args)
+        torch.cuda.synchronize()
+        return time_ms(graph.replay, rep_ms), True
+    except Exception as exc:  # noqa: BLE001 - report and time eagerly
+        print(f"  not capturable ({type(exc).__name__}: {str(exc)[:120]}); timed eagerly",
+              file=sys.stderr)
+        torch.cuda.synchronize()
+        return time_ms(lambda: fn(*args), rep_ms), False
+
+
+def make_cache(b: int, ctx: int, paged: bool, page_size: int):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, 1, HQ, D, device="cuda", dtype=DTYPE, generator=g)
+    if paged:
+        pages = b * ctx // page_size
+        shape = (pages, page_size, HKV, D)
+        perm = torch.randperm(pages, device="cuda", generator=g).to(torch.int32)
+        pt = perm.view(b, ctx // page_size)
+    else:
+        shape, pt = (b, ctx, HKV, D), None
+    kc = torch.empty(shape, device="cuda", dtype=DTYPE).normal_(generator=g)
+    vc = torch.empty(shape, device="cuda", dtype=DTYPE).normal_(generator=g)
+    lens = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    return q, kc, vc, lens, pt
+
+
+def check(fns, page_size: int) -> None:
+    """Every method against the float64 reference on B=3, ctx=4096 (paged and not), full
+    lengths and ragged ones (4096, 1000, 1; not for SDPA, which has no lengths here)."""
+    for paged, ragged in ((False, False), (False, True), (True, True)):
+        q, kc, vc, lens, pt = make_cache(3, 4096, paged, page_size)
+        if ragged:
+            lens = torch.tensor([4096, 1000, 1], dtype=torch.int32, device="cuda")
+        ref = attention_with_kvcache(q.double(), kc.double(), vc.double(), lens,
+                                     page_table=pt, backend="torch")
+        for name, fn in fns.items():
+            if name == "sdpa" and (paged or ragged):
+                continue
+            out = fn(q, kc, vc, lens, pt)
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            print(f"check {name} paged={paged} ragged={ragged}: relative error {err:.2e}",
+                  file=sys.stderr)
+            if not err < 2e-2:
+                raise SystemExit(f"{name} paged={paged} disagrees with the reference: {err}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768,65536,131072")
+    ap.add_argument("--methods", default="triton,cuda-sm80,torch,sdpa,fa4")
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--torch-max-keys", type=int, default=8 * 16384,
+                    help="the torch reference runs only where B * ctx is at most this")
+    ap.add_argument("--rep-ms", type=int, default=50)
+    ap.add_argument("--check", action="store_true")
+    add_out_arg(ap)
+    args = ap.parse_args()
+    meta = run_meta()
+    path = results_path("attention_decode", args.out)
+    makers = {"triton": lambda: fused("triton"), "cuda-sm80": cuda_sm80,
+              "torch": lambda: fused("torch"), "sdpa": sdpa, "fa4": fa4}
+    fns = {}
+    for m in args.methods.split(","):
+        try:
+            fns[m] = makers[m]()
+        except ImportError as exc:
+            print(f"{m}: skipped ({exc})", file=sys.stderr)
+    if args.check:
+        check(fns, args.page_size)
+    copy = copy_gbps(args.rep_ms)
+    print(f"device copy: {copy:.0f} GB/s", file=sys.stderr)
+    rows = []
+    for b in map(int, args.batches.split(",")):
+        for ctx in map(int, args.contexts.split(",")):
+            for paged in (False, True):
+                inputs = make_cache(b, ctx, paged, args.page_size)
+                kv_bytes = 2 * b * ctx * HKV * D * inputs[1].element_size()
+                for name, fn in fns.items():
+                    if name == "sdpa" and paged:
+                        continue
+                    if name == "torch" and b * ctx > args.torch_max_keys:
+                        continue
+                    try:
+                        ms, captured = graph_timed(fn, inputs, args.rep_ms)
+                    except Exception as exc:  # noqa: BLE001 - one method failing is a result
+                        print(f"{name} B={b} ctx={ctx} paged={paged}: {type(exc).__name__}: "
+                              f"{str(exc)[:200]}", file=sys.stderr)
+                        torch.cuda.empty_cache()
+                        continue
+                    row = dict(op="attention_decode", method=name, B=b, ctx=ctx, paged=paged,
+                               page_size=args.page_size if paged else None, Hq=HQ, Hkv=HKV,
+                               D=D, Sq=1, dtype="bfloat16", ms=round(ms, 5),
+                               gbps=round(kv_bytes / ms / 1e6, 1), copy_gbps=round(copy, 1),
+                               frac_of_copy=round(kv_bytes / ms / 1e6 / copy, 3),
+                               graph=captured, **meta)
+                    rows.append(row)
+                    append_rows("attention_decode", [row], args.out)
+                del inputs
+                torch.cuda.empty_cache()
+    print_table(rows, [("B", "B", "d"), ("ctx", "ctx", "d"), ("paged", "paged", ""),
+                       ("method", "method", ""), ("ms", "ms", ".4f"), ("GB/s", "gbps", ".0f"),
+                       ("of copy", "frac_of_copy", ".2f"), ("graph", "graph", "")],
+                title=f"\n{describe(meta)} -> {path}; device copy {copy:.0f} GB/s")
+    for method in ("triton", "cuda-sm80"):
+        slow = [r for r in rows if r["method"] == method and r["ctx"] >= 8192
+                and r["frac_of_copy"] < 0.85]
+        print(f"{method} rows at ctx >= 8192 below 85% of the copy bandwidth: {len(slow)}"
+              + "".join(f"\n  B={r['B']} ctx={r['ctx']} paged={r['paged']}: "
+                        f"{r['frac_of_copy']:.2f}" for r in slow))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,296 @@
+"""Decode attention over a KV cache (contiguous or paged), with an in-place append of new keys."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from fusedops import dispatch
+from fusedops._checks import check_bool, check_int, check_real
+from fusedops.attention import kvcache_backends as _backends  # noqa: F401  (declares them)
+from fusedops.attention import kvcache_reference as reference
+
+__all__ = ["attention_with_kvcache"]
+
+OP = "attention_decode"
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INFERENCE_ONLY = ("fusedops.attention.attention_with_kvcache is inference only (no backward): "
+                  "call it under torch.no_grad() / torch.inference_mode(), or detach {names}")
+
+
+def _check_tensor(name, t, q, dims: int, layout: str):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if t.dtype != q.dtype:
+        raise TypeError(f"{name} dtype {t.dtype} differs from q dtype {q.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if t.dim() != dims:
+        raise ValueError(f"{name} must be {layout}, got shape {tuple(t.shape)}")
+
+
+def _check_int32(name, t, q, shape: tuple, what: str):
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be an int32 Tensor {what}, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.device != q.device:
+        raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape} {what}, got {tuple(t.shape)}")
+
+
+def _check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, window_size,
+                softcap, softmax_scale, num_splits):
+    if not isinstance(q, Tensor):
+        raise TypeError(f"q must be a Tensor, got {type(q).__name__}")
+    _check_tensor("q", q, q, 4, "(B, Sq, Hq, D)")
+    paged = page_table is not None
+    layout = "(num_pages, page_size, Hkv, D) with page_table" if paged else "(B, S_max, Hkv, D)"
+    _check_tensor("k_cache", k_cache, q, 4, layout)
+    _check_tensor("v_cache", v_cache, q, 4, layout)
+    batch, _, hq, head_dim = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")
+    if k_cache.shape[-1] != head_dim:
+        raise ValueError(f"head dims differ: q has {head_dim}, k_cache and v_cache have "
+                         f"{k_cache.shape[-1]}")
+    if not 1 <= head_dim <= 256:
+        raise ValueError(f"head dim must be in [1, 256], got {head_dim}")
+    hkv = k_cache.shape[2]
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(f"the number of q heads ({hq}) must be a multiple of the number of "
+                         f"k_cache/v_cache heads ({hkv})")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last (head) dimension; the cache is "
+                             "written in place, so it cannot be copied")
+    if paged:
+        if k_cache.shape[1] < 1 or k_cache.shape[0] < 1:
+            raise ValueError(f"a paged k_cache needs at least one page of at least one slot, got "
+                             f"shape {tuple(k_cache.shape)}")
+        if not isinstance(page_table, Tensor):
+            raise TypeError(f"page_table must be an int32 Tensor (B, max_pages), got "
+                            f"{type(page_table).__name__}")
+        if page_table.dim() != 2 or page_table.shape[0] != batch:
+            raise ValueError(f"page_table must be (B, max_pages) = ({batch}, max_pages), got "
+                             f"shape {tuple(page_table.shape)}")
+        _check_int32("page_table", page_table, q, tuple(page_table.shape), "(B, max_pages)")
+    elif k_cache.shape[0] != batch:
+        raise ValueError(f"q has batch {batch}, k_cache and v_cache have batch "
+                         f"{k_cache.shape[0]} (a paged cache needs page_table)")
+    if not isinstance(cache_seqlens, int) or isinstance(cache_seqlens, bool):
+        _check_int32("cache_seqlens", cache_seqlens, q, (batch,), "(one length per sequence)")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("pass both k_new and v_new (keys to append) or neither")
+    if k_new is not None:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            _check_tensor(name, t, q, 4, "(B, S_new, Hkv, D)")
+            want = (batch, k_new.shape[1], hkv, head_dim)
+            if tuple(t.shape) != want:
+                raise ValueError(f"{name} must be (B, S_new, Hkv, D) = {want}, got "
+                                 f"{tuple(t.shape)}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    for side, w in zip(("left", "right"), window_size, strict=True):
+        check_int(f"window_size {side}", w)
+        if w < -1:
+            raise ValueError(f"window_size entries must be >= -1 (-1 = unlimited), got "
+                             f"{window_size!r}")
+    softcap = check_real("softcap", softcap, optional=True)
+    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+    softmax_scale = check_real("softmax_scale", softmax_scale, optional=True)
+    if softmax_scale is not None and not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if num_splits is not None:
+        check_int("num_splits", num_splits)
+        if not 1 <= num_splits <= 256:
+            raise ValueError(f"num_splits must be in [1, 256] or None, got {num_splits}")
+
+
+def check_values(cache_seqlens: Tensor, page_table: Tensor | None, n_new: int, cap: int,
+                 num_pages: int, page_size: int) -> None:
+    """Value checks of cache_seqlens and page_table (one host synchronisation)."""
+    lens = cache_seqlens.tolist()
+    for b, n in enumerate(lens):
+        if n < 0:
+            raise ValueError(f"cache_seqlens[{b}] = {n} is negative")
+        if n + n_new > cap:
+            what = (f"page_table holds {cap // page_size} pages of {page_size}"
+                    if page_table is not None else f"the cache holds {cap} keys per sequence")
+            raise ValueError(f"cache_seqlens[{b}] + S_new = {n} + {n_new} = {n + n_new} keys, "
+                             f"past the capacity: {what}")
+    if page_table is None:
+        return
+    rows = page_table.tolist()
+    for b, n in enumerate(lens):
+        used = rows[b][:-(-(n + n_new) // page_size)]
+        bad = [(p, x) for p, x in enumerate(used) if not 0 <= x < num_pages]
+        if bad:
+            p, x = bad[0]
+            raise ValueError(f"page_table[{b}, {p}] = {x} is not a page of k_cache (0 to "
+                             f"{num_pages - 1}); sequence {b} uses its first {len(used)} pages")
+
+
+def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table) -> None:
+    """Writes k_new/v_new (B, S_new, Hkv, D) at positions cache_seqlens + t, in place, with no
+    host synchronisation (an index_put_ of positions computed on the device). Positions past the
+    capacity are clamped into range (no memory fault; check=True refuses them first)."""
+    batch, n_new = k_new.shape[:2]
+    if batch == 0 or n_new == 0:
+        return
+    dev = k_cache.device
+    cap = reference.capacity(k_cache, page_table)
+    pos = cache_seqlens.to(torch.long)[:, None] + torch.arange(n_new, device=dev)[None, :]
+    pos = pos.clamp_(0, cap - 1)
+    if page_table is None:
+        rows = torch.arange(batch, device=dev)[:, None].expand_as(pos)
+        slots = pos
+    else:
+        page_size = k_cache.shape[1]
+        rows = page_table.gather(1, pos // page_size).long().clamp_(0, k_cache.shape[0] - 1)
+        slots = pos % page_size
+    k_cache.index_put_((rows, slots), k_new)
+    v_cache.index_put_((rows, slots), v_new)
+
+
+_SMS: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (asked once per device; 4 off the GPU, so that
+    the CPU tests under the Triton interpreter see several splits)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
+def num_splits_heuristic(batch: int, heads_kv: int, capacity: int, num_sms: int,
+                         block_n: int) -> int:
+    """Splits per sequence from static sizes only (no lengths: they stay on the device).
+
+    Enough programs (batch * Hkv * splits) for about two per SM, but each split at least four key
+    blocks of the capacity, and at most 128: one split when batch * Hkv already fills the GPU.
+    Not yet tuned by a measurement.
+    """
+    work = batch * heads_kv
+    if work >= num_sms:
+        return 1
+    want = -(-2 * num_sms // work)
+    most = max(1, -(-capacity // block_n) // 4)
+    return max(1, min(want, most, 128))
+
+
+def _run(q, k_cache, v_cache, seqlens_k, page_table, scale, causal, left, right, softcap,
+         num_splits, backend):
+    if backend == "cuda-sm80":
+        rows = q.shape[2] // k_cache.shape[2] * q.shape[1]
+        if rows > _backends.CUDA_MAX_ROWS:
+            raise ValueError(f"the CUDA decode kernel takes (Hq / Hkv) * Sq <= "
+                             f"{_backends.CUDA_MAX_ROWS} query rows per KV head, got {rows}; "
+                             "use backend='triton'")
+        if num_splits is None:
+            cap = reference.capacity(k_cache, page_table)
+            num_splits = num_splits_heuristic(q.shape[0], k_cache.shape[2], cap,
+                                              sm_count(q.device), 64)
+        return torch.ops.fusedops.attention_decode_cuda(
+            q, k_cache, v_cache, seqlens_k, page_table, scale, causal, left, right, softcap,
+            num_splits, 80)
+    if backend == "torch":
+        return reference.decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale, causal,
+                                    left, right, softcap)
+    if backend == "triton":
+        from fusedops.attention import kvcache_triton
+        return kvcache_triton.decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale,
+                                         causal, left, right, softcap, num_splits)
+    raise ValueError(f"unknown {OP} backend {backend!r}")
+
+
+def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
+                           cache_seqlens: Tensor | int, *, k_new: Tensor | None = None,
+                           v_new: Tensor | None = None, page_table: Tensor | None = None,
+                           causal: bool = True, window_size: tuple[int, int] = (-1, -1),
+                           softcap: float | None = None, softmax_scale: float | None = None,
+                           return_lse: bool = False, num_splits: int | None = None,
+                           check: bool | None = None, backend: str | None = None):
+    """Attention of a few new queries over a KV cache (decode and speculative steps).
+
+    q (B, Sq, Hq, D); k_cache and v_cache either contiguous (B, S_max, Hkv, D) or paged
+    (num_pages, page_size, Hkv, D) with an int32 page_table (B, max_pages) (row b lists the pages
+    of sequence b in order); cache_seqlens int32 (B,) (or an int for all) the keys each sequence
+    holds. k_new and v_new (B, S_new, Hkv, D), when given, are first written into the cache in
+    place at positions cache_seqlens .. cache_seqlens + S_new - 1; the sequence then has
+    cache_seqlens + S_new keys (cache_seqlens itself is not changed). Hq a multiple of Hkv.
+
+    Semantics of FlashAttention's flash_attn_with_kvcache: causal is aligned bottom-right, query
+    i of Sq at position L - Sq + i where L is the sequence's key count after the append (query i
+    sees keys j <= L - Sq + i); window_size=(left, right) limits it to keys in
+    [L - Sq + i - left, L - Sq + i + right] (-1 = unlimited); softcap applies
+    softcap * tanh(s / softcap); softmax_scale defaults to 1 / sqrt(D). A query that sees no
+    key returns zeros and lse -inf. Returns out (B, Sq, Hq, D) and, with return_lse, lse
+    (B, Hq, Sq) float32 (natural log).
+
+    num_splits: how many parts each sequence's keys are split into (flash-decoding), None for a
+    heuristic of B * Hkv against the GPU's SMs and the cache capacity (no host synchronisation:
+    the lengths stay on the device). check: validate cache_seqlens and page_table values
+    (lengths in [0, capacity - S_new], used pages in [0, num_pages)), which synchronises with
+    the host; None checks CPU tensors in eager mode (no cost) and not CUDA ones (nor anything
+    under torch.compile), whose kernels clamp indices
+    into range instead (no memory fault; wrong values give undefined results). Inference only: a
+    RuntimeError if a gradient could be asked for (an input requires grad under grad mode).
+    """
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
+    if check is not None:
+        check_bool("check", check)
+    _check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, window_size,
+                softcap, softmax_scale, num_splits)
+    inputs = (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
+              ("v_new", v_new))
+    if torch.is_grad_enabled():
+        grads = [n for n, t in inputs if t is not None and t.requires_grad]
+        if grads:
+            raise RuntimeError(INFERENCE_ONLY.format(names=", ".join(grads)))
+    batch, sq, hq, head_dim = q.shape
+    n_new = 0 if k_new is None else k_new.shape[1]
+    name = dispatch.select(OP, q, head_dim, backend, causal=causal)
+    if isinstance(cache_seqlens, int):
+        check_int("cache_seqlens", cache_seqlens)
+        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    cap = reference.capacity(k_cache, page_table)
+    if n_new > cap:
+        raise ValueError(f"S_new = {n_new} keys cannot fit a cache of {cap} keys per sequence")
+    if check or (check is None and q.device.type == "cpu"
+                 and not torch.compiler.is_compiling()):
+        check_values(cache_seqlens, page_table, n_new, cap, k_cache.shape[0], k_cache.shape[1])
+    if k_new is not None:
+        same = (k_cache is v_cache if torch.compiler.is_compiling()
+                else k_cache.data_ptr() == v_cache.data_ptr())
+        if same:
+            raise ValueError("k_cache and v_cache are one tensor: appending k_new and v_new "
+                             "would overwrite each other")
+        append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table)
+    # The kernels index the lengths and the page table's rows as contiguous (small copies if not)
+    cache_seqlens = cache_seqlens.contiguous()
+    if page_table is not None and page_table.stride(-1) != 1:
+        page_table = page_table.contiguous()
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    seqlens_k = cache_seqlens + n_new if n_new else cache_seqlens
+    if batch == 0 or sq == 0:
+        out = q.new_zeros(q.shape)
+        lse = q.new_full((batch, hq, sq), float("-inf"), dtype=reference.compute_dtype(q.dtype))
+    else:
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        out, lse = _run(q, k_cache, v_cache, seqlens_k, page_table, scale, causal,
+                        int(window_size[0]), int(window_size[1]), float(softcap or 0.0),
+                        num_splits, name)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,61 @@
+"""The backends of attention_decode (attention over a KV cache) and the order auto tries."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fusedops.dispatch import Backend, InputSig, OpBackends, register
+
+_HALF = (torch.float16, torch.bfloat16)
+_UNBUILT = ("no Hopper-specific decode kernel is built yet (cuda-sm80's kernel runs on Hopper "
+            "too; Triton's split-KV kernels otherwise)")
+# The sm80-family kernel (csrc/attention_decode/) compiles but has not been run on a GPU: it is
+# offered only when FUSEDOPS_ATTN_DECODE_CUDA=1 is set before fusedops is imported.
+CUDA_ENABLED = os.environ.get("FUSEDOPS_ATTN_DECODE_CUDA", "0") == "1"
+_UNVALIDATED = ("the CUDA decode kernel is built but not yet validated on a GPU; set "
+                "FUSEDOPS_ATTN_DECODE_CUDA=1 before importing fusedops to use it")
+CUDA_HEAD_DIMS = (64, 128)
+CUDA_MAX_ROWS = 16  # (Hq / Hkv) * Sq of its instantiations
+
+
+def _cuda_limits(sig: InputSig) -> str | None:
+    if sig.inner_dim not in CUDA_HEAD_DIMS:
+        return (f"head dim {sig.inner_dim}: the CUDA decode kernel is built for 64 and 128 "
+                "(Triton runs the others)")
+    return None
+
+
+def _triton_limits(sig: InputSig) -> str | None:
+    if sig.inner_dim > 256:
+        return f"head dim {sig.inner_dim} is above 256"
+    return None
+
+
+BACKENDS = (
+    Backend("cuda-sm90", "cuda", _HALF, arch=90, cc_range=((9, 0), (9, 0)), unbuilt=_UNBUILT,
+            summary="declared, not built: split-KV decode for Hopper"),
+    Backend("cuda-sm80", "cuda", _HALF, arch=80, cc_range=((8, 0), (9, 0)),
+            limits=_cuda_limits, unbuilt=None if CUDA_ENABLED else _UNVALIDATED,
+            summary="split-KV decode, cp.async double buffering and SIMT dot products, head "
+                    "dims 64 and 128, (Hq / Hkv) * Sq <= 16; not yet validated on a GPU"),
+    Backend("triton", "triton", (torch.float32, torch.float16, torch.bfloat16),
+            limits=_triton_limits,
+            summary="Triton split-KV (flash-decoding) kernels: the GQA group as one query tile, "
+                    "contiguous or paged cache, an lse-weighted combine; head dims up to 256"),
+    Backend("torch", "torch", (torch.float32, torch.float16, torch.bfloat16, torch.float64),
+            summary="plain PyTorch over key chunks: the CPU path and the test oracle"),
+)
+
+
+def order(sig: InputSig, forced_sm80: bool) -> list[str]:
+    cuda = ["cuda-sm80"] if forced_sm80 else ["cuda-sm90", "cuda-sm80"]
+    if sig.device_type != "cuda":
+        return cuda + ["torch"]
+    # Not measured yet. cuda-sm90 is unbuilt and cuda-sm80 refused unless enabled, so Triton runs
+    # on GPUs by default.
+    return cuda + ["triton", "torch"]
+
+
+TABLE = register(OpBackends("attention_decode", "head dim", BACKENDS, order))

@@ -1,0 +1,229 @@
+"""Triton split-KV (flash-decoding) kernels for attention over a KV cache, contiguous or paged.
+
+Same op contract as fusedops.attention.kvcache_reference. One program per (split, KV head,
+sequence): its query tile is the whole GQA group of that KV head for all Sq queries (row
+r = query (r // G), head kvh * G + r % G), so each key block is loaded once for the group. A
+sequence's visible keys [lo, L) (lo > 0 only with a left window) are cut into num_splits parts of
+whole key blocks, computed in the kernel from the length on the device; a split with no keys
+writes lse = -inf. Each split writes its normalised partial output and lse (float32); the combine
+kernel weights the splits by exp(lse_s - lse) (rows that saw nothing: zeros, lse -inf). With
+one split the partial kernel writes the output directly.
+
+Paged caches: each key's page is read from the page table (any page size, keys of one block may
+span pages); page numbers are clamped into [0, num_pages) and lengths to the capacity, so bad
+values cannot fault (the Python API checks them on request). No host synchronisation: the grid is
+sized from static shapes, so a decode step can be captured in a CUDA graph.
+Constraints: head dim <= 256 (padded to a power of two with masks); last dimension contiguous;
+64-bit offsets into the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedops._triton import INTERPRET, LOG2E
+from fusedops._triton import tanh as _tanh
+from fusedops.attention.kvcache import num_splits_heuristic, sm_count
+
+
+@triton.jit
+def _row_offsets(rows, b, kvh, GROUP: tl.constexpr, stride_b, stride_s, stride_h):
+    """Offsets of tile rows (query r // G, head kvh * G + r % G) in a (B, Sq, Hq, D) tensor."""
+    qi = rows // GROUP
+    h = kvh * GROUP + rows % GROUP
+    return b.to(tl.int64) * stride_b + qi.to(tl.int64) * stride_s + h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def _key_offsets(cols, keep, b, PT, stride_pt, page_size, num_pages, stride_kb, stride_ks,
+                 PAGED: tl.constexpr):
+    """Offsets of logical keys `cols` of sequence b in the cache (pages through the table)."""
+    if PAGED:
+        page = tl.load(PT + b.to(tl.int64) * stride_pt + cols // page_size, mask=keep, other=0)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
+        return page.to(tl.int64) * stride_kb + (cols % page_size).to(tl.int64) * stride_ks
+    else:
+        return b.to(tl.int64) * stride_kb + cols.to(tl.int64) * stride_ks
+
+
+@triton.jit
+def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
+                    sm_scale, softcap, left, right, sq, capacity, page_size, num_pages,
+                    stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
+                    stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_pt,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+                    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
+                    PAGED: tl.constexpr, FINAL: tl.constexpr):
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    n_splits = tl.num_programs(0)
+    n_kv = tl.num_programs(1)
+    batch = tl.num_programs(2)
+    m = GROUP * sq
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    qi = rows // GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(Q + _row_offsets(rows, b, kvh, GROUP, stride_qb, stride_qs, stride_qh)[:, None]
+                + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    lk = tl.minimum(tl.load(SEQLENS + b), capacity)
+    off = lk - sq  # query i sits at position i + off
+    lo = 0
+    if HAS_LEFT:
+        lo = tl.maximum(0, off - left)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    span = tl.maximum(lk - lo, 0)
+    chunk = tl.cdiv(tl.cdiv(span, n_splits), BLOCK_N) * BLOCK_N
+    s_lo = lo + split * chunk
+    s_hi = tl.minimum(lk, s_lo + chunk)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(s_lo, s_hi, BLOCK_N):
+        cols = start_n + offs_n
+        keep = cols < s_hi
+        koff = _key_offsets(cols, keep, b, PT, stride_pt, page_size, num_pages, stride_kb,
+                            stride_ks, PAGED)
+        k = tl.load(K + koff[:, None] + kvh.to(tl.int64) * stride_kh + offs_d[None, :],
+                    mask=keep[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * sm_scale
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s = s * LOG2E  # log2 units from here on
+        valid = row_ok[:, None] & keep[None, :]
+        if HAS_RIGHT:
+            valid &= cols[None, :] <= qi[:, None] + off + right
+        if HAS_LEFT:
+            valid &= cols[None, :] >= qi[:, None] + off - left
+        s = tl.where(valid, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # k_cache and v_cache may have different strides (one page-table read each; cached)
+        voff = _key_offsets(cols, keep, b, PT, stride_pt, page_size, num_pages, stride_vb,
+                            stride_vs, PAGED)
+        v = tl.load(V + voff[:, None] + kvh.to(tl.int64) * stride_vh + offs_d[None, :],
+                    mask=keep[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
+    if FINAL:
+        o_ptrs = OUT + _row_offsets(rows, b, kvh, GROUP, stride_ob, stride_os, stride_oh)
+        tl.store(o_ptrs[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None] & d_ok[None, :])
+        h = kvh * GROUP + rows % GROUP
+        tl.store(LSE + (b.to(tl.int64) * n_kv * GROUP + h) * sq + qi, lse, mask=row_ok)
+    else:
+        base = ((split.to(tl.int64) * batch + b) * n_kv + kvh) * m + rows
+        tl.store(OUT_P + base[:, None] * HEAD_DIM + offs_d[None, :], out,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE_P + base, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, stride_ob, stride_os, stride_oh,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
+    kvh = tl.program_id(0)
+    b = tl.program_id(1)
+    n_kv = tl.num_programs(0)
+    batch = tl.num_programs(1)
+    m = GROUP * sq
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < m
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for split in range(0, n_splits):
+        base = ((split * batch + b).to(tl.int64) * n_kv + kvh) * m + rows
+        lse_s = tl.load(LSE_P + base, mask=row_ok, other=float("-inf"))
+        o_s = tl.load(OUT_P + base[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_new = tl.maximum(m_i, lse_s)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        w = tl.exp(lse_s - m_use)
+        l_i = l_i * alpha + w
+        acc = acc * alpha[:, None] + o_s * w[:, None]
+        m_i = m_new
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+    o_ptrs = OUT + _row_offsets(rows, b, kvh, GROUP, stride_ob, stride_os, stride_oh)
+    tl.store(o_ptrs[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+    qi = rows // GROUP
+    h = kvh * GROUP + rows % GROUP
+    tl.store(LSE + (b.to(tl.int64) * n_kv * GROUP + h) * sq + qi, lse, mask=row_ok)
+
+
+def _config(head_dim: int, dtype: torch.dtype):
+    """(BLOCK_N, warps, stages). Not yet measured on a GPU: 64-key blocks and 4 warps, the usual
+    shape of split-KV decode kernels for head dims up to 128; 32 keys above."""
+    if INTERPRET:
+        return 16, 1, 1
+    if head_dim > 128 or dtype == torch.float32:
+        return 32, 4, 2
+    return 64, 4, 3
+
+
+def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal: bool,
+               left: int, right: int, softcap: float, num_splits: int | None = None):
+    batch, sq, hq, head_dim = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    paged = page_table is not None
+    cap = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    block_n, warps, stages = _config(head_dim, q.dtype)
+    if num_splits is None:
+        num_splits = num_splits_heuristic(batch, hkv, cap, sm_count(q.device), block_n)
+    out = torch.empty_like(q) if q.is_contiguous() else torch.empty(
+        q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
+    right = 0 if causal else right
+    m = group * sq
+    block_m = max(16, triton.next_power_of_2(m))
+    final = num_splits == 1
+    if final:
+        out_p = lse_p = lse  # unused
+    else:
+        out_p = torch.empty((num_splits, batch, hkv, m, head_dim), dtype=torch.float32,
+                            device=q.device)
+        lse_p = torch.empty((num_splits, batch, hkv, m), dtype=torch.float32, device=q.device)
+    pt = page_table if paged else seqlens_k  # a placeholder pointer when contiguous
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m)
+    _partial_kernel[(num_splits, hkv, batch)](
+        q, k_cache, v_cache, seqlens_k, pt, out, lse, out_p, lse_p, float(scale), float(softcap),
+        max(left, 0), max(right, 0), sq, cap, k_cache.shape[1], k_cache.shape[0],
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), pt.stride(0),
+        BLOCK_N=block_n, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=bool(softcap),
+        IEEE=q.dtype == torch.float32, PAGED=paged, FINAL=final, num_warps=warps,
+        num_stages=stages, **meta)
+    if not final:
+        _combine_kernel[(hkv, batch)](out_p, lse_p, out, lse, num_splits, sq, out.stride(0),
+                                      out.stride(1), out.stride(2), num_warps=warps if not
+                                      INTERPRET else 1, **meta)
+    return out, lse
