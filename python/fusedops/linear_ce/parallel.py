@@ -2,21 +2,29 @@
 
 Each rank holds rows [vocab_start, vocab_start + V_r) of the (V, H) weight (and of the bias) and
 the same hidden states and targets. Per token, every rank computes the statistics of its shard
-with the single-device op (fusedops::linear_ce_fwd: the shard's log-sum-exp, the target's logit
-when the target falls in the shard, else 0, and the sum of the shard's logits), and the group
-combines them with two all-reduces of O(tokens) values: the max of the shard lses, then the sum
-of exp(lse_r - max), of the target logits and of the logit sums. The loss (label smoothing,
-z-loss, reduction) is then formed from the global statistics exactly as on one device.
+(its log-sum-exp, the target's logit when the target falls in the shard, else 0, and the sum of
+its logits), and the group combines them with two all-reduces of O(tokens) values: the max of
+the shard lses, then the sum of exp(lse_r - max), of the target logits and of the logit sums.
+The loss (label smoothing, z-loss, reduction) is then formed from the global statistics as on
+one device. Logits are never communicated.
 
-Backward: each rank recomputes its shard's logits chunk by chunk (fusedops::linear_ce_bwd with
-the global lse, so softmax(z) restricted to the shard is exp(z - lse)), which gives d_weight and
-d_bias of the shard (kept local) and the shard's part of d_hidden, summed over the group by one
-all-reduce of tokens x H values. Logits are never communicated and never exist beyond the
-single-device op's chunk.
+Backward: each rank recomputes its shard's logits chunk by chunk and turns them into dz with the
+global lse (softmax(z) restricted to the shard is exp(z - lse)) and the target indicator within
+the shard; that gives the shard's d_weight and d_bias (kept local) and its part of d_hidden,
+summed over the group by one all-reduce of tokens x H values.
+
+Two implementations of those passes, the same as on one device:
+* _ShardLoss (losses without return_lse): cuBLAS GEMMs and the row kernels of
+  fusedops.linear_ce.chunked, chunks sized by memory_budget_mib; the shard is a vocab chunk of
+  the full row. One GEMM in the forward, three in the backward (one GEMM more than the one-device
+  mean/sum path, which keeps dz from its single pass).
+* _ShardStats (return_lse=True, or FUSEDOPS_LCE_ALGO=recompute): the ops fusedops::linear_ce_fwd
+  and linear_ce_bwd, which serve any upstream gradient of lse.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -25,6 +33,7 @@ from torch import Tensor
 from fusedops import dispatch
 from fusedops._autograd import refuse_double_backward
 from fusedops._checks import check_bool, check_int
+from fusedops.linear_ce import chunked
 from fusedops.linear_ce import ops as _ops
 
 _META = 9  # ok, rows, vocab_start, has_vocab_start, tokens, hidden size, need_dh, bias, dtype
@@ -134,6 +143,139 @@ class _ShardStats(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
+class _ShardLoss(torch.autograd.Function):
+    """Per-token losses (0 at ignored tokens) through the chunked path's GEMMs and row kernels.
+
+    Forward: one GEMM per chunk of the shard's logits and the row kernel's statistics modes
+    (whole shard rows, or vocab chunks merged online), then the all-reduces. Backward, for the
+    per-token upstream gradient g: the shard's logits again chunk by chunk, the row kernel's dz
+    mode with the global lse and the per-token weight g (a vocab chunk of the full row, at column
+    vocab_start + v0 of V), and the d_hidden, d_weight products (three GEMMs); d_hidden then
+    summed over the group.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, valid, vocab, eps, zl, cap, budget, backend,
+                group, comm_dev, need_dh):
+        import torch.distributed as dist
+
+        n_tokens, hidden_size = hidden.shape
+        rows = weight.shape[0]
+        dev = hidden.device
+        cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        w_mm = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+        b_in = None if bias is None else bias.to(cdt)
+        lse = torch.empty(n_tokens, dtype=cdt, device=dev)
+        zt = torch.zeros(n_tokens, dtype=cdt, device=dev)
+        zsum = torch.zeros(n_tokens, dtype=cdt, device=dev)
+        unused = torch.zeros(n_tokens, dtype=cdt, device=dev)  # the dz modes' per-token weight
+        plan = chunked.plan_chunks(n_tokens, hidden_size, rows, hidden.element_size(), budget,
+                                   need_dh)
+        if n_tokens > 0:
+            buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
+            m = s = lse
+            if not plan.full_rows:
+                m = torch.full((n_tokens,), -float("inf"), dtype=cdt, device=dev)
+                s = torch.zeros(n_tokens, dtype=cdt, device=dev)
+            mode = chunked.MODE_FULL if plan.full_rows else chunked.MODE_MERGE
+            for n0 in range(0, n_tokens, plan.rows):
+                n1 = min(n0 + plan.rows, n_tokens)
+                for v0 in range(0, rows, plan.cols):
+                    v1 = min(v0 + plan.cols, rows)
+                    z = chunked._flat_view(buf, n1 - n0, v1 - v0)
+                    chunked._mm(z, hidden[n0:n1], w_mm[v0:v1].T, False)
+                    chunked._rows(backend, z, None if b_in is None else b_in[v0:v1],
+                                  target[n0:n1], v0, vocab, unused[n0:n1], lse[n0:n1],
+                                  m[n0:n1], s[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap,
+                                  mode)
+            del buf
+            if not plan.full_rows:
+                torch.add(m, torch.log(s), out=lse)
+            gmax = _all_reduce_(lse.clone(), dist.ReduceOp.MAX, group, comm_dev)
+            packed = torch.stack([torch.exp(lse - gmax), zt, zsum])
+            _all_reduce_(packed, dist.ReduceOp.SUM, group, comm_dev)
+            lse = gmax + torch.log(packed[0])
+            zt, zsum = packed[1], packed[2]
+        per_tok = lse - (1.0 - eps) * zt - (eps / vocab) * zsum if eps else lse - zt
+        if zl:
+            per_tok = per_tok + zl * lse * lse
+        per_tok = torch.where(valid, per_tok, torch.zeros_like(per_tok))
+        ctx.save_for_backward(hidden, weight, bias, target, valid, lse)
+        ctx.options = (vocab, eps, zl, cap, plan, backend, group, comm_dev, need_dh)
+        return per_tok
+
+    @staticmethod
+    def backward(ctx, g):
+        import torch.distributed as dist
+
+        hidden, weight, bias, target, valid, lse = ctx.saved_tensors
+        vocab, eps, zl, cap, plan, backend, group, comm_dev, need_dh = ctx.options
+        need_dw = ctx.needs_input_grad[1]
+        need_db = bias is not None and ctx.needs_input_grad[2]
+        with torch.no_grad():
+            dh, dw, db = _shard_grads(hidden, weight, bias, target, lse,
+                                      (g.to(lse.dtype) * valid).contiguous(), vocab, eps, zl,
+                                      cap, plan, backend, need_dh, need_dw, need_db)
+            if need_dh and dh.numel() > 0:
+                _all_reduce_(dh, dist.ReduceOp.SUM, group, comm_dev)
+        grads = (dh if need_dh and ctx.needs_input_grad[0] else None,
+                 dw if need_dw else None, db if need_db else None)
+        grads = refuse_double_backward(_ops.DOUBLE_BACKWARD, (hidden, weight, bias, g), grads)
+        return (*grads, *([None] * 11))
+
+
+def _shard_grads(hidden, weight, bias, target, lse, w_tok, vocab, eps, zl, cap, plan, backend,
+                 need_dh, need_dw, need_db):
+    """d_hidden (this shard's part), d_weight and d_bias of the shard for per-token weights
+    w_tok, by the chunks of `plan`; the layout of chunked.fused_forward's gradient sweep."""
+    n_tokens, hidden_size = hidden.shape
+    rows = weight.shape[0]
+    dev = hidden.device
+    cdt = lse.dtype
+    w_mm = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+    b_in = None if bias is None else bias.to(cdt)
+    d_hidden = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
+    d_weight = torch.zeros_like(weight) if need_dw else hidden.new_empty(0)
+    d_bias32 = torch.zeros(rows, dtype=cdt, device=dev) if need_db else None
+    if n_tokens > 0:
+        # m, s, zt, zsum of the statistics modes, not read by the dz mode
+        unused = torch.zeros(4, n_tokens, dtype=cdt, device=dev).unbind(0)
+        buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
+        acc = part = None
+        if need_dh and not plan.full_rows:
+            acc = torch.empty(plan.rows, hidden_size, dtype=cdt, device=dev)
+            part = acc if hidden.dtype == cdt else torch.empty(plan.rows, hidden_size,
+                                                               dtype=hidden.dtype, device=dev)
+        for n0 in range(0, n_tokens, plan.rows):
+            n1 = min(n0 + plan.rows, n_tokens)
+            x = hidden[n0:n1]
+            for v0 in range(0, rows, plan.cols):
+                v1 = min(v0 + plan.cols, rows)
+                z = chunked._flat_view(buf, n1 - n0, v1 - v0)
+                chunked._mm(z, x, w_mm[v0:v1].T, False)
+                chunked._rows(backend, z, None if b_in is None else b_in[v0:v1], target[n0:n1],
+                              v0, vocab, w_tok[n0:n1], lse[n0:n1], *(t[n0:n1] for t in unused),
+                              eps, zl, cap, chunked.MODE_DZ)
+                full = plan.full_rows
+                chunked._grads_from_dz(z, x, w_mm, v0, v1, d_hidden[n0:n1] if need_dh and full
+                                       else None, d_weight if need_dw else None, d_bias32,
+                                       n0 == 0)
+                if need_dh and not full:
+                    rows_acc = acc[: n1 - n0]
+                    if part is acc:
+                        chunked._mm(rows_acc, z, w_mm[v0:v1], v0 > 0)
+                    else:
+                        torch.mm(z, w_mm[v0:v1], out=part[: n1 - n0])
+                        if v0 == 0:
+                            rows_acc.copy_(part[: n1 - n0])
+                        else:
+                            rows_acc.add_(part[: n1 - n0])
+            if need_dh and not plan.full_rows:
+                d_hidden[n0:n1] = acc[: n1 - n0]
+    d_bias = d_bias32.to(bias.dtype) if need_db else hidden.new_empty(0)
+    return d_hidden, d_weight, d_bias
+
+
 def _fingerprint(h2: Tensor, t1: Tensor) -> Tensor:
     """Float64 sums that differ when hidden or target differ (values or token order)."""
     pos = torch.arange(1, h2.shape[0] + 1, dtype=torch.float64, device=h2.device)
@@ -241,17 +383,28 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
                              "vocab-parallel loss needs the same hidden and target everywhere)")
     name = dispatch.select("linear_ce", h2, hidden_size, backend)
     if check_targets is None:
-        import os
         check_targets = os.environ.get("FUSEDOPS_CHECK_TARGETS", "1") != "0"
     if check_targets:
         _ops.check_targets_in_range(t1, vocab_size, int(ignore_index))
+    # Targets relative to the shard: those of other shards (and ignore_index) fall outside
+    # [0, V_r), where the row kernels and the single-device op give a target logit of 0 and no
+    # one-hot gradient.
+    t_local = t1 - vocab_start
+    need_dh = bool(rows_meta[rank][6])
+    valid = t1 != ignore_index
+    if not return_lse and os.environ.get("FUSEDOPS_LCE_ALGO", "auto") != "recompute":
+        per_tok = _ShardLoss.apply(h2, w, b, t_local.long(), valid, vocab_size,
+                                   float(label_smoothing), float(z_loss), float(softcap or 0.0),
+                                   chunked.budget_bytes(memory_budget_mib), name, group,
+                                   comm_dev, need_dh)
+        if reduction == "mean":
+            return per_tok.sum() / valid.sum().clamp(min=1).to(per_tok.dtype)
+        if reduction == "sum":
+            return per_tok.sum()
+        return per_tok.view(lead_shape)
     if w.dtype != h2.dtype:  # mixed precision: the GEMMs in hidden's dtype (autograd casts back)
         w = w.to(h2.dtype)
         b = None if b is None else b.to(h2.dtype)
-    # Targets relative to the shard: those of other shards (and ignore_index) fall outside
-    # [0, V_r), where the single-device op gives a target logit of 0 and no one-hot gradient.
-    t_local = t1 - vocab_start
-    need_dh = bool(rows_meta[rank][6])
     lse, z_target, z_sum = _ShardStats.apply(h2, w, b, t_local, float(softcap or 0.0), name,
                                              group, comm_dev, need_dh)
 
@@ -262,7 +415,6 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
         loss = lse - (1.0 - eps) * z_target - (eps / vocab_size) * z_sum
     if z_loss:
         loss = loss + float(z_loss) * lse * lse
-    valid = t1 != ignore_index
     loss = torch.where(valid, loss, torch.zeros_like(loss))
     if reduction == "mean":
         loss = loss.sum() / valid.sum().clamp(min=1).to(loss.dtype)
