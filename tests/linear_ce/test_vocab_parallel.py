@@ -57,7 +57,8 @@ CASES = {
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 MISUSE = ("group_type", "start_out_of_range", "overlap", "start_on_one_rank", "target_range",
           "mismatch_hidden", "bad_dtype_one_rank", "tokens_differ", "empty_shard",
-          "start_type", "double_backward", "dtensor_replicate")
+          "start_type", "double_backward", "double_backward_lse", "dtensor_replicate",
+          "module_form")
 
 
 def _sizes(split, world, v):
@@ -181,6 +182,19 @@ def _misuse(name, rank, world, group, device):
             loss = linear_cross_entropy(xr, ws, t, bs, reduction="sum", **kw)
             (gx,) = torch.autograd.grad(loss, xr, create_graph=True)
             gx.sum().backward()
+        elif name == "double_backward_lse":
+            xr = x.detach().requires_grad_()
+            loss, lse = linear_cross_entropy(xr, ws, t, bs, reduction="none", return_lse=True,
+                                             **kw)
+            (gx,) = torch.autograd.grad(loss.sum() + lse.sum(), xr, create_graph=True)
+            gx.sum().backward()
+        elif name == "module_form":  # the module passes process_group on; a bad one raises
+            from fusedops.linear_ce import LinearCrossEntropyLoss
+
+            mod = LinearCrossEntropyLoss(process_group=group, backend="torch")
+            ref = linear_cross_entropy(x, ws, t, bs, **kw)
+            assert torch.equal(mod(x, ws, t, bs), ref)
+            LinearCrossEntropyLoss(process_group=object())(x, ws, t, bs)
         elif name == "dtensor_replicate":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.tensor import Replicate, distribute_tensor
@@ -348,6 +362,8 @@ _MISUSE_EXPECT = {
     "empty_shard": ("ValueError", ["rank(s) [1]", "weight shard on rank 1 has 0 rows"]),
     "start_type": ("TypeError", "vocab_start must be an int"),
     "double_backward": ("RuntimeError", "double backward"),
+    "double_backward_lse": ("RuntimeError", "double backward"),
+    "module_form": ("TypeError", "process_group must be a torch.distributed.ProcessGroup"),
     "dtensor_replicate": ("ValueError", "needs Shard(0) on one mesh dimension"),
 }
 

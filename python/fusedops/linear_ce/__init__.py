@@ -196,12 +196,17 @@ class LinearCrossEntropyLoss(nn.Module):
     def __init__(self, *, ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, softcap: float | None = None, z_loss: float = 0.0,
                  return_lse: bool = False, backend: str | None = None,
-                 check_targets: bool | None = None, memory_budget_mib: float | None = None):
+                 check_targets: bool | None = None, memory_budget_mib: float | None = None,
+                 process_group=None, vocab_start: int | None = None,
+                 check_replicated: bool = False):
         super().__init__()
         self.options = dict(ignore_index=ignore_index, reduction=reduction,
                             label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
                             return_lse=return_lse, backend=backend, check_targets=check_targets,
                             memory_budget_mib=memory_budget_mib)
+        if process_group is not None or vocab_start is not None or check_replicated:
+            self.options.update(process_group=process_group, vocab_start=vocab_start,
+                                check_replicated=check_replicated)
 
     def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None):
         return linear_cross_entropy(hidden, weight, target, bias, **self.options)
