@@ -87,7 +87,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          label_smoothing: float = 0.0, softcap: float | None = None,
                          z_loss: float = 0.0, return_lse: bool = False,
                          backend: str | None = None, check_targets: bool | None = None,
-                         memory_budget_mib: float | None = None):
+                         memory_budget_mib: float | None = None, process_group=None,
+                         vocab_start: int | None = None, check_replicated: bool = False):
     """Cross-entropy of `hidden @ weight.T + bias` against `target`, never materialising logits.
 
     Equals, within rounding, ``F.cross_entropy(z.float(), target, ignore_index=ignore_index,
@@ -119,7 +120,27 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
       forward pass through a token chunk of materialised logits (three GEMMs); budgets too small
       for a useful chunk of whole rows (e.g. 64) switch to vocab chunks (four GEMMs). Other calls
       keep a recompute path with its own fixed ~N*H*2 + 32 MiB of scratch.
+    * Vocab parallel (tensor parallelism): with process_group (a torch.distributed ProcessGroup)
+      weight and bias are this rank's rows [vocab_start, vocab_start + V_r) of the (V, H) head,
+      V the sum over the group; hidden and target are the same on every rank. vocab_start
+      defaults to the rows of the lower ranks (shards in rank order; uneven splits allowed);
+      given on every rank, the shards may come in any order but must tile [0, V). A DTensor
+      weight (and bias) sharded on dim 0 is recognised without arguments. Loss, lse and d_hidden
+      (summed over the group) are those of one device on the full weight; d_weight and d_bias
+      are this rank's rows. Per token the ranks exchange 4 statistics (not logits) in the forward
+      and d_hidden (H values) in the backward, which recomputes the shard's logits (four GEMMs
+      in all against the mean/sum path's three). check_replicated=True also checks that hidden
+      and target agree across ranks (an all-reduce of a few sums).
+      fusedops/linear_ce/parallel.py and docs/linear_ce.md have the design.
     """
+    if (process_group is not None or vocab_start is not None or _parallel.is_dtensor(weight)
+            or _parallel.is_dtensor(bias)):
+        return _parallel.linear_cross_entropy(
+            hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
+            return_lse=return_lse, backend=backend, check_targets=check_targets,
+            memory_budget_mib=memory_budget_mib, process_group=process_group,
+            vocab_start=vocab_start, check_replicated=check_replicated)
     _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
                   memory_budget_mib, ignore_index, return_lse, check_targets)
     if hidden.is_cuda and hidden.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
@@ -175,12 +196,17 @@ class LinearCrossEntropyLoss(nn.Module):
     def __init__(self, *, ignore_index: int = -100, reduction: str = "mean",
                  label_smoothing: float = 0.0, softcap: float | None = None, z_loss: float = 0.0,
                  return_lse: bool = False, backend: str | None = None,
-                 check_targets: bool | None = None, memory_budget_mib: float | None = None):
+                 check_targets: bool | None = None, memory_budget_mib: float | None = None,
+                 process_group=None, vocab_start: int | None = None,
+                 check_replicated: bool = False):
         super().__init__()
         self.options = dict(ignore_index=ignore_index, reduction=reduction,
                             label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
                             return_lse=return_lse, backend=backend, check_targets=check_targets,
                             memory_budget_mib=memory_budget_mib)
+        if process_group is not None or vocab_start is not None or check_replicated:
+            self.options.update(process_group=process_group, vocab_start=vocab_start,
+                                check_replicated=check_replicated)
 
     def forward(self, hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None):
         return linear_cross_entropy(hidden, weight, target, bias, **self.options)
@@ -190,3 +216,4 @@ class LinearCrossEntropyLoss(nn.Module):
 
 
 from fusedops.linear_ce import ops as _ops  # noqa: E402,F401  (registers torch.ops.fusedops.*)
+from fusedops.linear_ce import parallel as _parallel  # noqa: E402

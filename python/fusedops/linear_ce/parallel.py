@@ -1,0 +1,459 @@
+"""Vocab-parallel linear cross-entropy: the LM head's weight split by rows over a process group.
+
+Each rank holds rows [vocab_start, vocab_start + V_r) of the (V, H) weight (and of the bias) and
+the same hidden states and targets. Per token, every rank computes the statistics of its shard
+(its log-sum-exp, the target's logit when the target falls in the shard, else 0, and the sum of
+its logits), and the group combines them with two all-reduces of O(tokens) values: the max of
+the shard lses, then the sum of exp(lse_r - max), of the target logits and of the logit sums.
+The loss (label smoothing, z-loss, reduction) is then formed from the global statistics as on
+one device. Logits are never communicated.
+
+Backward: each rank recomputes its shard's logits chunk by chunk and turns them into dz with the
+global lse (softmax(z) restricted to the shard is exp(z - lse)) and the target indicator within
+the shard; that gives the shard's d_weight and d_bias (kept local) and its part of d_hidden,
+summed over the group by one all-reduce of tokens x H values.
+
+Two implementations of those passes, the same as on one device:
+* _ShardLoss (losses without return_lse): cuBLAS GEMMs and the row kernels of
+  fusedops.linear_ce.chunked, chunks sized by memory_budget_mib; the shard is a vocab chunk of
+  the full row. One GEMM in the forward, three in the backward (one GEMM more than the one-device
+  mean/sum path, which keeps dz from its single pass).
+* _ShardStats (return_lse=True, or FUSEDOPS_LCE_ALGO=recompute): the ops fusedops::linear_ce_fwd
+  and linear_ce_bwd, which serve any upstream gradient of lse.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch import Tensor
+
+from fusedops import dispatch
+from fusedops._autograd import refuse_double_backward
+from fusedops._checks import check_bool, check_int
+from fusedops.linear_ce import chunked
+from fusedops.linear_ce import ops as _ops
+
+_META = 9  # ok, rows, vocab_start, has_vocab_start, tokens, hidden size, need_dh, bias, dtype
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+
+
+def _dtensor_type():
+    """torch.distributed.tensor.DTensor if that module is loaded (no DTensor exists otherwise)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return getattr(mod, "DTensor", None) if mod is not None else None
+
+
+def is_dtensor(x) -> bool:
+    cls = _dtensor_type()
+    return cls is not None and isinstance(x, cls)
+
+
+def _shard0_group(name: str, t):
+    """(local tensor, process group) of a DTensor sharded on dim 0 over one mesh dimension and
+    replicated over any others."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(t.placements)
+    dims = [i for i, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
+    others_ok = all(isinstance(p, Replicate) for i, p in enumerate(placements) if i not in dims)
+    if len(dims) != 1 or not others_ok or type(placements[dims[0]]) is not Shard:
+        raise ValueError(f"{name} is a DTensor with placements {placements}; the vocab-parallel "
+                         "loss needs Shard(0) on one mesh dimension and Replicate on the others")
+    return t.to_local(), t.device_mesh.get_group(dims[0])
+
+
+def _replicated_local(name: str, t):
+    from torch.distributed.tensor import Replicate
+
+    if not all(isinstance(p, Replicate) for p in t.placements):
+        raise ValueError(f"{name} is a DTensor with placements {tuple(t.placements)}; it must be "
+                         "replicated (the same on every rank of the vocab-parallel group)")
+    return t.to_local()
+
+
+def _comm_device(group, device) -> torch.device:
+    """Where the collectives' tensors live: the CPU for gloo, else the inputs' device."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    return device
+
+
+def _all_reduce_(t: Tensor, op, group, comm_dev: torch.device) -> Tensor:
+    """t reduced over the group in place (through a copy on comm_dev when t lives elsewhere)."""
+    import torch.distributed as dist
+
+    if t.device == comm_dev:
+        dist.all_reduce(t, op=op, group=group)
+        return t
+    c = t.to(comm_dev)
+    dist.all_reduce(c, op=op, group=group)
+    t.copy_(c)
+    return t
+
+
+class _ShardStats(torch.autograd.Function):
+    """Global per-token (lse, target logit, logit sum) from the local shard; backward gives the
+    shard's d_weight, d_bias and the group's summed d_hidden."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, softcap, backend, group, comm_dev, need_dh):
+        import torch.distributed as dist
+
+        lse_r, zt, zsum = torch.ops.fusedops.linear_ce_fwd(hidden, weight, bias, target, 0,
+                                                           softcap, False, backend)
+        if hidden.shape[0] > 0:
+            m = _all_reduce_(lse_r.clone(), dist.ReduceOp.MAX, group, comm_dev)
+            packed = torch.stack([torch.exp(lse_r - m), zt, zsum])
+            _all_reduce_(packed, dist.ReduceOp.SUM, group, comm_dev)
+            lse = m + torch.log(packed[0])
+            zt, zsum = packed[1].clone(), packed[2].clone()
+        else:
+            lse = lse_r
+        ctx.save_for_backward(hidden, weight, bias, target, lse)
+        ctx.options = (softcap, backend, group, comm_dev, need_dh)
+        return lse, zt, zsum
+
+    @staticmethod
+    def backward(ctx, g_lse, g_zt, g_zsum):
+        import torch.distributed as dist
+
+        hidden, weight, bias, target, lse = ctx.saved_tensors
+        softcap, backend, group, comm_dev, need_dh = ctx.options
+        need_dw = ctx.needs_input_grad[1]
+        need_db = bias is not None and ctx.needs_input_grad[2]
+        g = [x if x is not None else torch.zeros_like(lse) for x in (g_lse, g_zt, g_zsum)]
+        with torch.no_grad():
+            # need_dh is the same on every rank (checked), so every rank joins the all-reduce.
+            dh, dw, db = _ops.linear_ce_bwd(hidden, weight, bias, target, lse, *g, softcap,
+                                            need_dh, need_dw, need_db, backend)
+            if need_dh and dh.numel() > 0:
+                _all_reduce_(dh, dist.ReduceOp.SUM, group, comm_dev)
+        grads = (dh if need_dh and ctx.needs_input_grad[0] else None,
+                 dw if need_dw else None, db if need_db else None)
+        grads = refuse_double_backward(_ops.DOUBLE_BACKWARD,
+                                       (hidden, weight, bias, g_lse, g_zt, g_zsum), grads)
+        return (*grads, None, None, None, None, None, None)
+
+
+class _ShardLoss(torch.autograd.Function):
+    """Per-token losses (0 at ignored tokens) through the chunked path's GEMMs and row kernels.
+
+    Forward: one GEMM per chunk of the shard's logits and the row kernel's statistics modes
+    (whole shard rows, or vocab chunks merged online), then the all-reduces. Backward, for the
+    per-token upstream gradient g: the shard's logits again chunk by chunk, the row kernel's dz
+    mode with the global lse and the per-token weight g (a vocab chunk of the full row, at column
+    vocab_start + v0 of V), and the d_hidden, d_weight products (three GEMMs); d_hidden then
+    summed over the group.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, valid, vocab, eps, zl, cap, budget, backend,
+                group, comm_dev, need_dh):
+        import torch.distributed as dist
+
+        n_tokens, hidden_size = hidden.shape
+        rows = weight.shape[0]
+        dev = hidden.device
+        cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        w_mm = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+        b_in = None if bias is None else bias.to(cdt)
+        lse = torch.empty(n_tokens, dtype=cdt, device=dev)
+        zt = torch.zeros(n_tokens, dtype=cdt, device=dev)
+        zsum = torch.zeros(n_tokens, dtype=cdt, device=dev)
+        unused = torch.zeros(n_tokens, dtype=cdt, device=dev)  # the dz modes' per-token weight
+        plan = chunked.plan_chunks(n_tokens, hidden_size, rows, hidden.element_size(), budget,
+                                   need_dh)
+        if n_tokens > 0:
+            buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
+            m = s = lse
+            if not plan.full_rows:
+                m = torch.full((n_tokens,), -float("inf"), dtype=cdt, device=dev)
+                s = torch.zeros(n_tokens, dtype=cdt, device=dev)
+            mode = chunked.MODE_FULL if plan.full_rows else chunked.MODE_MERGE
+            for n0 in range(0, n_tokens, plan.rows):
+                n1 = min(n0 + plan.rows, n_tokens)
+                for v0 in range(0, rows, plan.cols):
+                    v1 = min(v0 + plan.cols, rows)
+                    z = chunked._flat_view(buf, n1 - n0, v1 - v0)
+                    chunked._mm(z, hidden[n0:n1], w_mm[v0:v1].T, False)
+                    chunked._rows(backend, z, None if b_in is None else b_in[v0:v1],
+                                  target[n0:n1], v0, vocab, unused[n0:n1], lse[n0:n1],
+                                  m[n0:n1], s[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap,
+                                  mode)
+            del buf
+            if not plan.full_rows:
+                torch.add(m, torch.log(s), out=lse)
+            gmax = _all_reduce_(lse.clone(), dist.ReduceOp.MAX, group, comm_dev)
+            packed = torch.stack([torch.exp(lse - gmax), zt, zsum])
+            _all_reduce_(packed, dist.ReduceOp.SUM, group, comm_dev)
+            lse = gmax + torch.log(packed[0])
+            zt, zsum = packed[1], packed[2]
+        per_tok = lse - (1.0 - eps) * zt - (eps / vocab) * zsum if eps else lse - zt
+        if zl:
+            per_tok = per_tok + zl * lse * lse
+        per_tok = torch.where(valid, per_tok, torch.zeros_like(per_tok))
+        ctx.save_for_backward(hidden, weight, bias, target, valid, lse)
+        ctx.options = (vocab, eps, zl, cap, plan, backend, group, comm_dev, need_dh)
+        return per_tok
+
+    @staticmethod
+    def backward(ctx, g):
+        import torch.distributed as dist
+
+        hidden, weight, bias, target, valid, lse = ctx.saved_tensors
+        vocab, eps, zl, cap, plan, backend, group, comm_dev, need_dh = ctx.options
+        need_dw = ctx.needs_input_grad[1]
+        need_db = bias is not None and ctx.needs_input_grad[2]
+        with torch.no_grad():
+            dh, dw, db = _shard_grads(hidden, weight, bias, target, lse,
+                                      (g.to(lse.dtype) * valid).contiguous(), vocab, eps, zl,
+                                      cap, plan, backend, need_dh, need_dw, need_db)
+            if need_dh and dh.numel() > 0:
+                _all_reduce_(dh, dist.ReduceOp.SUM, group, comm_dev)
+        grads = (dh if need_dh and ctx.needs_input_grad[0] else None,
+                 dw if need_dw else None, db if need_db else None)
+        grads = refuse_double_backward(_ops.DOUBLE_BACKWARD, (hidden, weight, bias, g), grads)
+        return (*grads, *([None] * 11))
+
+
+def _shard_grads(hidden, weight, bias, target, lse, w_tok, vocab, eps, zl, cap, plan, backend,
+                 need_dh, need_dw, need_db):
+    """d_hidden (this shard's part), d_weight and d_bias of the shard for per-token weights
+    w_tok, by the chunks of `plan`; the layout of chunked.fused_forward's gradient sweep."""
+    n_tokens, hidden_size = hidden.shape
+    rows = weight.shape[0]
+    dev = hidden.device
+    cdt = lse.dtype
+    w_mm = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+    b_in = None if bias is None else bias.to(cdt)
+    d_hidden = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
+    d_weight = torch.zeros_like(weight) if need_dw else hidden.new_empty(0)
+    d_bias32 = torch.zeros(rows, dtype=cdt, device=dev) if need_db else None
+    if n_tokens > 0:
+        # m, s, zt, zsum of the statistics modes, not read by the dz mode
+        unused = torch.zeros(4, n_tokens, dtype=cdt, device=dev).unbind(0)
+        buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
+        acc = part = None
+        if need_dh and not plan.full_rows:
+            acc = torch.empty(plan.rows, hidden_size, dtype=cdt, device=dev)
+            part = acc if hidden.dtype == cdt else torch.empty(plan.rows, hidden_size,
+                                                               dtype=hidden.dtype, device=dev)
+        for n0 in range(0, n_tokens, plan.rows):
+            n1 = min(n0 + plan.rows, n_tokens)
+            x = hidden[n0:n1]
+            for v0 in range(0, rows, plan.cols):
+                v1 = min(v0 + plan.cols, rows)
+                z = chunked._flat_view(buf, n1 - n0, v1 - v0)
+                chunked._mm(z, x, w_mm[v0:v1].T, False)
+                chunked._rows(backend, z, None if b_in is None else b_in[v0:v1], target[n0:n1],
+                              v0, vocab, w_tok[n0:n1], lse[n0:n1], *(t[n0:n1] for t in unused),
+                              eps, zl, cap, chunked.MODE_DZ)
+                full = plan.full_rows
+                chunked._grads_from_dz(z, x, w_mm, v0, v1, d_hidden[n0:n1] if need_dh and full
+                                       else None, d_weight if need_dw else None, d_bias32,
+                                       n0 == 0)
+                if need_dh and not full:
+                    rows_acc = acc[: n1 - n0]
+                    if part is acc:
+                        chunked._mm(rows_acc, z, w_mm[v0:v1], v0 > 0)
+                    else:
+                        torch.mm(z, w_mm[v0:v1], out=part[: n1 - n0])
+                        if v0 == 0:
+                            rows_acc.copy_(part[: n1 - n0])
+                        else:
+                            rows_acc.add_(part[: n1 - n0])
+            if need_dh and not plan.full_rows:
+                d_hidden[n0:n1] = acc[: n1 - n0]
+    d_bias = d_bias32.to(bias.dtype) if need_db else hidden.new_empty(0)
+    return d_hidden, d_weight, d_bias
+
+
+def _fingerprint(h2: Tensor, t1: Tensor) -> Tensor:
+    """Float64 sums that differ when hidden or target differ (values or token order)."""
+    pos = torch.arange(1, h2.shape[0] + 1, dtype=torch.float64, device=h2.device)
+    hd = h2.detach().to(torch.float64)
+    row = hd.sum(-1)
+    tt = t1.to(torch.float64)
+    return torch.stack([hd.abs().sum(), row.sum(), (row * pos).sum(), tt.sum(), (tt * pos).sum()])
+
+
+def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reduction,
+                         label_smoothing, softcap, z_loss, return_lse, backend, check_targets,
+                         memory_budget_mib, process_group, vocab_start, check_replicated):
+    """The vocab-parallel form of fusedops.linear_cross_entropy (see its docstring)."""
+    import torch.distributed as dist
+
+    from fusedops.linear_ce import _check_inputs
+
+    if not dist.is_available():
+        raise RuntimeError("process_group / vocab_start need torch.distributed, which this "
+                           "torch build lacks")
+    group = process_group
+    if is_dtensor(weight):
+        weight, mesh_group = _shard0_group("weight", weight)
+        if group is not None and group is not mesh_group:
+            raise ValueError("process_group differs from the process group of weight's "
+                             "DTensor mesh dimension; pass one or the other")
+        group = mesh_group
+    if is_dtensor(bias):
+        bias, _ = _shard0_group("bias", bias)
+    if is_dtensor(hidden):
+        hidden = _replicated_local("hidden", hidden)
+    if is_dtensor(target):
+        target = _replicated_local("target", target)
+    if group is None:
+        raise ValueError("vocab_start needs process_group (the group the weight is split over)")
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got "
+                        f"{type(group).__name__} (for a DeviceMesh, pass mesh.get_group())")
+    if not dist.is_initialized():
+        raise RuntimeError("process_group given but torch.distributed is not initialised")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of process_group")
+    world = dist.get_world_size(group)
+    check_bool("check_replicated", check_replicated)
+
+    # Local checks first; their outcome travels with the layout all-gather, so that a rank with
+    # bad input raises its own error and the others raise too instead of waiting in a collective.
+    local_error = None
+    try:
+        if vocab_start is not None:
+            vocab_start = check_int("vocab_start", vocab_start)
+        if isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[0] == 0:
+            raise ValueError(f"weight shard on rank {rank} has 0 rows; every rank of the group "
+                             "must hold at least one vocabulary row")
+        _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
+                      memory_budget_mib, ignore_index, return_lse, check_targets)
+    except (TypeError, ValueError) as e:
+        local_error = e
+    ok = local_error is None
+    comm_dev = _comm_device(group, hidden.device if isinstance(hidden, Tensor) else None)
+    meta = torch.tensor([
+        int(ok),
+        weight.shape[0] if ok else 0,
+        vocab_start if (ok and vocab_start is not None) else -1,
+        int(vocab_start is not None),
+        hidden.numel() // hidden.shape[-1] if ok else 0,
+        hidden.shape[-1] if ok else 0,
+        int(ok and hidden.requires_grad and torch.is_grad_enabled()),
+        int(ok and bias is not None),
+        _DTYPE_CODES.get(hidden.dtype, -1) if ok else -1,
+    ], dtype=torch.int64, device=comm_dev)
+    gathered = [torch.empty_like(meta) for _ in range(world)]
+    dist.all_gather(gathered, meta, group=group)
+    rows_meta = torch.stack(gathered).cpu().tolist()  # one host sync, O(world) values
+    if local_error is not None:
+        raise local_error
+    failed = [r for r, row in enumerate(rows_meta) if not row[0]]
+    if failed:
+        raise ValueError(f"linear_cross_entropy: rank(s) {failed} of process_group rejected "
+                         "their inputs (see the error raised there)")
+    vocab_start = _check_layout(rows_meta, rank)
+    vocab_size = sum(row[1] for row in rows_meta)
+
+    if hidden.is_cuda and hidden.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        hidden = hidden.to(torch.get_autocast_dtype("cuda"))
+    hidden_size = hidden.shape[-1]
+    lead_shape = hidden.shape[:-1]
+    h2 = hidden.reshape(-1, hidden_size)
+    if not h2.is_contiguous():
+        h2 = h2.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    b = bias if (bias is None or bias.is_contiguous()) else bias.contiguous()
+    t1 = target.reshape(-1)
+    if not t1.is_contiguous():
+        t1 = t1.contiguous()
+    if check_replicated and h2.shape[0] > 0:
+        fp = _fingerprint(h2, t1).to(comm_dev)
+        both = torch.cat([fp, -fp])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        hi, lo = both[:5], -both[5:]
+        tol = 1e-9 * (hi[0].abs() + 1.0)
+        if bool(((hi[1:3] - lo[1:3]).abs() > tol).any()) or bool((hi[3:] != lo[3:]).any()):
+            raise ValueError("hidden or target differs across the ranks of process_group (the "
+                             "vocab-parallel loss needs the same hidden and target everywhere)")
+    name = dispatch.select("linear_ce", h2, hidden_size, backend)
+    if check_targets is None:
+        check_targets = os.environ.get("FUSEDOPS_CHECK_TARGETS", "1") != "0"
+    if check_targets:
+        _ops.check_targets_in_range(t1, vocab_size, int(ignore_index))
+    # Targets relative to the shard: those of other shards (and ignore_index) fall outside
+    # [0, V_r), where the row kernels and the single-device op give a target logit of 0 and no
+    # one-hot gradient.
+    t_local = t1 - vocab_start
+    need_dh = bool(rows_meta[rank][6])
+    valid = t1 != ignore_index
+    if not return_lse and os.environ.get("FUSEDOPS_LCE_ALGO", "auto") != "recompute":
+        per_tok = _ShardLoss.apply(h2, w, b, t_local.long(), valid, vocab_size,
+                                   float(label_smoothing), float(z_loss), float(softcap or 0.0),
+                                   chunked.budget_bytes(memory_budget_mib), name, group,
+                                   comm_dev, need_dh)
+        if reduction == "mean":
+            return per_tok.sum() / valid.sum().clamp(min=1).to(per_tok.dtype)
+        if reduction == "sum":
+            return per_tok.sum()
+        return per_tok.view(lead_shape)
+    if w.dtype != h2.dtype:  # mixed precision: the GEMMs in hidden's dtype (autograd casts back)
+        w = w.to(h2.dtype)
+        b = None if b is None else b.to(h2.dtype)
+    lse, z_target, z_sum = _ShardStats.apply(h2, w, b, t_local, float(softcap or 0.0), name,
+                                             group, comm_dev, need_dh)
+
+    eps = float(label_smoothing)
+    if eps == 0.0:
+        loss = lse - z_target
+    else:
+        loss = lse - (1.0 - eps) * z_target - (eps / vocab_size) * z_sum
+    if z_loss:
+        loss = loss + float(z_loss) * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == "mean":
+        loss = loss.sum() / valid.sum().clamp(min=1).to(loss.dtype)
+    elif reduction == "sum":
+        loss = loss.sum()
+    else:
+        loss = loss.view(lead_shape)
+    if return_lse:
+        return loss, lse.view(lead_shape)
+    return loss
+
+
+def _check_layout(rows_meta, rank: int) -> int:
+    """This rank's vocab_start after checking that the shards tile [0, V) and that every rank
+    passes the same tokens, hidden size, dtype, bias and requires_grad."""
+    world = len(rows_meta)
+    for col, what in ((4, "the number of tokens"), (5, "the hidden size"),
+                      (8, "hidden's dtype"), (7, "whether a bias is given"),
+                      (6, "whether hidden requires grad"),
+                      (3, "whether vocab_start is given")):
+        values = [row[col] for row in rows_meta]
+        if len(set(values)) > 1:
+            raise ValueError(f"{what} differs across the ranks of process_group "
+                             f"({values}); hidden, target and the options must match")
+    sizes = [row[1] for row in rows_meta]
+    vocab_size = sum(sizes)
+    if not rows_meta[0][3]:  # shards in rank order
+        return sum(sizes[:rank])
+    starts = [row[2] for row in rows_meta]
+    for r, s in enumerate(starts):
+        if not 0 <= s < vocab_size:
+            raise ValueError(f"vocab_start={s} on rank {r} is outside [0, {vocab_size}) "
+                             f"(V = {vocab_size}, the sum of the shards' rows)")
+    order = sorted(range(world), key=lambda r: starts[r])
+    pos = 0
+    for r in order:
+        if starts[r] != pos:
+            spans = ", ".join(f"rank {q}: [{starts[q]}, {starts[q] + sizes[q]})"
+                              for q in range(world))
+            raise ValueError(f"the weight shards do not tile [0, {vocab_size}): {spans}")
+        pos += sizes[r]
+    return starts[rank]
