@@ -195,18 +195,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   Tensor dv = at::empty(v.sizes(), v.options());
   if (p.total_q == 0 || p.batch == 0 || p.max_q == 0 || p.total_k == 0)
     return {dq.zero_(), dk.zero_(), dv.zero_()};
-  // delta: (Hq, total_q) for the sm80 backward; the sm90 one keeps lse2 and delta there in its
-  // padded layout (stats_rows_sm90, attention_bwd_kernel_sm90.cuh), 2 Hq x (total_q + 128 batch
-  // rounded up to 128) floats.
-  const int64_t stats_rows = (q.size(0) + 128 * (cu_q.size(0) - 1) + 127) / 128 * 128;
-  Tensor delta = at::empty({arch == 90 ? 2 * q.size(1) * stats_rows : q.size(1) * q.size(0)},
-                           q.options().dtype(at::kFloat));
   p.out = const_cast<void*>(out.data_ptr());
   p.o_row = out.stride(0);
   p.dout = dout.data_ptr();
   p.do_row = dout.stride(0);
   p.lse = const_cast<float*>(lse.data_ptr<float>());
-  p.delta = delta.data_ptr<float>();
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
@@ -222,6 +215,17 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   const bool sm90_bwd = arch == 90 && sm90_runs_on(q.get_device()) && rows_disjoint(q) &&
                         rows_disjoint(k) && rows_disjoint(v) && rows_disjoint(dout);
   auto bwd = arch == 90 && !sm90_bwd ? attention_bwd_sm80 : fam.bwd;
+  // The sm90 kernel itself runs when attention_bwd_sm90 gets a dQ accumulator (below) and is
+  // not switched to the sm80 one; only then is delta its padded buffer.
+  const bool sm90_kernel = sm90_bwd && attention_bwd_sm90_enabled() &&
+                           (deterministic || fam.bwd_atomic_fits(p.head_dim));
+  // delta: (Hq, total_q) for the sm80 backward; the sm90 one keeps lse2 and delta there in its
+  // padded layout (stats_rows_sm90, attention_bwd_kernel_sm90.cuh), 2 Hq x (total_q + 128 batch
+  // rounded up to 128) floats: up to 256x the sm80 size for one-token sequences.
+  const int64_t stats_rows = (q.size(0) + 128 * (cu_q.size(0) - 1) + 127) / 128 * 128;
+  Tensor delta = at::empty({sm90_kernel ? 2 * q.size(1) * stats_rows : q.size(1) * q.size(0)},
+                           q.options().dtype(at::kFloat));
+  p.delta = delta.data_ptr<float>();
   // Not deterministic: dQ accumulates in float32 by atomics from the dK/dV kernel. Deterministic:
   // the sm90 backward orders those reductions by counters (p.dq_sem; bit-identical run to run),
   // the sm80 one computes dQ in a separate kernel that recomputes the scores. The sm80 atomic
