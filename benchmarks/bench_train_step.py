@@ -18,6 +18,8 @@ tensors):
             with its other kernels off (rope, rms_norm, swiglu; --liger-all turns them on), so
             that it differs from sdpa by the loss alone; skipped when liger_kernel is missing
   fusedops  fusedops.integrations.transformers.apply_fusedops (attention and fused loss)
+  fusedops-loss  apply_fusedops(attention=False): SDPA attention, fused loss
+  fusedops@N, fusedops-loss@N  the same with apply_fusedops(memory_budget_mib=N)
 
 Each method runs --warmup steps, then --steps timed steps: "ms" is their median (CUDA
 synchronised around each step; time.perf_counter), "peak_gib" torch.cuda.max_memory_allocated
@@ -39,7 +41,8 @@ import time
 
 from common import add_out_arg, append_rows, describe, print_table, results_path, run_meta
 
-METHODS = ("eager", "sdpa", "liger", "fusedops")
+METHODS = ("eager", "sdpa", "liger", "fusedops", "fusedops-loss")
+DEFAULT_METHODS = ("eager", "sdpa", "liger", "fusedops")
 GIB = float(1 << 30)
 
 
@@ -47,8 +50,22 @@ class Skip(Exception):
     pass
 
 
+def parse_method(method: str) -> tuple[str, float | None]:
+    """("fusedops-loss", 128.0) from "fusedops-loss@128"; the budget is None without "@"."""
+    base, _, budget = method.partition("@")
+    if base not in METHODS or (budget and not base.startswith("fusedops")):
+        sys.exit(f"unknown method {method!r}; methods: {', '.join(METHODS)}, and fusedops@N, "
+                 "fusedops-loss@N (N: the fused loss's memory budget in MiB)")
+    try:
+        return base, float(budget) if budget else None
+    except ValueError:
+        sys.exit(f"method {method!r}: the budget after '@' must be a number of MiB")
+
+
 def build(method: str, args, device, dtype):
     from fusedops.memory.configs import build_llama, model_config
+
+    method, budget = parse_method(method)
 
     cfg = model_config(args.model)
     model = build_llama(cfg, dtype=dtype, device=device,
@@ -61,22 +78,24 @@ def build(method: str, args, device, dtype):
         every = args.liger_all
         apply_liger_kernel_to_llama(rope=every, rms_norm=every, swiglu=every, cross_entropy=False,
                                     fused_linear_cross_entropy=True, model=model)
-    elif method == "fusedops":
+    elif method.startswith("fusedops"):
         try:
             from fusedops.integrations.transformers import apply_fusedops
         except ImportError as exc:
             raise Skip(f"fusedops.integrations.transformers is not importable ({exc})") from exc
-        model = apply_fusedops(model)
+        model = apply_fusedops(model, attention=method == "fusedops", memory_budget_mib=budget)
     return cfg, model
 
 
 def planned(method: str, cfg, args, device_type: str):
     from fusedops.memory import plan
 
-    impl = {"eager": "eager", "sdpa": "sdpa", "liger": "sdpa", "fusedops": "fusedops"}[method]
+    base, budget = parse_method(method)
+    impl = {"eager": "eager", "sdpa": "sdpa", "liger": "sdpa", "fusedops": "fusedops",
+            "fusedops-loss": "sdpa"}[base]
     return plan(cfg, batch=args.batch, seq=args.seq, dtype=args.dtype, mixed_precision=False,
-                fused_loss=method in ("liger", "fusedops"), attention_impl=impl,
-                device=device_type, label=method)
+                fused_loss=base != "eager" and base != "sdpa", attention_impl=impl,
+                device=device_type, memory_budget_mib=budget, label=method)
 
 
 def run_one(method: str, args) -> dict:
@@ -90,6 +109,8 @@ def run_one(method: str, args) -> dict:
     cuda = device.type == "cuda"
     row = dict(op="train_step", method=method, model=args.model, B=args.batch, S=args.seq,
                dtype=args.dtype, device=device.type, oom=False)
+    if parse_method(method)[1] is not None:
+        row["memory_budget_mib"] = parse_method(method)[1]
     try:
         cfg, model = build(method, args, device, dtype)
     except Skip as exc:
@@ -163,7 +184,9 @@ def main():
     ap.add_argument("--seq", type=int, default=None, help="default 8192 (GPU), 128 (CPU)")
     ap.add_argument("--dtype", default=None, help="default bfloat16 (GPU), float32 (CPU)")
     ap.add_argument("--device", default=None)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                    help="comma list of eager, sdpa, liger, fusedops, fusedops-loss, "
+                         "fusedops@N, fusedops-loss@N (N: loss budget, MiB)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--no-breakdown", action="store_true",
@@ -193,8 +216,7 @@ def main():
     meta = run_meta()
     rows = []
     for method in args.methods.split(","):
-        if method not in METHODS:
-            sys.exit(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
+        parse_method(method)
         t0 = time.time()
         if gpu or args.separate:
             row = run_child(method, args)
@@ -221,7 +243,7 @@ def main():
           "measured peak):")
     for r in rows:
         err = "" if r.get("plan_err") is None else f", {r['plan_err']:+.1%} against measured"
-        print(f"  {r['method']:9} {r['planned_gib']:8.3f} GiB during {r['planned_phase']}{err}")
+        print(f"  {r['method']:18} {r['planned_gib']:8.3f} GiB during {r['planned_phase']}{err}")
     return rows
 
 

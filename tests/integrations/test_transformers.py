@@ -169,6 +169,45 @@ def test_idempotent_and_flags():
         fo_hf.apply_fusedops(only_loss, attention=1)
 
 
+def test_memory_budget_reaches_the_loss():
+    """apply_fusedops(memory_budget_mib=...) is the fused loss's scratch budget: a budget below
+    the loss's fixed 2 MiB is refused by the loss itself, one just above it (two token chunks
+    here) gives stock's loss and gradients, and patching again replaces it."""
+    ref, cand = model_pair("llama", torch.float64)
+    inputs, labels = batch("right")
+    ref.train()
+    cand.train()
+    fo_hf.apply_fusedops(cand, memory_budget_mib=1)
+    with pytest.raises(ValueError, match="memory_budget_mib=1.000 is too small"):
+        cand(**inputs, labels=labels, use_cache=False)
+    fo_hf.apply_fusedops(cand, memory_budget_mib=2.05)
+    out, grads = _run(cand, inputs, labels)
+    ref_loss = reference_loss(ref(**inputs, use_cache=False).logits, labels)
+    ref_loss.backward()
+    assert rel_err(out.loss, ref_loss) < 1e-10
+    for name, g in _grads(ref).items():
+        assert rel_err(grads[name], g) < 1e-10, name
+    fo_hf.apply_fusedops(cand)  # back to the default budget
+    assert cand(**inputs, labels=labels, use_cache=False).loss is not None
+    for bad in (0, -5, "128", True):
+        with pytest.raises(ValueError, match="memory_budget_mib"):
+            fo_hf.apply_fusedops(cand, memory_budget_mib=bad)
+
+
+def test_memory_budget_on_a_class():
+    from transformers import LlamaForCausalLM
+
+    class Small(LlamaForCausalLM):
+        pass
+
+    fo_hf.apply_fusedops(Small, memory_budget_mib=1)
+    model = Small(config("llama")).to(torch.float64)
+    model.train()
+    inputs, labels = batch("right")
+    with pytest.raises(ValueError, match="memory_budget_mib=1.000 is too small"):
+        model(**inputs, labels=labels, use_cache=False)
+
+
 def test_patch_class_before_from_pretrained(tmp_path):
     class TinyLlama(transformers.LlamaForCausalLM):
         pass

@@ -58,11 +58,18 @@ def _check_flag(name: str, value) -> None:
         raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
-def _patch_instance(model, attention: bool, linear_ce: bool):
+def _check_budget(value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"memory_budget_mib must be a positive number or None, got {value!r}")
+
+
+def _patch_instance(model, attention: bool, linear_ce: bool, memory_budget_mib=None):
     if attention and model.config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)
     if linear_ce:
-        patch_lm_head(model.lm_head)
+        patch_lm_head(model.lm_head, memory_budget_mib)
         if not getattr(model, _FORWARD_FLAG, False):
             model.forward = types.MethodType(fused_causal_lm_forward, model)
             setattr(model, _FORWARD_FLAG, True)
@@ -85,7 +92,8 @@ def _patch_class(cls: type) -> None:
     cls.__init__ = __init__
 
 
-def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = True):
+def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = True,
+                   memory_budget_mib: float | None = None):
     """Uses fusedops in a transformers causal LM; returns what it was given.
 
     model_or_class: a built model (an instance of a supported ``*ForCausalLM``), patched in place;
@@ -101,15 +109,21 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
     labels, or in eval mode, logits are computed as usual). The LM head stays the model's own
     module, called for the loss, so FSDP2 and DeepSpeed ZeRO-3 gather its weight as before.
 
+    memory_budget_mib: the fused loss's scratch (linear_cross_entropy's memory_budget_mib; None:
+    its default, 512 MiB or FUSEDOPS_LCE_MEMORY_MIB). Lower it when the loss's chunk sets the
+    step's peak: for Llama-3.2-1B at 8192 tokens the peak is the last decoder layer's MLP
+    backward once the budget is at most 128 MiB (benchmarks/results/train_step.jsonl).
+
     Patching again is harmless; for a class the last call's flags apply to models built later.
     Raises TypeError naming the class for an unsupported model.
     """
     _check_flag("attention", attention)
     _check_flag("linear_ce", linear_ce)
+    _check_budget(memory_budget_mib)
     if isinstance(model_or_class, type):
         _check_supported(model_or_class)
-        setattr(model_or_class, _CLASS_OPTIONS, (attention, linear_ce))
+        setattr(model_or_class, _CLASS_OPTIONS, (attention, linear_ce, memory_budget_mib))
         _patch_class(model_or_class)
         return model_or_class
     _check_supported(type(model_or_class))
-    return _patch_instance(model_or_class, attention, linear_ce)
+    return _patch_instance(model_or_class, attention, linear_ce, memory_budget_mib)

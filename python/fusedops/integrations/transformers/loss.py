@@ -22,6 +22,7 @@ from fusedops.linear_ce import linear_cross_entropy
 __all__ = ["fused_head_forward", "patch_lm_head", "fused_causal_lm_forward"]
 
 _HEAD_FLAG = "_fusedops_fused_head"
+_HEAD_BUDGET = "_fusedops_memory_budget_mib"
 
 
 def fused_head_forward(self: nn.Linear, hidden: Tensor, labels: Tensor | None = None, *,
@@ -33,30 +34,38 @@ def fused_head_forward(self: nn.Linear, hidden: Tensor, labels: Tensor | None = 
     leading shape, already aligned with hidden: no shift here): the float32 cross-entropy of
     ``softcap * tanh(logits / softcap)`` (no tanh for softcap None) computed by
     fusedops.linear_ce without forming the logits; the mean over tokens whose label is not
-    ignore_index, or their sum divided by num_items_in_batch when that is given.
+    ignore_index, or their sum divided by num_items_in_batch when that is given. The scratch
+    budget is the one patch_lm_head was given.
     """
     if labels is None:
         return type(self).forward(self, hidden)
     labels = labels.to(hidden.device)
+    budget = getattr(self, _HEAD_BUDGET, None)
     if num_items_in_batch is None:
         return linear_cross_entropy(hidden, self.weight, labels, self.bias,
-                                    ignore_index=ignore_index, reduction="mean", softcap=softcap)
+                                    ignore_index=ignore_index, reduction="mean", softcap=softcap,
+                                    memory_budget_mib=budget)
     loss = linear_cross_entropy(hidden, self.weight, labels, self.bias,
-                                ignore_index=ignore_index, reduction="sum", softcap=softcap)
+                                ignore_index=ignore_index, reduction="sum", softcap=softcap,
+                                memory_budget_mib=budget)
     if isinstance(num_items_in_batch, Tensor):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
 
 
-def patch_lm_head(head: nn.Module) -> nn.Module:
-    """Gives `head` (an nn.Linear) the forward of :func:`fused_head_forward`; idempotent."""
+def patch_lm_head(head: nn.Module, memory_budget_mib: float | None = None) -> nn.Module:
+    """Gives `head` (an nn.Linear) the forward of :func:`fused_head_forward`, whose fused loss
+    uses `memory_budget_mib` (None: linear_cross_entropy's default); idempotent, the last
+    call's budget applies."""
     if getattr(head, _HEAD_FLAG, False):
+        setattr(head, _HEAD_BUDGET, memory_budget_mib)
         return head
     if not isinstance(head, nn.Linear):
         raise TypeError(f"the fused loss needs an nn.Linear LM head, got {type(head).__name__}; "
                         "pass linear_ce=False to keep the model's own head")
     head.forward = types.MethodType(fused_head_forward, head)
     setattr(head, _HEAD_FLAG, True)
+    setattr(head, _HEAD_BUDGET, memory_budget_mib)
     return head
 
 
@@ -114,7 +123,9 @@ def fused_causal_lm_forward(self, input_ids: torch.LongTensor | None = None,
         hidden = hidden_states[:, slice_indices, :]
         if shift_labels.shape[-1] != hidden.shape[1]:
             shift_labels = shift_labels[:, slice_indices]
-        head = patch_lm_head(self.lm_head)
+        head = self.lm_head  # patched by apply_fusedops (patching here keeps its budget)
+        if not getattr(head, _HEAD_FLAG, False):
+            patch_lm_head(head)
         loss = head(hidden, shift_labels, ignore_index=ignore_index, softcap=softcap,
                     num_items_in_batch=kwargs.get("num_items_in_batch"))
     else:
