@@ -1,0 +1,172 @@
+"""A model of the sm90 backward's deterministic dQ order (kDet of
+csrc/attention/attention_bwd_kernel_sm90.cuh), run on the CPU: which key blocks add into a query
+block's dQ, the turn each one waits for, and the tickets that keep the waits free of deadlock
+however few CTAs are resident and in whatever order the hardware starts them.
+
+The kernel's rules, repeated here: Seq::keys_of / queries_of (attention_common.cuh) and KeySteps
+(attention_bwd_kernel_sm80.cuh) give the query blocks a key block visits; a query block's
+contributors are the key blocks [klo / BN, (khi - 1) / BN] of keys_of, and key block nb's turn is
+nb - klo / BN (ascending) or (khi - 1) / BN - nb (descending); a CTA takes a ticket on entry and
+works on the (key block, KV head, sequence) it names, key blocks in adding order; per step (query
+head, query block) each of its two consumer warpgroups waits for the turn of its own 64 x 64
+piece, adds, and passes the turn on; a named barrier per step keeps the two warpgroups within one
+step of each other. A change to those rules must be made here too.
+"""
+import random
+from collections import defaultdict
+
+import pytest
+
+BN = 128  # TilesBwdSm90::kBlockN
+
+
+def keys_of(m0, m_end, lq, lk, left, right):
+    off = lk - lq
+    lo = max(0, m0 + off - left) if left >= 0 else 0
+    hi = min(lk, m_end - 1 + off + right + 1) if right >= 0 else lk
+    return lo, hi
+
+
+def queries_of(n0, n_end, lq, lk, left, right):
+    off = lk - lq
+    lo = max(0, n0 - off - right) if right >= 0 else 0
+    hi = min(lq, n_end - 1 - off + left + 1) if left >= 0 else lq
+    return lo, hi
+
+
+def key_steps(n0, lq, lk, left, right, bm):
+    """KeySteps: the query blocks (t_lo, n_tiles) that key block n0 visits."""
+    i_lo, i_hi = queries_of(n0, min(n0 + BN, lk), lq, lk, left, right)
+    t_lo = i_lo // bm
+    return t_lo, ((i_hi + bm - 1) // bm - t_lo if i_hi > i_lo else 0)
+
+
+def turn_of(nb, m, lq, lk, left, right, bm, desc):
+    klo, khi = keys_of(m, min(m + bm, lq), lq, lk, left, right)
+    return (khi - 1) // BN - nb if desc else nb - klo // BN
+
+
+def cta_of(ticket, gx, gy, desc):
+    """cta_nb / cta_hk / cta_b of a ticket."""
+    nb = ticket % gx
+    return (gx - 1 - nb if desc else nb), (ticket // gx) % gy, ticket // (gx * gy)
+
+
+def random_problem(rng):
+    bm = rng.choice([64, 128])  # D=128 and D=64
+    batch = rng.randint(1, 3)
+    hkv = rng.randint(1, 2)
+    hq = hkv * rng.choice([1, 2])
+    lens_q = [rng.choice([0, 1, 63, 64, 65, 200, 300, 513]) for _ in range(batch)]
+    lens_k = [rng.choice([1, 5, 127, 128, 129, 300, 700]) for _ in range(batch)]
+    left = rng.choice([-1, -1, 0, 3, 64, 300])
+    right = rng.choice([-1, -1, 0, 0, 5, 200])
+    return dict(bm=bm, hq=hq, hkv=hkv, lens_q=lens_q, lens_k=lens_k, left=left, right=right)
+
+
+def test_contributors_are_the_key_blocks_that_visit_and_turns_count_them():
+    """The key blocks whose KeySteps visit a query block are exactly [klo / BN, (khi - 1) / BN],
+    and their turns are 0 .. n - 1 in either order: no turn is skipped or held twice."""
+    rng = random.Random(3)
+    for _ in range(3000):
+        bm = rng.choice([64, 128])
+        lq, lk = rng.randint(0, 800), rng.randint(1, 800)
+        left, right = rng.choice([-1, 0, 3, 64, 300]), rng.choice([-1, 0, 5, 200, 600])
+        gx = (lk + rng.randint(0, 300) + BN - 1) // BN  # max_k over the batch >= lk
+        visits = defaultdict(list)
+        for nb in range(gx):
+            if nb * BN >= lk:
+                continue  # the CTA returns before its first barrier
+            t_lo, n_tiles = key_steps(nb * BN, lq, lk, left, right, bm)
+            for t in range(t_lo, t_lo + n_tiles):
+                visits[t].append(nb)
+        assert all(t * bm < lq for t in visits)
+        for t in range((lq + bm - 1) // bm):
+            m = t * bm
+            klo, khi = keys_of(m, min(m + bm, lq), lq, lk, left, right)
+            want = list(range(klo // BN, (khi - 1) // BN + 1)) if khi > klo else []
+            assert visits.get(t, []) == want, (lq, lk, left, right, bm, t)
+            for desc in (False, True):
+                turns = sorted(turn_of(nb, m, lq, lk, left, right, bm, desc) for nb in want)
+                assert turns == list(range(len(want)))
+
+
+def run(prob, resident, rng, desc, use_ticket=True):
+    """Runs the grid with at most `resident` CTAs at once, started in a random order; returns the
+    adding order of every dQ piece. Raises on a deadlock."""
+    bm, hq, hkv = prob["bm"], prob["hq"], prob["hkv"]
+    lens_q, lens_k, left, right = prob["lens_q"], prob["lens_k"], prob["left"], prob["right"]
+    group = hq // hkv
+    gx, gy, gz = (max(lens_k) + BN - 1) // BN, hkv, len(lens_q)
+    start_order = list(range(gx * gy * gz))  # linear block ids, x fastest
+    rng.shuffle(start_order)
+    counters, adds = defaultdict(int), defaultdict(list)
+    tickets = iter(range(gx * gy * gz))
+    pending, running = iter(start_order), []
+    while True:
+        while len(running) < resident:
+            block = next(pending, None)
+            if block is None:
+                break
+            if use_ticket:
+                nb, hk, b = cta_of(next(tickets), gx, gy, desc)
+            else:  # the mistake the tickets avoid: the block index names the work
+                nb, hk, b = block % gx, (block // gx) % gy, block // (gx * gy)
+            lq, lk = lens_q[b], lens_k[b]
+            steps = []
+            if nb * BN < lk:
+                t_lo, n_tiles = key_steps(nb * BN, lq, lk, left, right, bm)
+                steps = [(h, t * bm) for h in range(hk * group, hk * group + group)
+                         for t in range(t_lo, t_lo + n_tiles)]
+            running.append(dict(nb=nb, b=b, steps=steps, i=0, done=set()))
+        if not running:
+            break
+        progress = False
+        rng.shuffle(running)
+        for cta in list(running):
+            if cta["i"] == len(cta["steps"]):
+                running.remove(cta)
+                progress = True
+                continue
+            h, m = cta["steps"][cta["i"]]
+            lq, lk = lens_q[cta["b"]], lens_k[cta["b"]]
+            for piece in (0, 1):  # the two consumer warpgroups' pieces of this step
+                key = (cta["b"], h, m, piece)
+                if piece not in cta["done"] and counters[key] == turn_of(
+                        cta["nb"], m, lq, lk, left, right, bm, desc):
+                    counters[key] += 1
+                    adds[key].append(cta["nb"])
+                    cta["done"].add(piece)
+                    progress = True
+            if len(cta["done"]) == 2:  # the step's named barrier: both pieces added
+                cta["i"] += 1
+                cta["done"] = set()
+        if not progress:
+            raise RuntimeError(f"deadlock: {len(running)} resident CTAs wait")
+    return adds
+
+
+@pytest.mark.parametrize("desc", [False, True], ids=["ascending", "descending"])
+def test_tickets_never_deadlock_and_fix_the_order(desc):
+    """Any residency (one CTA at a time up to all of them) and any start order: no deadlock, and
+    every piece is added by its contributors in the one fixed order (bit-identical runs)."""
+    rng = random.Random(11 + desc)
+    for _ in range(400):
+        prob = random_problem(rng)
+        resident = rng.choice([1, 1, 2, 3, 1000])
+        adds = run(prob, resident, rng, desc)
+        for (b, h, m, piece), order in adds.items():
+            lq, lk = prob["lens_q"][b], prob["lens_k"][b]
+            klo, khi = keys_of(m, min(m + prob["bm"], lq), lq, lk, prob["left"], prob["right"])
+            want = list(range(klo // BN, (khi - 1) // BN + 1))
+            assert order == (want[::-1] if desc else want), (prob, b, h, m, piece)
+
+
+def test_the_model_catches_work_named_by_the_block_index():
+    """Without tickets (the block index names the key block), a CTA started before the blocks it
+    waits for, with too few resident to hold them, deadlocks: the check is not vacuous."""
+    rng = random.Random(5)
+    prob = dict(bm=64, hq=2, hkv=1, lens_q=[513], lens_k=[700], left=-1, right=-1)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        for _ in range(50):
+            run(prob, 1, rng, desc=False, use_ticket=False)
