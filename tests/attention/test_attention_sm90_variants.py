@@ -6,7 +6,7 @@ included (the default variants run in test_attention.py's parity suite)."""
 import attn_oracle as A
 import pytest
 import torch
-from test_attention import FEATURES
+from test_attention import FEATURES, poison_cuda_outputs
 
 from fusedops import _ext
 
@@ -46,5 +46,6 @@ def test_sm90_variant_parity(variant, dtype, shape, feature, schedule, monkeypat
     for k, v in VARIANTS[variant].items():
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("FUSEDOPS_ATTN_SM90_SCHEDULE", schedule)
+    poison_cuda_outputs(monkeypatch)  # an unwritten row fails, whatever the last test left
     case = A.Case(*shape, dtype, "cuda", **FEATURES[feature])
     A.check(case, "cuda-sm90", _CACHE)
