@@ -214,11 +214,13 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   // maps) -- and the sm80 backward elsewhere.
   const bool sm90_bwd = arch == 90 && sm90_runs_on(q.get_device()) && rows_disjoint(q) &&
                         rows_disjoint(k) && rows_disjoint(v) && rows_disjoint(dout);
-  auto bwd = arch == 90 && !sm90_bwd ? attention_bwd_sm80 : fam.bwd;
   // The sm90 kernel itself runs when attention_bwd_sm90 gets a dQ accumulator (below) and is
-  // not switched to the sm80 one; only then is delta its padded buffer.
-  const bool sm90_kernel = sm90_bwd && attention_bwd_sm90_enabled() &&
-                           (deterministic || fam.bwd_atomic_fits(p.head_dim));
+  // not switched to the sm80 one; only then is delta its padded buffer. The switch is read once
+  // here: arch 90 calls attention_bwd_sm90 only when it is to run the sm90 kernel, so that its
+  // own reading of the switch never meets the smaller (Hq, total_q) delta.
+  const bool sm90_enabled = sm90_bwd && attention_bwd_sm90_enabled();
+  const bool sm90_kernel = sm90_enabled && (deterministic || fam.bwd_atomic_fits(p.head_dim));
+  auto bwd = arch == 90 && !sm90_kernel ? attention_bwd_sm80 : fam.bwd;
   // delta: (Hq, total_q) for the sm80 backward; the sm90 one keeps lse2 and delta there in its
   // padded layout (stats_rows_sm90, attention_bwd_kernel_sm90.cuh), 2 Hq x (total_q + 128 batch
   // rounded up to 128) floats: up to 256x the sm80 size for one-token sequences.
@@ -231,7 +233,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   // the sm80 one computes dQ in a separate kernel that recomputes the scores. The sm80 atomic
   // kernel needs Hopper's shared memory; elsewhere the separate pass is taken (same results,
   // within rounding).
-  const bool sm90_ordered = deterministic && sm90_bwd && attention_bwd_sm90_enabled();
+  const bool sm90_ordered = deterministic && sm90_enabled;
   Tensor dq_acc, dq_sem;
   if ((!deterministic && fam.bwd_atomic_fits(p.head_dim)) || sm90_ordered) {
     // Rows rounded up to a multiple of 8 for the accumulator's 8 x 8 tiles (dq_acc_index).
