@@ -193,6 +193,33 @@ def test_sm90_persistent_work_tiles(case, env, monkeypatch):
 
 @pytest.mark.gpu
 @NEEDS_EXT
+@pytest.mark.parametrize("order", ["ascending", "descending"])
+@pytest.mark.parametrize("case", [c for c, s in SM90_PERSIST_CASES.items() if s[5] != 256])
+def test_sm90_deterministic_backward_beyond_one_wave(case, order, monkeypatch):
+    """The sm90 backward's ordered dQ reductions on grids of up to 288 CTAs (key blocks x KV
+    heads x sequences: 192-288 in all but the window case; in the varlen ones many CTAs have no
+    keys and exit at once), more than one wave of an H200's 132 SMs: CTAs wait for the turns of
+    CTAs that started before them, not all of them resident together. Against the oracle, and
+    bit-identical on a second run."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backward runs on compute capability 9.0")
+    for name in SM90_BWD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FUSEDOPS_ATTN_DQ", "separate")
+    monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER", order)
+    poison_cuda_outputs(monkeypatch)
+    *shape, features = SM90_PERSIST_CASES[case]
+    c = A.Case(*shape, torch.bfloat16, "cuda", **features)
+    A.check(c, "cuda-sm90", _CACHE)
+    inp = A.make_inputs(c)
+    runs = [A.run(lambda *a, **k: attention(*a, **k, return_lse=True, backend="cuda-sm90"), inp,
+                  c, c.dtype) for _ in range(2)]
+    for name in ("dq", "dk", "dv"):
+        assert torch.equal(runs[0][name], runs[1][name]), name
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_forward_replays_in_a_cuda_graph(causal):
     """The persistent sm90 forward keeps no per-call state on the device (static tile order):
