@@ -130,18 +130,21 @@ def bench(args):
         print(f"{shape}: cuBLAS time / ours: {', '.join(ratios)}")
 
 
-SANITIZE_CASES = [  # (layout, accumulate, M, N, K): ragged edges, several tiles per CTA
-    (1, False, 133, 520, 136), (2, False, 133, 520, 136), (3, False, 136, 520, 133),
-    (3, True, 136, 520, 133), (1, False, 1, 8, 8), (3, True, 8, 8, 1),
+SANITIZE_CASES = [  # (layout, accumulate, M, N, K, k-splits): ragged edges, several tiles per CTA
+    (1, False, 133, 520, 136, 1), (2, False, 133, 520, 136, 1), (3, False, 136, 520, 133, 1),
+    (3, True, 136, 520, 133, 1), (1, False, 1, 8, 8, 1), (3, True, 8, 8, 1, 1),
+    (2, False, 133, 522, 1100, 3),
 ]
 
 
 def sanitize_cases():
-    """Each instantiation (bf16/fp16 x layouts 1, 2, 3, + accumulate) once on small ragged
-    shapes, checked loosely against torch (the tests check tightly)."""
+    """Each instantiation (bf16/fp16 x layouts 1, 2, 3, + accumulate, + layout 2's split-K and
+    its reduction) once on small ragged shapes, checked loosely against torch (the tests check
+    tightly)."""
     gemm = _gemm_sm90().gemm
     for dtype in (torch.bfloat16, torch.float16):
-        for layout, acc, m, n, k in SANITIZE_CASES:
+        for layout, acc, m, n, k, splits in SANITIZE_CASES:
+            os.environ["FUSEDOPS_LCE_GEMM_SPLITK"] = str(splits)
             g = torch.Generator(device="cuda").manual_seed(1)
             a = torch.randn((k, m) if layout == 3 else (m, k), generator=g, device="cuda")
             b = torch.randn((n, k) if layout == 1 else (k, n), generator=g, device="cuda")
@@ -155,6 +158,7 @@ def sanitize_cases():
             err = float((out.float() - ref).abs().max())
             if not err <= 0.05 * float(ref.abs().max()) + 1e-2:
                 raise SystemExit(f"sanitize case {layout, acc, m, n, k} {dtype}: error {err}")
+    os.environ.pop("FUSEDOPS_LCE_GEMM_SPLITK")
     torch.cuda.synchronize()
     print("sanitize cases ran")
 

@@ -64,11 +64,11 @@ int group_size(const LceGemmSm90Args& args) {
   return args.group >= 1 ? args.group : 16;
 }
 
-template <typename T, bool kATrans, bool kBTrans, bool kAccumulate>
-cudaError_t launch(const LceGemmSm90Args& args) {
+// The workspace row stride: N rounded up to 4 floats (16 bytes, the reduce kernel's float4).
+int64_t ws_ld(int64_t n) { return (n + 3) / 4 * 4; }
+
+GemmParamsSm90 make_params(const LceGemmSm90Args& args) {
   using C = GemmTilesSm90;
-  using Epi = EpiStore<T, kAccumulate>;
-  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   GemmParamsSm90 p;
   p.m = static_cast<int>(args.m);
   p.n = static_cast<int>(args.n);
@@ -76,14 +76,42 @@ cudaError_t launch(const LceGemmSm90Args& args) {
   p.tiles_m = (p.m + C::kBlockM - 1) / C::kBlockM;
   p.tiles_n = (p.n + C::kBlockN - 1) / C::kBlockN;
   p.k_blocks = (p.k + C::kBlockK - 1) / C::kBlockK;
-  const int64_t tiles = static_cast<int64_t>(p.tiles_m) * p.tiles_n;
-  if (tiles > INT32_MAX) return cudaErrorInvalidValue;
-  p.n_tiles = static_cast<int>(tiles);
   p.m_fast = p.tiles_m <= p.tiles_n ? 1 : 0;
   p.group = group_size(args);
+  const int64_t tiles = static_cast<int64_t>(p.tiles_m) * p.tiles_n;
+  const int splits = args.k_splits < 1 ? 1 : (args.k_splits > p.k_blocks ? p.k_blocks
+                                                                           : args.k_splits);
+  p.kb_per_split = (p.k_blocks + splits - 1) / splits;
+  p.k_splits = (p.k_blocks + p.kb_per_split - 1) / p.kb_per_split;  // every split non-empty
+  p.n_tiles = tiles > INT32_MAX ? 0 : static_cast<int>(tiles);
+  p.n_units = tiles * p.k_splits > INT32_MAX ? 0 : p.n_tiles * p.k_splits;
+  return p;
+}
+
+template <typename T, bool kATrans, bool kBTrans, class Epi>
+cudaError_t launch_kernel(const GemmParamsSm90& p, const CUtensorMap& tm_a,
+                          const CUtensorMap& tm_b, const typename Epi::Params& ep,
+                          const LceGemmSm90Args& args) {
+  using C = GemmTilesSm90;
+  auto kernel = gemm_kernel_sm90<T, kATrans, kBTrans, Epi>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         C::kSmem);
+  if (err != cudaSuccess) return err;
+  const int grid = p.n_units < args.num_sms ? p.n_units : args.num_sms;
+  kernel<<<grid, C::kThreads, C::kSmem, args.stream>>>(p, tm_a, tm_b, ep);
+  return cudaGetLastError();
+}
+
+template <typename T, bool kATrans, bool kBTrans, bool kAccumulate>
+cudaError_t launch(const LceGemmSm90Args& args) {
+  using C = GemmTilesSm90;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  constexpr bool kSplitK = !kATrans && kBTrans && !kAccumulate;  // layout 2
+  const GemmParamsSm90 p = make_params(args);
+  if (p.n_units == 0) return cudaErrorInvalidValue;
+  if (p.k_splits > 1 && (!kSplitK || args.workspace == nullptr)) return cudaErrorInvalidValue;
 
   CUtensorMap tm_a, tm_b;
-  typename Epi::Params ep;
   // A: [M, K] read in 64 (K) x 128 (M) boxes, or stored [K, M] and read in 64 x 64 boxes.
   const bool ok_a = kATrans ? make_map(&tm_a, args.a, kBf16, args.m, args.k, args.lda, 64, 64)
                             : make_map(&tm_a, args.a, kBf16, args.k, args.m, args.lda, 64,
@@ -92,24 +120,76 @@ cudaError_t launch(const LceGemmSm90Args& args) {
   const bool ok_b = kBTrans ? make_map(&tm_b, args.b, kBf16, args.n, args.k, args.ldb, 64, 64)
                             : make_map(&tm_b, args.b, kBf16, args.k, args.n, args.ldb, 64,
                                        C::kBlockN);
-  const bool ok_c = make_map(&ep.tm_c, args.c, kBf16, args.n, args.m, args.ldc, 64, 64);
-  if (!ok_a || !ok_b || !ok_c) return cudaErrorInvalidValue;
+  if (!ok_a || !ok_b) return cudaErrorInvalidValue;
+
+  if constexpr (kSplitK) {
+    if (p.k_splits > 1) {
+      typename EpiPartial<T>::Params ep;
+      ep.ws = args.workspace;
+      ep.ld_ws = ws_ld(args.n);
+      ep.split_stride = args.m * ep.ld_ws;
+      ep.m = p.m;
+      ep.n = p.n;
+      cudaError_t err = launch_kernel<T, kATrans, kBTrans, EpiPartial<T>>(p, tm_a, tm_b, ep, args);
+      if (err != cudaSuccess) return err;
+      const int64_t threads = args.m * ((args.n + 3) / 4);
+      const int64_t blocks64 = (threads + 255) / 256;
+      const int blocks = static_cast<int>(blocks64 < 8 * args.num_sms ? blocks64
+                                                                       : 8 * args.num_sms);
+      splitk_reduce_kernel<T><<<blocks, 256, 0, args.stream>>>(
+          ep.ws, p.k_splits, ep.split_stride, ep.ld_ws, static_cast<T*>(args.c), args.ldc, p.m,
+          p.n, 0);
+      return cudaGetLastError();
+    }
+  }
+  using Epi = EpiStore<T, kAccumulate>;
+  typename Epi::Params ep;
+  if (!make_map(&ep.tm_c, args.c, kBf16, args.n, args.m, args.ldc, 64, 64))
+    return cudaErrorInvalidValue;
   ep.c_old = static_cast<const T*>(args.c);
   ep.ldc = args.ldc;
   ep.m = p.m;
   ep.n = p.n;
-
-  auto kernel = gemm_kernel_sm90<T, kATrans, kBTrans, Epi>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         C::kSmem);
-  if (err != cudaSuccess) return err;
-  const int grid = p.n_tiles < args.num_sms ? p.n_tiles : args.num_sms;
-  kernel<<<grid, C::kThreads, C::kSmem, args.stream>>>(p, tm_a, tm_b, ep);
-  return cudaGetLastError();
+  return launch_kernel<T, kATrans, kBTrans, Epi>(p, tm_a, tm_b, ep, args);
 }
 
 }  // namespace
 }  // namespace lce_gemm
+
+int lce_gemm_sm90_splits(const LceGemmSm90Args& args, int64_t* workspace_floats) {
+  using C = lce_gemm::GemmTilesSm90;
+  *workspace_floats = 0;
+  if (args.layout != 2 || args.accumulate || args.m < 1 || args.n < 1 || args.k < 1) return 1;
+  const int64_t tiles = ((args.m + C::kBlockM - 1) / C::kBlockM) *
+                        ((args.n + C::kBlockN - 1) / C::kBlockN);
+  const int64_t k_blocks = (args.k + C::kBlockK - 1) / C::kBlockK;
+  const int64_t sms = args.num_sms < 1 ? 1 : args.num_sms;
+  // Busy fraction of the SMs over the waves of `units` work units.
+  auto busy = [&](int64_t units) {
+    return static_cast<double>(units) / (static_cast<double>((units + sms - 1) / sms) * sms);
+  };
+  int splits = 1;
+  if (const char* s = std::getenv("FUSEDOPS_LCE_GEMM_SPLITK")) {
+    splits = std::atoi(s) >= 1 ? std::atoi(s) : 1;
+  } else if (busy(tiles) < 0.9) {
+    // The fewest splits that keep 90% of the SMs busy, with at least 16 k-blocks (1024 of K)
+    // per split and at most 16 splits; else the best of those.
+    double best = busy(tiles);
+    for (int s = 2; s <= 16 && k_blocks / s >= 16; ++s) {
+      const double b = busy(tiles * s);
+      if (b > best + 1e-9) {
+        best = b;
+        splits = s;
+      }
+      if (b >= 0.9) break;
+    }
+  }
+  if (splits > k_blocks) splits = static_cast<int>(k_blocks);
+  const int64_t per = (k_blocks + splits - 1) / splits;
+  splits = static_cast<int>((k_blocks + per - 1) / per);
+  if (splits > 1) *workspace_floats = splits * args.m * lce_gemm::ws_ld(args.n);
+  return splits;
+}
 
 cudaError_t lce_gemm_sm90(const LceGemmSm90Args& args) {
   if (args.m < 1 || args.n < 1 || args.k < 1 || args.m > INT32_MAX || args.n > INT32_MAX ||

@@ -77,7 +77,19 @@ struct GemmParamsSm90 {
   int tiles_m = 0, tiles_n = 0, n_tiles = 0, k_blocks = 0;
   int group = 16;  // tiles of the fast dimension per group (tile_coords)
   int m_fast = 1;  // 1: m is the fast index (tiles_m <= tiles_n), 0: n is
+  // Split-K: work unit u is tile u % n_tiles over k-blocks [kb_per_split s, + kb_per_split) of
+  // split s = u / n_tiles (every split non-empty); k_splits = 1 without.
+  int k_splits = 1, kb_per_split = 0, n_units = 0;
 };
+
+// Work unit u -> its tile (tile_coords) and k-block range [kb0, kb1).
+__host__ __device__ __forceinline__ void unit_range(const GemmParamsSm90& p, int u, int& t,
+                                                    int& split, int& kb0, int& kb1) {
+  split = u / p.n_tiles;
+  t = u - split * p.n_tiles;
+  kb0 = split * p.kb_per_split;
+  kb1 = kb0 + p.kb_per_split < p.k_blocks ? kb0 + p.kb_per_split : p.k_blocks;
+}
 
 // Tile t of the grouped order -> (tile row mb, tile column nb). With m_fast, groups of `group`
 // tile rows are taken one after another; inside a group the tile row changes fastest, so the
@@ -102,6 +114,7 @@ __host__ __device__ __forceinline__ void tile_coords(const GemmParamsSm90& p, in
 // columns >= N hold zeros (zero-filled operands) and must not be stored.
 struct FragCoord {
   int m0, n0;     // the CTA tile's first row and column in C
+  int split;      // the k-split of this work unit (0 without split-K)
   int slab_m0;    // m0 + 64 * wg: the warpgroup's first row
   int row0, col0; // the thread's first row and column (see above)
   int wg;         // consumer warpgroup, 0 or 1
@@ -111,32 +124,36 @@ struct FragCoord {
 // Stores a warpgroup's 64 x 256 slab in four 64 x 64 boxes through its two 8 KB staging buffers
 // (128-byte swizzle: row r's 16-byte chunk c at chunk c ^ (r % 8), the layout the tensor map
 // expects and conflict-free for the fragment layout) and TMA stores issued by the warpgroup's
-// first thread. Per box j: begin(j) (the buffer's previous store has read it), put() per pair,
-// end(j, ...) (fence, barrier, store). finish() once after the last tile.
+// first thread. Per box: begin() (the buffer's previous store has read it), put() per pair,
+// end(...) (fence, barrier, store). The buffers alternate over every box this warpgroup stores,
+// across tiles (a tile at C's right edge stores fewer than four). finish() once after the last
+// tile.
 struct SlabStager {
   uint32_t buf;  // the warpgroup's two buffers, kOutBufBytes apart
   int bar_id;    // named barrier of the warpgroup's 128 threads
   bool leader;
+  int stored = 0;  // boxes stored so far (the same in every thread of the warpgroup)
 
-  __device__ __forceinline__ void begin(int j) const {
+  __device__ __forceinline__ uint32_t current() const {
+    return buf + (stored & 1) * GemmTilesSm90::kOutBufBytes;
+  }
+  __device__ __forceinline__ void begin() const {
     // At most one store (the previous box's, in the other buffer) may still read shared memory.
     if (leader) sm90::tma_store_wait_read<1>();
     sm90::named_bar_sync<128>(bar_id);
-    (void)j;
   }
   // The pair of columns (8 c + 2 tq, + 1) of box row r (r % 8 == lane / 4 in the fragment).
-  __device__ __forceinline__ void put(int j, int r, int c, int tq, uint32_t v) const {
-    const uint32_t addr = buf + (j & 1) * GemmTilesSm90::kOutBufBytes + r * 128 +
-                          (((c ^ (r & 7)) << 4)) + 4 * tq;
-    sm90::st_shared_u32(addr, v);
+  __device__ __forceinline__ void put(int r, int c, int tq, uint32_t v) const {
+    sm90::st_shared_u32(current() + r * 128 + ((c ^ (r & 7)) << 4) + 4 * tq, v);
   }
-  __device__ __forceinline__ void end(int j, const CUtensorMap* tm, int col, int row) const {
+  __device__ __forceinline__ void end(const CUtensorMap* tm, int col, int row) {
     sm90::fence_proxy_async_smem();  // this thread's stores, before the TMA engine reads them
     sm90::named_bar_sync<128>(bar_id);
     if (leader) {
-      sm90::tma_store_2d(tm, buf + (j & 1) * GemmTilesSm90::kOutBufBytes, col, row);
+      sm90::tma_store_2d(tm, current(), col, row);
       sm90::tma_store_commit();
     }
+    ++stored;
   }
   __device__ __forceinline__ void finish() const {
     if (leader) sm90::tma_store_wait<0>();
@@ -211,7 +228,7 @@ struct EpiStore {
 #pragma unroll
     for (int j = 0; j < kBoxes; ++j) {
       if (f.n0 + 64 * j >= p.n) break;  // uniform: the box lies right of C
-      st.begin(j);
+      st.begin();
 #pragma unroll
       for (int c = 0; c < 8; ++c)
 #pragma unroll
@@ -221,16 +238,80 @@ struct EpiStore {
             x0 += lo_f(old[j & 1][c][h]);
             x1 += hi_f(old[j & 1][c][h]);
           }
-          st.put(j, 16 * f.warp + g + 8 * h, c, tq, dev::pack2<T>(x0, x1));
+          st.put(16 * f.warp + g + 8 * h, c, tq, dev::pack2<T>(x0, x1));
         }
       if constexpr (kAccumulate)
         if (j + 2 < kBoxes) load_old(j + 2, f);
-      st.end(j, &p.tm_c, f.n0 + 64 * j, f.slab_m0);
+      st.end(&p.tm_c, f.n0 + 64 * j, f.slab_m0);
     }
   }
 
   __device__ __forceinline__ void finish() { st.finish(); }
 };
+
+// Split-K's epilogue: the float32 accumulators of split s into its slice of the workspace,
+// ws[s][row][col] (rows ld_ws floats apart, ld_ws a multiple of 4), by 8-byte stores from the
+// fragment (a quad's four lanes write 32 contiguous bytes of a row); splitk_reduce_kernel sums
+// the slices into C afterwards.
+template <typename T>
+struct EpiPartial {
+  struct Params {
+    float* ws;
+    int64_t ld_ws, split_stride;  // floats
+    int m, n;
+  };
+  const Params& p;
+
+  __device__ __forceinline__ EpiPartial(const Params& params, const SlabStager&) : p(params) {}
+  __device__ __forceinline__ void begin_tile(const FragCoord&) {}
+  __device__ __forceinline__ void end_tile(float (&acc)[GemmTilesSm90::kBlockN / 8][4],
+                                           const FragCoord& f) {
+    float* ws = p.ws + f.split * p.split_stride;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = f.row0 + 8 * h;
+      if (row >= p.m) continue;
+      float* dst = ws + static_cast<int64_t>(row) * p.ld_ws;
+#pragma unroll
+      for (int j = 0; j < GemmTilesSm90::kBlockN / 8; ++j) {
+        const int col = f.col0 + 8 * j;
+        if (col + 1 < p.n)
+          *reinterpret_cast<float2*>(dst + col) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+        else if (col < p.n)
+          dst[col] = acc[j][2 * h];
+      }
+    }
+  }
+  __device__ __forceinline__ void finish() {}
+};
+
+// C = round(sum over s of ws[s]) (+ float(C_old) first with accumulate): one thread per 4
+// columns of a row, grid-stride. Any architecture; 256 threads per CTA.
+template <typename T>
+__global__ void __launch_bounds__(256)
+    splitk_reduce_kernel(const float* ws, int splits, int64_t split_stride, int64_t ld_ws, T* c,
+                         int64_t ldc, int m, int n, int accumulate) {
+  const int groups = (n + 3) / 4;
+  const int64_t total = static_cast<int64_t>(m) * groups;
+  for (int64_t i = blockIdx.x * int64_t(256) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * 256) {
+    const int row = static_cast<int>(i / groups), col = static_cast<int>(i % groups) * 4;
+    float4 sum = *reinterpret_cast<const float4*>(ws + row * ld_ws + col);
+    for (int s = 1; s < splits; ++s) {
+      const float4 v = *reinterpret_cast<const float4*>(ws + s * split_stride + row * ld_ws + col);
+      sum.x += v.x;
+      sum.y += v.y;
+      sum.z += v.z;
+      sum.w += v.w;
+    }
+    T* dst = c + row * ldc + col;
+    const float vals[4] = {sum.x, sum.y, sum.z, sum.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (col + e < n)
+        dst[e] = dev::from_float<T>(accumulate ? dev::to_float(dst[e]) + vals[e] : vals[e]);
+  }
+}
 
 template <typename T, bool kATrans, bool kBTrans, class Epi>
 __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
@@ -265,11 +346,12 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
       tma_prefetch_desc(&tm_a);
       tma_prefetch_desc(&tm_b);
       int it = 0;  // stage uses so far, over all of this CTA's tiles (the consumers count alike)
-      for (int t = blockIdx.x; t < p.n_tiles; t += gridDim.x) {
-        int mb, nb;
+      for (int u = blockIdx.x; u < p.n_units; u += gridDim.x) {
+        int t, split, kb0, kb1, mb, nb;
+        unit_range(p, u, t, split, kb0, kb1);
         tile_coords(p, t, mb, nb);
         const int m0 = mb * BM, n0 = nb * BN;
-        for (int kb = 0; kb < p.k_blocks; ++kb, ++it) {
+        for (int kb = kb0; kb < kb1; ++kb, ++it) {
           const int s = it % S, k0 = kb * BK;
           mbar_wait(bar_empty(s), ((it / S) & 1) ^ 1);
           mbar_arrive_expect_tx(bar_full(s), C::kStageBytes);  // out-of-range bytes count too
@@ -323,10 +405,11 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
 
     float acc[BN / 8][4];
     int it = 0;
-    for (int t = blockIdx.x; t < p.n_tiles; t += gridDim.x) {
-      int mb, nb;
-      tile_coords(p, t, mb, nb);
+    for (int u = blockIdx.x; u < p.n_units; u += gridDim.x) {
+      int t, kb0, kb1, mb, nb;
       FragCoord f;
+      unit_range(p, u, t, f.split, kb0, kb1);
+      tile_coords(p, t, mb, nb);
       f.m0 = mb * BM;
       f.n0 = nb * BN;
       f.slab_m0 = f.m0 + 64 * cw;
@@ -351,7 +434,7 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
         wgmma_commit();
         ++it;
       }
-      for (int kb = 1; kb < p.k_blocks; ++kb, ++it) {
+      for (int kb = kb0 + 1; kb < kb1; ++kb, ++it) {
         const int s = it % S;
         mbar_wait(bar_full(s), (it / S) & 1);
         wgmma_fence();

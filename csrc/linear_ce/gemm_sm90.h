@@ -24,8 +24,17 @@ struct LceGemmSm90Args {
   bool is_bf16 = true;
   int num_sms = 1;
   int group = 0;  // tiles per group of the tile order; 0: the default
+  // Split-K (layout 2 only): k_splits slices of float32 partial sums in `workspace` (at least
+  // the floats lce_gemm_sm90_splits asks for), reduced into C by a second kernel.
+  int k_splits = 1;
+  float* workspace = nullptr;
   cudaStream_t stream = nullptr;
 };
+
+// The k-splits for args (1: none) and the float32 workspace they need, in floats: split-K for
+// layout 2 when its tiles leave more than a tenth of the SMs' last wave idle (d_hidden at
+// Gemma-2's H = 2304: 144 tiles on 132 SMs), or FUSEDOPS_LCE_GEMM_SPLITK=<n> (measurement).
+int lce_gemm_sm90_splits(const LceGemmSm90Args& args, int64_t* workspace_floats);
 
 // Launches the GEMM; cudaErrorInvalidValue when the driver refuses a tensor map or the
 // arguments break the kernel's constraints (the binding checks them first, with messages), and

@@ -112,6 +112,13 @@ void lce_gemm_sm90_cuda(const Tensor& a, const Tensor& b, const Tensor& out, int
   args.is_bf16 = out.scalar_type() == at::kBFloat16;
   cudaDeviceGetAttribute(&args.num_sms, cudaDevAttrMultiProcessorCount, dev);
   args.stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  int64_t ws_floats = 0;
+  args.k_splits = lce_gemm_sm90_splits(args, &ws_floats);
+  Tensor workspace;
+  if (ws_floats > 0) {
+    workspace = at::empty({ws_floats}, out.options().dtype(at::kFloat));
+    args.workspace = workspace.data_ptr<float>();
+  }
   check_launch(lce_gemm_sm90(args), "lce_gemm_sm90");
 }
 
