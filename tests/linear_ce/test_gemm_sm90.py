@@ -12,13 +12,15 @@ O(sqrt(64)) where the bound is O(sqrt(K) u)."""
 import pytest
 import torch
 
+from fusedops import _ext
 from fusedops.linear_ce import chunked, gemm_sm90, linear_cross_entropy
 
 HAS_GPU = torch.cuda.is_available()
 OP = gemm_sm90.op_available()
 SM90 = HAS_GPU and gemm_sm90.supported(torch.device("cuda"))
 
-needs_op = pytest.mark.skipif(not (HAS_GPU and OP), reason="needs fusedops._C on a CUDA GPU")
+needs_op = pytest.mark.skipif(not (HAS_GPU and OP),
+                              reason="needs the lce_gemm_sm90 op on a CUDA GPU")
 needs_sm90 = pytest.mark.skipif(
     not SM90, reason="needs compute capability 9.0 and fusedops._C built for 9.0a")
 DTYPES = [torch.bfloat16, torch.float16]
@@ -251,6 +253,7 @@ def test_switch_off_or_cpu_does_nothing(monkeypatch):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.skipif(not _ext.available(), reason="needs fusedops._C (the cuda backend)")
 @pytest.mark.parametrize("n,v,budget,layouts", [(2100, 1000, None, {1, 2, 3}),
                                                 (2100, 1000, 5.2, {1, 2, 3}),
                                                 (600, 5000, 2.4, {1, 3})],

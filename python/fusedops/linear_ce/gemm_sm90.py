@@ -21,17 +21,25 @@ from fusedops import _ext
 
 LOGITS, D_HIDDEN, D_WEIGHT = 1, 2, 3
 ENV = "FUSEDOPS_LCE_GEMM"
+# A library holding the op alone (benchmarks/lce_gemm_sm90_standalone.py), loaded at import
+# when fusedops._C does not register the op: for device checks without the whole extension.
+LIB_ENV = "FUSEDOPS_LCE_GEMM_LIB"
 
 
 def op_available() -> bool:
-    """The extension is loaded and holds the op."""
-    return _ext.available() and hasattr(torch.ops.fusedops, "lce_gemm_sm90")
+    """The op is registered: by fusedops._C, or by a library of the op alone
+    (benchmarks/lce_gemm_sm90_standalone.py builds one for quick device checks)."""
+    try:
+        return hasattr(torch.ops.fusedops, "lce_gemm_sm90")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @functools.cache
 def _device_ok(index: int) -> bool:
-    return (torch.cuda.get_device_capability(index) == (9, 0)
-            and "9.0a" in _ext.built_archs())
+    # A library of the op alone is built for 9.0a; fusedops._C says what it was built for.
+    built = "9.0a" in _ext.built_archs() if _ext.available() else True
+    return torch.cuda.get_device_capability(index) == (9, 0) and built
 
 
 def supported(device: torch.device) -> bool:
@@ -85,7 +93,20 @@ def try_mm(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> bool:
     return True
 
 
-if op_available():
+def register_fake() -> None:
+    """The op's fake (meta) implementation, once the op is registered."""
+    global _FAKE
+    if _FAKE or not op_available():
+        return
+
     @torch.library.register_fake("fusedops::lce_gemm_sm90")
     def _(a, b, out, layout, accumulate):
         return None
+
+    _FAKE = True
+
+
+_FAKE = False
+if os.environ.get(LIB_ENV) and not op_available():
+    torch.ops.load_library(os.environ[LIB_ENV])
+register_fake()
