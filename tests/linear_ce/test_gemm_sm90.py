@@ -185,6 +185,15 @@ def test_gemm_accumulate_twice():
     _check(out, ref, mag, torch.bfloat16, _cublas_err(3, a2, b2, ref, first), "two chunks")
 
 
+@pytest.mark.gpu
+@needs_sm90
+def test_gemm_opcheck():
+    """Schema (out mutated, nothing returned), fake implementation and dispatch agree."""
+    a, b = _operands(1, 200, 264, 72, torch.bfloat16)
+    out = torch.empty(200, 264, device="cuda", dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.fusedops.lce_gemm_sm90.default, (a, b, out, 1, False))
+
+
 def _bad_args_cases():
     def mk(shape, dtype=torch.bfloat16, device="cuda"):
         return torch.randn(shape, device=device).to(dtype)
