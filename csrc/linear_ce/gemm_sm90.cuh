@@ -162,8 +162,9 @@ struct SlabStager {
 
 // The plain epilogue: C = round(acc), or with kAccumulate C = round(float(C_old) + acc) (one
 // rounding, as torch.addmm into a bf16/fp16 tensor). The old values are read by the consumer
-// threads in the fragment layout (4-byte loads, predicated at the edges), the first two boxes'
-// before the tile's main loop and each later box's two boxes ahead.
+// threads in the fragment layout (4-byte loads, predicated at the edges) before the tile's main
+// loop, so that their latency hides behind it (64 more registers: the accumulate kernels peak at
+// about 211 of the consumers' 232).
 template <typename T, bool kAccumulate>
 struct EpiStore {
   struct Params {
@@ -176,7 +177,7 @@ struct EpiStore {
 
   const Params& p;
   SlabStager st;
-  uint32_t old[kAccumulate ? 2 : 1][8][2];  // old C pairs of two boxes: [box & 1][chunk][row half]
+  uint32_t old[kAccumulate ? kBoxes : 1][8][2];  // old C pairs: [box][chunk][row half]
 
   __device__ __forceinline__ EpiStore(const Params& params, const SlabStager& stager)
       : p(params), st(stager) {}
@@ -195,7 +196,7 @@ struct EpiStore {
             v = *reinterpret_cast<const uint32_t*>(src);
           else if (row < p.m && col < p.n)  // the last column of an odd N
             v = *reinterpret_cast<const unsigned short*>(src);
-          old[j & 1][c][h] = v;
+          old[j][c][h] = v;
         }
       }
     }
@@ -203,8 +204,8 @@ struct EpiStore {
 
   __device__ __forceinline__ void begin_tile(const FragCoord& f) {
     if constexpr (kAccumulate) {
-      load_old(0, f);
-      load_old(1, f);
+#pragma unroll
+      for (int j = 0; j < kBoxes; ++j) load_old(j, f);
     }
   }
 
@@ -235,13 +236,11 @@ struct EpiStore {
         for (int h = 0; h < 2; ++h) {
           float x0 = acc[8 * j + c][2 * h], x1 = acc[8 * j + c][2 * h + 1];
           if constexpr (kAccumulate) {
-            x0 += lo_f(old[j & 1][c][h]);
-            x1 += hi_f(old[j & 1][c][h]);
+            x0 += lo_f(old[j][c][h]);
+            x1 += hi_f(old[j][c][h]);
           }
           st.put(16 * f.warp + g + 8 * h, c, tq, dev::pack2<T>(x0, x1));
         }
-      if constexpr (kAccumulate)
-        if (j + 2 < kBoxes) load_old(j + 2, f);
       st.end(&p.tm_c, f.n0 + 64 * j, f.slab_m0);
     }
   }
