@@ -8,10 +8,11 @@
 // 64) and runs m64n256k16 wgmmas from shared memory, kBlockK / 16 = 4 per stage, keeping one
 // stage's group in flight while it waits for the next. The producer runs ahead across tiles, so
 // the next tile's first stages load while the consumers run the epilogue.
-// Tiles: persistent CTAs (grid = min(tiles, SMs)) take tiles blockIdx.x, + gridDim.x, ... in a
-// grouped order (tile_coords): the shorter of the two tile dimensions is swept fastest in groups
-// of p.group tiles, so that the operand of that dimension (group x 128 or 256 rows) stays in L2
-// while the other operand streams through once per group.
+// Tiles: persistent CTAs (grid = min(work units, SMs)) take work units blockIdx.x, + gridDim.x,
+// ...; a unit is a tile, or with split-K (unit_range) a tile's share of the k-blocks. Tiles go in
+// a grouped order (tile_coords): the shorter of the two tile dimensions is swept fastest in
+// groups of p.group tiles, so that the operand of that dimension (group x 128 or 256 rows) stays
+// in L2 while the other operand streams through once per group.
 //
 // Operand layouts (row-major torch tensors; kATrans / kBTrans pick the wgmma transposes):
 //   kATrans = 0: A [M, K] (K contiguous), loaded as one 64 (K) x 128 (M) box per stage.
@@ -25,12 +26,13 @@
 // the main loop of every tile (Epi::end_tile), with its coordinates (FragCoord); Epi::begin_tile
 // runs before the main loop (e.g. to prefetch what the epilogue reads) and Epi::finish once after
 // the last tile. EpiStore is the plain one (convert, optionally add the old C, store through
-// shared memory by TMA); a functor that reduces over the fragment (row statistics) can reuse
-// SlabStager for its stores.
+// shared memory by TMA), EpiPartial split-K's (float32 partial sums); a functor that reduces
+// over the fragment (row statistics) can reuse SlabStager for its stores.
 //
 // Constraints (lce_gemm_sm90 in gemm_sm90.cu and the binding check them): T is __half or
 // __nv_bfloat16; every operand and C row-major with unit column stride, row strides multiples
-// of 8 elements and 16-byte aligned base addresses (TMA's rules); M, N, K >= 1 and < 2^31.
+// of 8 elements (any for a single row) and 16-byte aligned base addresses (TMA's rules); M, N,
+// K >= 1 and < 2^31.
 // Out-of-range rows and columns of a tile load as zeros (TMA) and are never stored (TMA clips
 // stores at the tensor's end; the accumulate path's loads are predicated). C must not overlap
 // A or B. Launch: GemmTilesSm90::kThreads threads, kSmem bytes of dynamic shared memory, one
@@ -111,7 +113,9 @@ __host__ __device__ __forceinline__ void tile_coords(const GemmParamsSm90& p, in
 // mma.sync, per 8-column block): acc[j][e] holds
 //   row = row0 + 8 * (e >> 1),  col = col0 + 8 * j + (e & 1),   j < 32, e < 4,
 // with row0 = slab_m0 + 16 * warp + lane / 4 and col0 = n0 + 2 * (lane % 4). Rows >= M and
-// columns >= N hold zeros (zero-filled operands) and must not be stored.
+// columns >= N hold zeros (zero-filled operands): never stored, and to be masked by a functor
+// that reduces over the fragment. A row's 256 columns lie in the four lanes of one quad (lane / 4
+// fixed), 64 each, so a per-row reduction is 64 values per thread and two quad shuffles.
 struct FragCoord {
   int m0, n0;     // the CTA tile's first row and column in C
   int split;      // the k-split of this work unit (0 without split-K)
