@@ -133,8 +133,16 @@ def bench(args):
 SANITIZE_CASES = [  # (layout, accumulate, M, N, K, k-splits): ragged edges, several tiles per CTA
     (1, False, 133, 520, 136, 1), (2, False, 133, 520, 136, 1), (3, False, 136, 520, 133, 1),
     (3, True, 136, 520, 133, 1), (1, False, 1, 8, 8, 1), (3, True, 8, 8, 1, 1),
-    (2, False, 133, 522, 1100, 3),
+    (1, False, 133, 522, 101, 1), (3, True, 134, 522, 133, 1),  # padded rows, odd inner sizes
+    (2, False, 133, 522, 1100, 3),  # split-K and its reduction, with a ragged last 4 columns
 ]
+
+
+def _padded(x):
+    """x as a view into rows padded to a multiple of 8 elements (TMA's row-stride rule)."""
+    buf = torch.zeros(x.shape[0], (x.shape[1] + 7) // 8 * 8, device=x.device, dtype=x.dtype)
+    buf[:, :x.shape[1]] = x
+    return buf[:, :x.shape[1]]
 
 
 def sanitize_cases():
@@ -148,8 +156,8 @@ def sanitize_cases():
             g = torch.Generator(device="cuda").manual_seed(1)
             a = torch.randn((k, m) if layout == 3 else (m, k), generator=g, device="cuda")
             b = torch.randn((n, k) if layout == 1 else (k, n), generator=g, device="cuda")
-            a, b = a.to(dtype), b.to(dtype)
-            out = torch.randn(m, n, generator=g, device="cuda").to(dtype)
+            out = torch.randn(m, n, generator=g, device="cuda")
+            a, b, out = _padded(a.to(dtype)), _padded(b.to(dtype)), _padded(out.to(dtype))
             af, bf = a.float(), b.float()
             ref = af @ bf.T if layout == 1 else (af @ bf if layout == 2 else af.T @ bf)
             if acc:

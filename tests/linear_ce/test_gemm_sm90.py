@@ -1,13 +1,14 @@
 """The Hopper GEMMs of the linear cross-entropy (torch.ops.fusedops.lce_gemm_sm90): the three
-layouts in fp16/bf16, overwrite and accumulate, ragged and tiny sizes, many tiles per CTA and
-several tile groups, split-K, NaN-poisoned outputs and guard cells around a strided output, the tile
-order's group size, bad arguments, and the opt-in FUSEDOPS_LCE_GEMM=sm90 path of chunked.py.
+layouts in fp16/bf16, overwrite and accumulate, ragged and tiny sizes, operands in padded rows,
+many tiles per CTA, several tile groups, split-K, NaN-poisoned outputs and guard cells around a
+strided output, the tile order's group size, opcheck, bad arguments, and the opt-in
+FUSEDOPS_LCE_GEMM=sm90 path of chunked.py.
 
 Each result is checked element by element against the float64 product: at most one rounding to
 the output dtype (unit roundoff u times |exact|) plus a float32 accumulation slack of 2^-12 times
 (|a| @ |b| + |C_old|), and its largest error at most 2x cuBLAS's (torch.mm in the same dtype) plus
-the same slack. An unwritten tile stays NaN; a wrong k-block, stage or tile offset is off by
-O(sqrt(64)) where the bound is O(sqrt(K) u)."""
+the same slack. An unwritten tile stays NaN; a lost or repeated k-block (64 products of N(0, 1)
+pairs, about 8 in size) exceeds the bound, which is under 1 at K = 4096."""
 
 import pytest
 import torch
@@ -50,6 +51,11 @@ CASES = [
     ("groups", 1, 2179, 5120, 64),
     ("groups", 2, 2179, 5120, 136),
     ("groups", 3, 5120, 4360, 72),
+    # Operands in padded rows (NaN in the padding, which TMA must never read): inner sizes that
+    # are not multiples of 8.
+    ("strided", 1, 300, 522, 1001),
+    ("strided", 2, 300, 522, 1001),
+    ("strided", 3, 302, 522, 1001),
 ]
 
 # Accumulation is built for layout 3 (d_weight) only.
@@ -57,13 +63,23 @@ PARITY = [c + (acc,) for c in CASES for acc in ((False, True) if c[1] == 3 else 
 PARITY_IDS = [f"{c[0]}-l{c[1]}-{'acc' if c[5] else 'store'}" for c in PARITY]
 
 
-def _operands(layout, m, n, k, dtype, seed=0):
+def _operands(layout, m, n, k, dtype, seed=0, padded=False):
+    """a and b of the layout, seeded; with padded, views into rows padded to a multiple of 8
+    elements plus 8 whose padding holds NaN."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     a_shape = (k, m) if layout == 3 else (m, k)
     b_shape = (n, k) if layout == 1 else (k, n)
-    a = torch.randn(a_shape, generator=g, device="cuda").to(dtype)
-    b = torch.randn(b_shape, generator=g, device="cuda").to(dtype)
-    return a, b
+
+    def make(shape):
+        x = torch.randn(shape, generator=g, device="cuda").to(dtype)
+        if not padded:
+            return x
+        buf = torch.full((shape[0], (shape[1] + 7) // 8 * 8 + 8), float("nan"), device="cuda",
+                         dtype=dtype)
+        buf[:, :shape[1]] = x
+        return buf[:, :shape[1]]
+
+    return make(a_shape), make(b_shape)
 
 
 def _prod(layout, a, b):
@@ -105,7 +121,7 @@ def test_gemm_parity(name, layout, m, n, k, dtype, accumulate):
 
 
 def _run_case(name, layout, m, n, k, dtype, accumulate):
-    a, b = _operands(layout, m, n, k, dtype)
+    a, b = _operands(layout, m, n, k, dtype, padded=name.startswith("strided"))
     a64, b64 = a.double(), b.double()
     ref = _prod(layout, a64, b64)
     mag = _prod(layout, a64.abs(), b64.abs())
@@ -134,7 +150,7 @@ def _run_case(name, layout, m, n, k, dtype, accumulate):
 # Split-K (layout 2): automatic where the tiles fill the SMs' waves badly (d_hidden at Gemma-2's
 # H = 2304: 17 x 9 tiles here), and forced split counts with ragged K and a single row.
 SPLITS = [("auto", 2048 + 37, 2304, 16384 + 8), ("2", 300, 1000, 4096 + 8),
-          ("7", 1, 264, 5000 + 8), ("16", 129, 520, 1000)]
+          ("7", 1, 264, 5000 + 8), ("16", 129, 520, 1000), ("3", 300, 522, 4001)]
 
 
 @pytest.mark.gpu
@@ -146,7 +162,7 @@ def test_gemm_split_k(splits, m, n, k, dtype, monkeypatch):
         monkeypatch.delenv("FUSEDOPS_LCE_GEMM_SPLITK", raising=False)
     else:
         monkeypatch.setenv("FUSEDOPS_LCE_GEMM_SPLITK", splits)
-    _run_case(f"split-k {splits}", 2, m, n, k, dtype, False)
+    _run_case(f"{'strided' if n % 8 else 'dense'} split-k {splits}", 2, m, n, k, dtype, False)
 
 
 @pytest.mark.gpu
