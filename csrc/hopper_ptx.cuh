@@ -87,6 +87,27 @@ template <int N>
 __device__ __forceinline__ void tma_store_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
+// 2-D versions for plain row-major matrices (coordinates innermost first, in elements): the
+// GEMM operands and outputs. Same completion rules as the 3-D ones.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, uint32_t bar, int c0,
+                                            int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(tmap)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void tma_store_2d(const void* tmap, uint32_t src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];\n"
+               ::"l"(reinterpret_cast<uint64_t>(tmap)), "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+// Waits until at most N of this thread's committed bulk groups are pending, writes to global
+// memory included (not only the shared-memory reads, as tma_store_wait_read).
+template <int N>
+__device__ __forceinline__ void tma_store_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
 // Orders this thread's generic-proxy shared-memory writes before later async-proxy accesses
 // (a TMA store reading them), once the writers have also synchronised with the issuing thread.
 __device__ __forceinline__ void fence_proxy_async_smem() {
@@ -237,6 +258,33 @@ FUSEDOPS_WGMMA_BF16_F16(80, 40, 41, 42, 43, 44, 45)
 FUSEDOPS_WGMMA_BF16_F16(128, 64, 65, 66, 67, 68, 69)
 FUSEDOPS_WGMMA_BF16_F16(176, 88, 89, 90, 91, 92, 93)
 FUSEDOPS_WGMMA_BF16_F16(256, 128, 129, 130, 131, 132, 133)
+
+// ss with either operand MN-major: D (+)= A B, A (64 x 16) K-major (kTransA = 0: 64 rows of
+// 16 K-elements) or M-major (kTransA = 1: 16 K-rows of 64 M-elements, one 128-byte column
+// block), B K-major (kTransB = 0: N rows of 16 K-elements) or N-major (kTransB = 1: 16 K-rows of
+// N elements in 64-wide column blocks LBO bytes apart). The descriptors as make_desc_sw128 says;
+// the accumulator layout as Wgmma. Wgmma<T, N>::ss is WgmmaSs<T, N>::run<0, 0>.
+template <typename T, int N>
+struct WgmmaSs;
+#define FUSEDOPS_WGMMA_SS(T, N, PTX_T, a0, a1, a2, a3, a4)                                     \
+  template <>                                                                                 \
+  struct WgmmaSs<T, N> {                                                                      \
+    template <int kTransA, int kTransB>                                                       \
+    static __device__ __forceinline__ void run(float (&d)[N / 8][4], uint64_t a_desc,          \
+                                               uint64_t b_desc, int scale_d) {                \
+      asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #a2 ", 0;\n"                          \
+                   "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." PTX_T "." PTX_T " {"     \
+                   FUSEDOPS_REGS_N##N "}, %" #a0 ", %" #a1 ", p, 1, 1, %" #a3 ", %" #a4       \
+                   ";\n}\n"                                                                   \
+                   : FUSEDOPS_ACC_N##N                                                        \
+                   : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransA), "n"(kTransB));     \
+    }                                                                                         \
+  };
+FUSEDOPS_WGMMA_SS(__nv_bfloat16, 128, "bf16", 64, 65, 66, 67, 68)
+FUSEDOPS_WGMMA_SS(__half, 128, "f16", 64, 65, 66, 67, 68)
+FUSEDOPS_WGMMA_SS(__nv_bfloat16, 256, "bf16", 128, 129, 130, 131, 132)
+FUSEDOPS_WGMMA_SS(__half, 256, "f16", 128, 129, 130, 131, 132)
+#undef FUSEDOPS_WGMMA_SS
 
 #undef FUSEDOPS_WGMMA_BF16_F16
 #undef FUSEDOPS_WGMMA

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from fusedops import _ext  # noqa: F401  (loads torch.ops.fusedops.*_cuda when built)
 from fusedops.dispatch import cuda_arch
+from fusedops.linear_ce import gemm_sm90
 
 MIB = 1 << 20
 DEFAULT_BUDGET_MIB = 512.0
@@ -169,7 +170,10 @@ def scale_grad_(t: Tensor, g: Tensor, backend: str) -> None:
 # GEMMs into (part of) an output, with float32 outputs for bf16/fp16 inputs where needed.
 
 def _mm(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> None:
-    """out (+)= a @ b. out may be float32 while a and b are float16/bfloat16."""
+    """out (+)= a @ b. out may be float32 while a and b are float16/bfloat16. With
+    FUSEDOPS_LCE_GEMM=sm90 (off by default) our Hopper GEMMs run the products they cover."""
+    if gemm_sm90.try_mm(out, a, b, accumulate):
+        return
     if out.dtype == a.dtype:
         if accumulate:
             out.addmm_(a, b)

@@ -1,0 +1,225 @@
+"""Benchmark: the Hopper GEMMs of the linear cross-entropy (torch.ops.fusedops.lce_gemm_sm90)
+against cuBLAS (torch.mm / Tensor.addmm_) at the linear cross-entropy's products per token
+chunk: logits z = X W^T (layout 1), d_hidden = dz W (layout 2), d_weight += dz^T X (layout 3,
+accumulated as in every chunk but the first; "d_weight_first" overwrites). Prints a table;
+appends one JSON object per measured row to benchmarks/results/lce_gemm.jsonl (or
+<--out>/lce_gemm.jsonl).
+
+    python benchmarks/bench_gemm_sm90.py                    # Llama-3 and Gemma-2, rows 2048, 4096
+    python benchmarks/bench_gemm_sm90.py --shapes llama3-2048 --gemms logits --out DIR
+    python benchmarks/bench_gemm_sm90.py --sanitize         # tiny cases of every instantiation
+    python benchmarks/bench_gemm_sm90.py --sanitize-run     # those under compute-sanitizer
+                                                            # memcheck, racecheck, synccheck
+
+"ms" is the median of triton.testing.do_bench (L2 cleared before each call), "p20"/"p80" its
+20th and 80th percentiles, "tflops" 2 M N K / ms, "rel_diff" max |ours - cuBLAS| / max |cuBLAS|
+on the same inputs (both round once to bf16: expect ~1e-2 at most).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import torch
+from common import add_out_arg, append_rows, describe, print_table, run_meta, time_ms
+
+SHAPES = {  # name: (rows per token chunk, H, V)
+    "llama3-2048": (2048, 4096, 128256),
+    "llama3-4096": (4096, 4096, 128256),
+    "gemma2-2048": (2048, 2304, 256000),
+    "gemma2-4096": (4096, 2304, 256000),
+}
+GEMMS = ("logits", "d_hidden", "d_weight", "d_weight_first")
+
+
+def _gemm_sm90():
+    from fusedops.linear_ce import gemm_sm90
+    return gemm_sm90
+
+
+def problems(rows, h, v, dtype, which):
+    """name -> (layout, accumulate, M, N, K, ours(), cublas(), out tensor, reset()) for the
+    products of one token chunk; each closure writes its output in place."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(rows, h, generator=g, device="cuda").to(dtype)
+    w = (torch.randn(v, h, generator=g, device="cuda") * 0.02).to(dtype)
+    dz = (torch.randn(rows, v, generator=g, device="cuda") * 1e-3).to(dtype)
+    gemm = _gemm_sm90().gemm
+    out = {}
+    if "logits" in which:
+        z = torch.empty(rows, v, device="cuda", dtype=dtype)
+        out["logits"] = (1, False, rows, v, h, lambda: gemm(x, w, z, 1),
+                         lambda: torch.mm(x, w.T, out=z), z, None)
+    if "d_hidden" in which:
+        dh = torch.empty(rows, h, device="cuda", dtype=dtype)
+        out["d_hidden"] = (2, False, rows, h, v, lambda: gemm(dz, w, dh, 2),
+                           lambda: torch.mm(dz, w, out=dh), dh, None)
+    if "d_weight" in which or "d_weight_first" in which:
+        dw = torch.empty(v, h, device="cuda", dtype=dtype)
+        dw0 = (torch.randn(v, h, generator=g, device="cuda") * 1e-2).to(dtype)
+
+        def reset():
+            dw.copy_(dw0)
+
+        if "d_weight" in which:
+            out["d_weight"] = (3, True, v, h, rows, lambda: gemm(dz, x, dw, 3, True),
+                               lambda: dw.addmm_(dz.T, x), dw, reset)
+        if "d_weight_first" in which:
+            out["d_weight_first"] = (3, False, v, h, rows, lambda: gemm(dz, x, dw, 3, False),
+                                     lambda: torch.mm(dz.T, x, out=dw), dw, reset)
+    return out
+
+
+def rel_diff(ours, cublas, res, reset):
+    """Runs both once on the same inputs (and the same old C) and compares their outputs."""
+    if reset:
+        reset()
+    ours()
+    a = res.clone()
+    if reset:
+        reset()
+    cublas()
+    b = res.float()
+    return float((a.float() - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def bench(args):
+    meta = run_meta()
+    dtype = getattr(torch, args.dtype)
+    rows_out = []
+    which = [x for x in args.gemms.split(",") if x]
+    for shape in [s for s in args.shapes.split(",") if s]:
+        rows, h, v = SHAPES[shape]
+        probs = problems(rows, h, v, dtype, which)
+        for name in which:
+            layout, acc, m, n, k, ours, cublas, res, reset = probs[name]
+            diff = rel_diff(ours, cublas, res, reset)
+            for method, fn in (("fusedops-sm90", ours), ("cublas", cublas)):
+                if reset:
+                    reset()
+                t0 = time.time()
+                p50, p20, p80 = time_ms(fn, args.rep_ms, quantiles=(0.5, 0.2, 0.8))
+                row = dict(op="lce_gemm", method=method, gemm=name, shape=shape, rows=rows, H=h,
+                           V=v, M=m, N=n, K=k, layout=layout, accumulate=acc,
+                           dtype=args.dtype, ms=round(p50, 4), p20=round(p20, 4),
+                           p80=round(p80, 4), tflops=round(2 * m * n * k / p50 / 1e9, 1),
+                           rel_diff=diff, **meta)
+                rows_out.append(row)
+                path = append_rows("lce_gemm", [row], args.out)
+                print(f"  {shape} {name} {method}: {p50:.3f} ms ({time.time() - t0:.0f} s)",
+                      file=sys.stderr)
+        del probs
+        torch.cuda.empty_cache()
+    print_table(rows_out, [("shape", "shape", ""), ("gemm", "gemm", ""), ("M", "M", "d"),
+                           ("N", "N", "d"), ("K", "K", "d"), ("method", "method", ""),
+                           ("ms", "ms", ".3f"), ("TFLOP/s", "tflops", ".1f"),
+                           ("rel_diff", "rel_diff", ".1e")],
+                title=f"\n{describe(meta)} -> {path}")
+    by = {(r["shape"], r["gemm"], r["method"]): r for r in rows_out}
+    for shape in dict.fromkeys(r["shape"] for r in rows_out):
+        ratios = []
+        for g in which:
+            if (shape, g, "cublas") in by:
+                speedup = by[(shape, g, "cublas")]["ms"] / by[(shape, g, "fusedops-sm90")]["ms"]
+                ratios.append(f"{g} {speedup:.2f}x")
+        print(f"{shape}: cuBLAS time / ours: {', '.join(ratios)}")
+
+
+SANITIZE_CASES = [  # (layout, accumulate, M, N, K, k-splits): ragged edges, several tiles per CTA
+    (1, False, 133, 520, 136, 1), (2, False, 133, 520, 136, 1), (3, False, 136, 520, 133, 1),
+    (3, True, 136, 520, 133, 1), (1, False, 1, 8, 8, 1), (3, True, 8, 8, 1, 1),
+    (1, False, 133, 522, 101, 1), (3, True, 134, 522, 133, 1),  # padded rows, odd inner sizes
+    (2, False, 133, 522, 1100, 3),  # split-K and its reduction, with a ragged last 4 columns
+]
+
+
+def _padded(x):
+    """x as a view into rows padded to a multiple of 8 elements (TMA's row-stride rule)."""
+    buf = torch.zeros(x.shape[0], (x.shape[1] + 7) // 8 * 8, device=x.device, dtype=x.dtype)
+    buf[:, :x.shape[1]] = x
+    return buf[:, :x.shape[1]]
+
+
+def sanitize_cases():
+    """Each instantiation (bf16/fp16 x layouts 1, 2, 3, + accumulate, + layout 2's split-K and
+    its reduction) once on small ragged shapes, checked loosely against torch (the tests check
+    tightly)."""
+    gemm = _gemm_sm90().gemm
+    for dtype in (torch.bfloat16, torch.float16):
+        for layout, acc, m, n, k, splits in SANITIZE_CASES:
+            os.environ["FUSEDOPS_LCE_GEMM_SPLITK"] = str(splits)
+            g = torch.Generator(device="cuda").manual_seed(1)
+            a = torch.randn((k, m) if layout == 3 else (m, k), generator=g, device="cuda")
+            b = torch.randn((n, k) if layout == 1 else (k, n), generator=g, device="cuda")
+            out = torch.randn(m, n, generator=g, device="cuda")
+            a, b, out = _padded(a.to(dtype)), _padded(b.to(dtype)), _padded(out.to(dtype))
+            af, bf = a.float(), b.float()
+            ref = af @ bf.T if layout == 1 else (af @ bf if layout == 2 else af.T @ bf)
+            if acc:
+                ref = ref + out.float()
+            gemm(a, b, out, layout, acc)
+            err = float((out.float() - ref).abs().max())
+            if not err <= 0.05 * float(ref.abs().max()) + 1e-2:
+                raise SystemExit(f"sanitize case {layout, acc, m, n, k} {dtype}: error {err}")
+    os.environ.pop("FUSEDOPS_LCE_GEMM_SPLITK")
+    torch.cuda.synchronize()
+    print("sanitize cases ran")
+
+
+def sanitize_run():
+    exe = shutil.which("compute-sanitizer")
+    for root in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        cand = os.path.join(root, "bin", "compute-sanitizer")
+        if exe is None and root and os.path.exists(cand):
+            exe = cand
+    if exe is None:
+        print("FAIL sanitize: compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda)")
+        return 1
+    bad = 0
+    for tool in ("memcheck", "racecheck", "synccheck"):
+        env = dict(os.environ, PYTORCH_NO_CUDA_MEMORY_CACHING="1")
+        t0 = time.time()
+        proc = subprocess.run([exe, "--tool", tool, "--error-exitcode", "3", sys.executable,
+                               os.path.abspath(__file__), "--sanitize"],
+                              env=env, capture_output=True, text=True, timeout=600)
+        text = proc.stdout + proc.stderr
+        ok = proc.returncode == 0 and "sanitize cases ran" in text
+        bad += not ok
+        summary = [ln for ln in text.splitlines() if "ERROR SUMMARY" in ln or "RACECHECK" in ln]
+        print(f"{'PASS' if ok else 'FAIL'} sanitize {tool:<9} rc={proc.returncode} "
+              f"{time.time() - t0:.0f}s {' | '.join(summary[-2:])}")
+        if not ok:
+            print("\n".join(text.splitlines()[-25:]))
+    return bad
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--gemms", default=",".join(GEMMS), help=f"comma list of {', '.join(GEMMS)}")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--sanitize", action="store_true", help="only the tiny sanitizer cases")
+    ap.add_argument("--sanitize-run", action="store_true",
+                    help="run --sanitize under compute-sanitizer memcheck, racecheck, synccheck")
+    add_out_arg(ap)
+    args = ap.parse_args()
+    if args.sanitize:
+        sanitize_cases()
+        return 0
+    if args.sanitize_run:
+        return 1 if sanitize_run() else 0
+    if not _gemm_sm90().supported(torch.device("cuda")):
+        print("lce_gemm_sm90 needs a compute capability 9.0 GPU and fusedops._C built for 9.0a")
+        return 1
+    bench(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+// The host interface of the Hopper GEMM of the linear cross-entropy (gemm_sm90.cuh): plain
+// pointers and sizes, shared by the torch binding (gemm_sm90_api.cpp) and the launcher.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fusedops {
+
+// The three products of the linear cross-entropy, by the layouts of their row-major operands:
+//   1 (logits):   C[M, N] = A B^T, a = A [M, K], b = B [N, K]       (X W^T)
+//   2 (d_hidden): C[M, N] = A B,   a = A [M, K], b = B [K, N]       (dz W)
+//   3 (d_weight): C[M, N] = A^T B, a = A [K, M], b = B [K, N]       (dz^T X)
+// accumulate: C = round(float(C) + product) (one rounding), else C = round(product).
+struct LceGemmSm90Args {
+  const void* a = nullptr;
+  const void* b = nullptr;
+  void* c = nullptr;
+  int64_t lda = 0, ldb = 0, ldc = 0;  // row strides in elements
+  int64_t m = 0, n = 0, k = 0;
+  int layout = 1;
+  bool accumulate = false;
+  bool is_bf16 = true;
+  int num_sms = 1;
+  int group = 0;  // tiles per group of the tile order; 0: the default
+  // Split-K (layout 2 only): k_splits slices of float32 partial sums in `workspace` (at least
+  // the floats lce_gemm_sm90_splits asks for), reduced into C by a second kernel.
+  int k_splits = 1;
+  float* workspace = nullptr;
+  cudaStream_t stream = nullptr;
+};
+
+// The k-splits for args (1: none) and the float32 workspace they need, in floats: split-K for
+// layout 2 when its tiles leave more than a tenth of the SMs' last wave idle (d_hidden at
+// Gemma-2's H = 2304: 144 tiles on 132 SMs), or FUSEDOPS_LCE_GEMM_SPLITK=<n> (measurement).
+int lce_gemm_sm90_splits(const LceGemmSm90Args& args, int64_t* workspace_floats);
+
+// Launches the GEMM; cudaErrorInvalidValue when the driver refuses a tensor map or the
+// arguments break the kernel's constraints (the binding checks them first, with messages), and
+// cudaErrorNotSupported for a combination that is not instantiated (accumulate with layouts 1
+// and 2). m, n, k must be >= 1.
+cudaError_t lce_gemm_sm90(const LceGemmSm90Args& args);
+
+}  // namespace fusedops
