@@ -8,16 +8,19 @@
 # Env: FUSEDOPS_GIT (sha for the rows), CHECK_ARGS (extra check_attention_sm90.py arguments; SKIP_CHECK=1),
 #   SANITIZE=0 to skip the sanitizers, SANITIZE_ARGS (e.g. "--dims 256"), TESTS (pytest -k expression over tests/attention, default all
 #   GPU attention tests; "none" skips), BENCH_METHODS, BENCH_DIMS, BENCH_LENGTHS, BENCH_REP_MS,
-#   SKIP_BENCH=1, EXTRA (a command run last, its output in the log).
+#   SKIP_BENCH=1, EXTRA (a command run last, its output in the log), SKIP_BUILD=1 (fusedops
+#   already installed by an earlier call on the same machine).
 set -uo pipefail
 OUT=${OUT:-/tmp/attn_out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEDOPS_CUDA_ARCHS=${FUSEDOPS_CUDA_ARCHS:-8.0;9.0a}
 say() { echo "== $* ($(date +%T))" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee -a "$LOG"
-say build
-python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log" | tee -a "$LOG"; exit 1; }
-grep -E "registers|spill" "$OUT/build.log" > "$OUT/ptxas.txt" 2>/dev/null
+if [ "${SKIP_BUILD:-0}" != "1" ]; then
+  say build
+  python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1 \
+    || { tail -40 "$OUT/build.log" | tee -a "$LOG"; exit 1; }
+  grep -E "registers|spill" "$OUT/build.log" > "$OUT/ptxas.txt" 2>/dev/null
+fi
 (cd /tmp && python3 -m fusedops.info) >> "$LOG" 2>&1
 if [ "${SKIP_CHECK:-0}" != "1" ]; then
   say check

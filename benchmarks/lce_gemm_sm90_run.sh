@@ -8,7 +8,7 @@
 #   (lce_gemm_sm90_standalone.py, about a minute; the chunked.py switch tests then skip) instead
 #   of installing fusedops for FUSEDOPS_CUDA_ARCHS (default here 9.0a); TESTS (a pytest -k
 #   expression; "none" skips the tests), SANITIZE=0, BENCH_ARGS (e.g. "--shapes llama3-2048"),
-#   SKIP_BENCH=1.
+#   SKIP_BENCH=1, SKIP_BUILD=1 (fusedops already installed by an earlier call).
 set -uo pipefail
 OUT=${OUT:-/tmp/lce_gemm_out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEDOPS_CUDA_ARCHS=${FUSEDOPS_CUDA_ARCHS:-9.0a}
@@ -26,8 +26,12 @@ if [ "${STANDALONE:-0}" = "1" ]; then
   SAN_CMD=("${SA[@]}" --bench=--sanitize-run)
   BENCH_CMD=("${SA[@]}" "--bench=--out $OUT ${BENCH_ARGS:-}")
 else
-  timeout 480 python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1 \
-    || { tail -40 "$OUT/build.log" | tee -a "$LOG"; exit 1; }
+  if [ "${SKIP_BUILD:-0}" = "1" ]; then
+    echo "build skipped (SKIP_BUILD=1: fusedops installed by an earlier call)" | tee -a "$LOG"
+  else
+    timeout 480 python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" \
+      2>&1 || { tail -40 "$OUT/build.log" | tee -a "$LOG"; exit 1; }
+  fi
   (cd /tmp && python3 -m fusedops.info) >> "$LOG" 2>&1
   # From the repository root the tests import the installed fusedops (the package is under python/).
   TESTS_CMD=(bash -c "python3 -m pytest $TEST_ARGS")
