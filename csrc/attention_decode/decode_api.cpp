@@ -42,9 +42,9 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& 
                                                  double scale, bool causal, int64_t left,
                                                  int64_t right, double softcap,
                                                  int64_t num_splits, int64_t arch) {
+  // arch 80 (cuda-sm80) and 90 (cuda-sm90) run one kernel: its sm_80 or sm_90a build, whichever
+  // the device loads (decode is bandwidth-bound; cp.async suits both families).
   check_arch(arch);
-  TORCH_CHECK_VALUE(arch == 80, "attention_decode_cuda has only the sm80 family (which also "
-                    "runs on Hopper): arch must be 80, got ", std::to_string(arch));
   TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor");
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
                    "q must be float16 or bfloat16, got ", q.scalar_type());
@@ -83,7 +83,10 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& 
   } else {
     TORCH_CHECK_VALUE(k_cache.size(0) == batch, "k_cache must have q's batch without page_table");
   }
-  TORCH_CHECK_VALUE(capacity < (int64_t(1) << 31), "the cache capacity must be below 2^31 keys");
+  // Key indices are int: a split's end (its start + one split of up to 256) stays below 2^31.
+  TORCH_CHECK_VALUE(capacity <= (int64_t(1) << 31) - (int64_t(1) << 15),
+                    "the cache capacity must be at most 2^31 - 2^15 keys per sequence, got ",
+                    std::to_string(capacity));
   const at::cuda::OptionalCUDAGuard guard(q.device());
   Tensor out = at::empty(q.sizes(), q.options());
   Tensor lse = at::empty({batch, hq, sq}, q.options().dtype(at::kFloat));

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from fusedops import _ext, dispatch
-from fusedops.attention import attention, attention_with_kvcache
+from fusedops.attention import attention, attention_with_kvcache, kvcache
 from fusedops.attention.kvcache_backends import CUDA_ENABLED as CUDA_DECODE
+from fusedops.attention.kvcache_backends import CUDA_MAX_ROWS
 
 HAS_GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -185,6 +186,9 @@ CPU_CASES = {
                      n_new=2, page_size=16, num_splits=5),
     "splits-1": dict(lens=(4, 39), sq=1, heads_q=8, heads_kv=2, head_dim=16, capacity=40,
                      num_splits=1),
+    # 24 rows per KV head: two blocks of rows under the interpreter (16 rows a program)
+    "rows-two-blocks": dict(lens=(0, 29, 11), sq=3, heads_q=16, heads_kv=2, head_dim=16,
+                            capacity=32, n_new=2, page_size=8, window=(12, 0), num_splits=3),
 }
 
 # GPU cases at real sizes: bf16/fp16, D=128 and 64, 32 heads over 8 (GQA 4:1) and MQA, lengths
@@ -206,7 +210,14 @@ GPU_CASES = {
                            capacity=4096, n_new=3, page_size=64, window=(511, 0), softcap=30.0),
     "batch64-one-split": dict(lens=tuple(range(0, 64 * 60, 60)), sq=1, heads_q=32, heads_kv=8,
                               head_dim=128, capacity=4096, n_new=1, page_size=64),
+    # MQA with 4 queries: 128 rows per KV head, two Triton programs of 64 rows (CUDA: too many)
+    "mqa-sq4-128rows": dict(lens=(0, 333, 2044), sq=4, heads_q=32, heads_kv=1, head_dim=128,
+                            capacity=2048, n_new=4, page_size=16),
 }
+
+
+def _rows(case: dict) -> int:
+    return case["heads_q"] // case["heads_kv"] * case["sq"]
 
 
 def _params():
@@ -224,6 +235,8 @@ def _params():
             if backend == "torch" and dtype != torch.bfloat16:
                 continue
             for name in GPU_CASES:
+                if backend.startswith("cuda") and _rows(GPU_CASES[name]) > CUDA_MAX_ROWS:
+                    continue
                 out.append(pytest.param(backend, "cuda", dtype, name, GPU_CASES, marks=marks,
                                         id=f"{backend}-cuda-{str(dtype)[6:]}-{name}"))
     return out
@@ -455,6 +468,17 @@ BAD = [
     (lambda: {**_good(), "check": "yes"}, TypeError, "check must be a bool"),
     (lambda: {**_good(), "q": torch.randn(2, 1, 4, 300), "k_cache": torch.randn(2, 10, 2, 300),
               "v_cache": torch.randn(2, 10, 2, 300)}, ValueError, "head dim must be"),
+    # An int length is checked even with check=False (it costs no synchronisation)
+    (lambda: {**_good(), "cache_seqlens": 11, "check": False}, ValueError,
+     r"cache_seqlens = 11 with S_new = 0 must lie in \[0, 10\]"),
+    (lambda: {**_new(_good(), n=2), "cache_seqlens": 9, "check": False}, ValueError,
+     r"cache_seqlens = 9 with S_new = 2 must lie in \[0, 8\]"),
+    (lambda: {**_good(), "cache_seqlens": -1, "check": False}, ValueError,
+     r"cache_seqlens = -1"),
+    (lambda: {**_paged(), "k_cache": torch.randn(1, 2**16, 1, 1),
+              "v_cache": torch.randn(1, 2**16, 1, 1), "q": torch.randn(2, 1, 1, 1),
+              "page_table": torch.zeros(2, 2**15, dtype=torch.int32)}, ValueError,
+     "the cache holds 2147483648 keys per sequence"),
 ]
 
 
@@ -477,16 +501,66 @@ def test_dispatch_declares_the_decode_op():
     table = dispatch.op_backends("attention_decode")
     assert [b.name for b in table.backends] == list(dispatch.BACKENDS)
     sig = dispatch.InputSig("attention_decode", "cuda", 0, torch.bfloat16, 128, True)
-    assert "no Hopper-specific decode kernel is built yet" in dispatch.why_not("cuda-sm90", sig)
+    # cuda-sm90 is the same kernel's sm_90a build, declared as such, and opt-in like cuda-sm80
+    sm90 = table.by_name["cuda-sm90"]
+    assert sm90.arch == 90 and sm90.cc_range == ((9, 0), (9, 0))
+    assert "cuda-sm80's split-KV decode kernel built for sm_90a" in sm90.summary
     if not CUDA_DECODE:
-        assert "not yet validated" in dispatch.why_not("cuda-sm80", sig)
+        for name in ("cuda-sm90", "cuda-sm80"):
+            assert "not yet validated" in dispatch.why_not(name, sig)
     sig96 = dispatch.InputSig("attention_decode", "cuda", 0, torch.bfloat16, 96, True)
-    assert "head dim 96" in (table.by_name["cuda-sm80"].limits(sig96) or "")
+    for name in ("cuda-sm90", "cuda-sm80"):
+        assert "head dim 96" in (table.by_name[name].limits(sig96) or "")
+    assert table.order(sig, False)[:3] == ["cuda-sm90", "cuda-sm80", "triton"]
+    assert table.order(sig, True)[:2] == ["cuda-sm80", "triton"]
     x = torch.randn(2, 1, 4, 16)
     assert dispatch.select("attention_decode", x, 16, causal=True) == "torch"
-    with pytest.raises(RuntimeError, match="no Hopper-specific decode kernel"):
+    with pytest.raises(RuntimeError, match="cuda-sm90: .*inputs are on cpu|not yet validated"):
         attention_with_kvcache(x, torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16), 2,
                                backend="cuda-sm90")
+
+
+def test_auto_moves_groups_too_large_for_cuda_to_triton(monkeypatch):
+    """The CUDA kernels take (Hq / Hkv) * Sq <= 16 rows per KV head; dispatch sees the head dim
+    only, so a larger group picked for CUDA by auto runs on Triton, and an explicit CUDA request
+    names the limit (instead of failing inside the op)."""
+    asked = []
+
+    def fake_select(op, x, inner, backend=None, causal=False):
+        asked.append(backend)
+        return "triton" if backend == "triton" else "cuda-sm90"
+
+    monkeypatch.setattr(kvcache.dispatch, "select", fake_select)
+    monkeypatch.delenv("FUSEDOPS_BACKEND", raising=False)
+    big, small = torch.randn(2, 3, 32, 64), torch.randn(2, 4, 8, 64)  # 48 and 16 rows over 2
+    assert kvcache.select_backend(big, 2, None, True) == "triton"
+    assert asked == [None, "triton"]
+    assert kvcache.select_backend(small, 2, None, True) == "cuda-sm90"
+    for request in ("cuda", "cuda-sm90"):
+        with pytest.raises(ValueError, match=r"\(Hq / Hkv\) \* Sq <= 16 .* got 48"):
+            kvcache.select_backend(big, 2, request, True)
+    monkeypatch.setenv("FUSEDOPS_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="got 48"):
+        kvcache.select_backend(big, 2, None, True)
+
+
+def test_no_query_heads_or_queries_give_empty_outputs():
+    """q with no heads (or no queries) returns empty out and lse, after the append (no kernel
+    with a group of 0 heads is compiled)."""
+    runs = [("torch", "cpu")]
+    if INTERPRET and HAS_TRITON and not HAS_GPU:
+        runs.append(("triton", "cpu"))
+    if HAS_GPU and HAS_TRITON:
+        runs += [("triton", "cuda"), ("torch", "cuda")]
+    for backend, dev in runs:
+        for shape in ((2, 1, 0, 16), (2, 0, 4, 16)):
+            kc, vc = torch.zeros(2, 8, 2, 16, device=dev), torch.zeros(2, 8, 2, 16, device=dev)
+            kn, vn = torch.ones(2, 1, 2, 16, device=dev), torch.ones(2, 1, 2, 16, device=dev)
+            out, lse = attention_with_kvcache(torch.randn(shape, device=dev), kc, vc, 3,
+                                              k_new=kn, v_new=vn, return_lse=True,
+                                              backend=backend)
+            assert out.shape == shape and lse.shape == (2, shape[2], shape[1])
+            assert torch.all(kc[:, 3] == 1) and torch.all(kc[:, 4] == 0)
 
 
 def test_num_splits_heuristic():
@@ -566,7 +640,8 @@ def test_poisoned_output_is_overwritten(backend):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case,match", [
-    ("head_dim", "head dim 64 or 128"), ("rows", "<= 16 query rows"), ("arch", "arch must be 80"),
+    ("head_dim", "head dim 64 or 128"), ("rows", "<= 16 query rows"),
+    ("arch", "arch must be 80 or 90"),
     ("dtype", "float16 or bfloat16"), ("strides", "multiples of 8")])
 def test_cuda_decode_op_checks_its_inputs(case, match):
     """The C++ op names what it refuses (callers going around the Python API)."""
@@ -583,4 +658,55 @@ def test_cuda_decode_op_checks_its_inputs(case, match):
     lens = torch.tensor([3, 64], dtype=torch.int32, device=dev)
     with pytest.raises((ValueError, TypeError), match=match):
         torch.ops.fusedops.attention_decode_cuda(q, kc, kc, lens, None, 0.125, True, -1, -1, 0.0,
-                                                 1, 90 if case == "arch" else 80)
+                                                 1, 70 if case == "arch" else 80)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [None, 2], ids=["auto-splits", "splits2"])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_CUDA_DECODE)])
+def test_compiles_on_the_gpu_without_graph_breaks(backend, num_splits):
+    """torch.compile(fullgraph=True) of a decode step with an append on the GPU kernels (the
+    CUDA op through its fake implementation, Triton's launches traced), equal to eager."""
+    torch.manual_seed(3)
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(2, 1, 8, 64, device=dev, dtype=dt)
+    kn, vn = (torch.randn(2, 1, 2, 64, device=dev, dtype=dt) for _ in range(2))
+    kc, vc = (torch.randn(2, 256, 2, 64, device=dev, dtype=dt) for _ in range(2))
+    lens = torch.tensor([3, 200], dtype=torch.int32, device=dev)
+
+    def step(q, kc, vc, lens, kn, vn):
+        return attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=vn, window_size=(100, 0),
+                                      num_splits=num_splits, backend=backend, return_lse=True)
+
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = step(q, kc, vc, lens, kn, vn)
+    got = torch.compile(step, fullgraph=True)(q, kc2, vc2, lens, kn, vn)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+@pytest.mark.gpu
+def test_cuda_sm90_runs_the_sm80_kernel_on_hopper():
+    """cuda-sm90 is the sm80-family kernel's sm_90a build: on a 9.0 GPU both names give the
+    same bits (paged, GQA, two splits)."""
+    if not (_ext.available() and CUDA_DECODE):
+        pytest.skip("needs fusedops._C and FUSEDOPS_ATTN_DECODE_CUDA=1")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs compute capability 9.0")
+    c = Case(**GPU_CASES["paged64-sq3"], dtype=torch.bfloat16, device="cuda")
+    inp = make_inputs(c)
+    a = call(attention_with_kvcache, inp, c, c.dtype, backend="cuda-sm90")
+    b = call(attention_with_kvcache, inp, c, c.dtype, backend="cuda-sm80")
+    assert torch.equal(a["out"], b["out"]) and torch.equal(a["lse"], b["lse"])
+    check(c, "cuda-sm90")
+
+
+@pytest.mark.skipif(not (HAS_TRITON and (INTERPRET or HAS_GPU)), reason="needs Triton")
+def test_batches_past_the_grid_limit_are_refused_by_the_kernels():
+    """The GPU kernels have one grid z index per sequence (at most 65535); torch takes any."""
+    dev = "cuda" if HAS_GPU else "cpu"
+    q = torch.randn(65536, 1, 1, 1, device=dev)
+    kc = torch.randn(65536, 2, 1, 1, device=dev)
+    with pytest.raises(ValueError, match="q has 65536 sequences; the triton kernels take at most"):
+        attention_with_kvcache(q, kc, kc, 1, backend="triton")
+    assert attention_with_kvcache(q[:3], kc[:3], kc[:3], 1, backend="torch").shape == (3, 1, 1, 1)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 from torch import Tensor
 
-from fusedops import dispatch
+from fusedops import _ext, dispatch
 from fusedops._checks import check_bool, check_int, check_real
 from fusedops.attention import kvcache_backends as _backends  # noqa: F401  (declares them)
 from fusedops.attention import kvcache_reference as reference
@@ -15,6 +16,10 @@ from fusedops.attention import kvcache_reference as reference
 __all__ = ["attention_with_kvcache"]
 
 OP = "attention_decode"
+# Key indices are int32 in the kernels; a split's end (start + one split of the capacity) must
+# stay below 2^31 for up to 256 splits of 64-key blocks.
+MAX_CAPACITY = 2**31 - 2**15
+MAX_GRID_BATCH = 65535  # the kernels' grids have one z index per sequence
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INFERENCE_ONLY = ("fusedops.attention.attention_with_kvcache is inference only (no backward): "
                   "call it under torch.no_grad() / torch.inference_mode(), or detach {names}")
@@ -160,18 +165,35 @@ def append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, page_table) -> None
     v_cache.index_put_((rows, slots), v_new)
 
 
+# Fake (meta) implementation of the compiled op, so that torch.compile traces a decode step on
+# the CUDA backends; the op allocates a contiguous output.
+if _ext.available():
+
+    @torch.library.register_fake("fusedops::attention_decode_cuda")
+    def _(q, k_cache, v_cache, seqlens_k, page_table, scale, causal, left, right, softcap,
+          num_splits, arch):
+        return (q.new_empty(q.shape),
+                q.new_empty((q.shape[0], q.shape[2], q.shape[1]), dtype=torch.float32))
+
+
 _SMS: dict = {}
 
 
-def sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of the device (asked once per device; 4 off the GPU, so that
-    the CPU tests under the Triton interpreter see several splits)."""
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
+@torch.compiler.assume_constant_result
+def _sm_count_of(index: int) -> int:
     if index not in _SMS:
         _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return _SMS[index]
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of the device (asked once per device, a constant for
+    torch.compile; 4 off the GPU, so that the CPU tests under the Triton interpreter see several
+    splits)."""
+    if device.type != "cuda":
+        return 4
+    return _sm_count_of(device.index if device.index is not None
+                        else torch.cuda.current_device())
 
 
 def num_splits_heuristic(batch: int, heads_kv: int, capacity: int, num_sms: int,
@@ -190,21 +212,38 @@ def num_splits_heuristic(batch: int, heads_kv: int, capacity: int, num_sms: int,
     return max(1, min(want, most, 128))
 
 
+def _requested(backend: str | None) -> str:
+    request = backend if backend is not None else os.environ.get("FUSEDOPS_BACKEND", "auto")
+    return request.lower() if isinstance(request, str) else request
+
+
+def select_backend(q: Tensor, heads_kv: int, backend: str | None, causal: bool) -> str:
+    """The backend for these inputs. Dispatch sees the head dim only; the CUDA kernels also
+    need (Hq / Hkv) * Sq <= CUDA_MAX_ROWS query rows per KV head, so for a larger group the
+    automatic choice moves on to Triton (from static shapes: torch.compile can fold it) while
+    an explicit CUDA request gets an error naming the limit."""
+    name = dispatch.select(OP, q, q.shape[-1], backend, causal=causal)
+    rows = q.shape[2] // max(heads_kv, 1) * q.shape[1]
+    if name in _backends.CUDA_NAMES and rows > _backends.CUDA_MAX_ROWS:
+        if _requested(backend) == "auto":
+            return dispatch.select(OP, q, q.shape[-1], "triton", causal=causal)
+        raise ValueError(f"the CUDA decode kernel ({name}) takes (Hq / Hkv) * Sq <= "
+                         f"{_backends.CUDA_MAX_ROWS} query rows per KV head, got {rows} "
+                         f"(Hq {q.shape[2]}, Hkv {heads_kv}, Sq {q.shape[1]}); use "
+                         "backend='triton'")
+    return name
+
+
 def _run(q, k_cache, v_cache, seqlens_k, page_table, scale, causal, left, right, softcap,
          num_splits, backend):
-    if backend == "cuda-sm80":
-        rows = q.shape[2] // k_cache.shape[2] * q.shape[1]
-        if rows > _backends.CUDA_MAX_ROWS:
-            raise ValueError(f"the CUDA decode kernel takes (Hq / Hkv) * Sq <= "
-                             f"{_backends.CUDA_MAX_ROWS} query rows per KV head, got {rows}; "
-                             "use backend='triton'")
+    if backend in _backends.CUDA_NAMES:
         if num_splits is None:
             cap = reference.capacity(k_cache, page_table)
             num_splits = num_splits_heuristic(q.shape[0], k_cache.shape[2], cap,
                                               sm_count(q.device), 64)
         return torch.ops.fusedops.attention_decode_cuda(
             q, k_cache, v_cache, seqlens_k, page_table, scale, causal, left, right, softcap,
-            num_splits, 80)
+            num_splits, dispatch.cuda_arch(OP, backend))
     if backend == "torch":
         return reference.decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale, causal,
                                     left, right, softcap)
@@ -262,13 +301,24 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
             raise RuntimeError(INFERENCE_ONLY.format(names=", ".join(grads)))
     batch, sq, hq, head_dim = q.shape
     n_new = 0 if k_new is None else k_new.shape[1]
-    name = dispatch.select(OP, q, head_dim, backend, causal=causal)
+    name = select_backend(q, k_cache.shape[2], backend, causal)
+    if name != "torch" and batch > MAX_GRID_BATCH:
+        raise ValueError(f"q has {batch} sequences; the {name} kernels take at most "
+                         f"{MAX_GRID_BATCH} a call (one grid row each): split the batch")
+    lens_int = None
     if isinstance(cache_seqlens, int):
-        check_int("cache_seqlens", cache_seqlens)
-        cache_seqlens = torch.full((batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+        lens_int = check_int("cache_seqlens", cache_seqlens)
+        cache_seqlens = torch.full((batch,), lens_int, dtype=torch.int32, device=q.device)
     cap = reference.capacity(k_cache, page_table)
+    if cap > MAX_CAPACITY:
+        raise ValueError(f"the cache holds {cap} keys per sequence (page_table's max_pages x "
+                         f"page_size, or S_max); at most {MAX_CAPACITY} are supported")
     if n_new > cap:
         raise ValueError(f"S_new = {n_new} keys cannot fit a cache of {cap} keys per sequence")
+    if isinstance(lens_int, int) and not 0 <= lens_int <= cap - n_new:
+        # A Python int is checked whatever `check` says: it costs no synchronisation.
+        raise ValueError(f"cache_seqlens = {lens_int} with S_new = {n_new} must lie in [0, "
+                         f"{cap - n_new}] (the cache holds {cap} keys per sequence)")
     if check or (check is None and q.device.type == "cpu"
                  and not torch.compiler.is_compiling()):
         check_values(cache_seqlens, page_table, n_new, cap, k_cache.shape[0], k_cache.shape[1])
@@ -285,7 +335,7 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         page_table = page_table.contiguous()
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     seqlens_k = cache_seqlens + n_new if n_new else cache_seqlens
-    if batch == 0 or sq == 0:
+    if q.numel() == 0:  # no sequence, query or query head
         out = q.new_zeros(q.shape)
         lse = q.new_full((batch, hq, sq), float("-inf"), dtype=reference.compute_dtype(q.dtype))
     else:

@@ -9,13 +9,16 @@ import torch
 from fusedops.dispatch import Backend, InputSig, OpBackends, register
 
 _HALF = (torch.float16, torch.bfloat16)
-_UNBUILT = ("no Hopper-specific decode kernel is built yet (cuda-sm80's kernel runs on Hopper "
-            "too; Triton's split-KV kernels otherwise)")
-# The sm80-family kernel (csrc/attention_decode/) compiles but has not been run on a GPU: it is
-# offered only when FUSEDOPS_ATTN_DECODE_CUDA=1 is set before fusedops is imported.
+# One CUDA kernel (csrc/attention_decode/, cp.async loads and SIMT dot products: decode is
+# bandwidth-bound, so no wgmma or TMA), compiled into the sm_80 and the sm_90a device code of
+# the extension. cuda-sm90 is that kernel on compute capability 9.0 (its sm_90a build), not a
+# Hopper-specific design; cuda-sm80 runs it on 8.x (and on 9.0 when forced). It compiles but
+# has not been run on a GPU: both are offered only when FUSEDOPS_ATTN_DECODE_CUDA=1 is set
+# before fusedops is imported.
 CUDA_ENABLED = os.environ.get("FUSEDOPS_ATTN_DECODE_CUDA", "0") == "1"
 _UNVALIDATED = ("the CUDA decode kernel is built but not yet validated on a GPU; set "
                 "FUSEDOPS_ATTN_DECODE_CUDA=1 before importing fusedops to use it")
+CUDA_NAMES = ("cuda-sm90", "cuda-sm80")
 CUDA_HEAD_DIMS = (64, 128)
 CUDA_MAX_ROWS = 16  # (Hq / Hkv) * Sq of its instantiations
 
@@ -34,8 +37,11 @@ def _triton_limits(sig: InputSig) -> str | None:
 
 
 BACKENDS = (
-    Backend("cuda-sm90", "cuda", _HALF, arch=90, cc_range=((9, 0), (9, 0)), unbuilt=_UNBUILT,
-            summary="declared, not built: split-KV decode for Hopper"),
+    Backend("cuda-sm90", "cuda", _HALF, arch=90, cc_range=((9, 0), (9, 0)),
+            limits=_cuda_limits, unbuilt=None if CUDA_ENABLED else _UNVALIDATED,
+            summary="cuda-sm80's split-KV decode kernel built for sm_90a (cp.async, SIMT dot "
+                    "products; no TMA or wgmma), head dims 64 and 128, (Hq / Hkv) * Sq <= 16; "
+                    "not yet validated on a GPU"),
     Backend("cuda-sm80", "cuda", _HALF, arch=80, cc_range=((8, 0), (9, 0)),
             limits=_cuda_limits, unbuilt=None if CUDA_ENABLED else _UNVALIDATED,
             summary="split-KV decode, cp.async double buffering and SIMT dot products, head "
@@ -53,8 +59,8 @@ def order(sig: InputSig, forced_sm80: bool) -> list[str]:
     cuda = ["cuda-sm80"] if forced_sm80 else ["cuda-sm90", "cuda-sm80"]
     if sig.device_type != "cuda":
         return cuda + ["torch"]
-    # Not measured yet. cuda-sm90 is unbuilt and cuda-sm80 refused unless enabled, so Triton runs
-    # on GPUs by default.
+    # Not measured yet. The CUDA entries are refused unless enabled, so Triton runs on GPUs by
+    # default.
     return cuda + ["triton", "torch"]
 
 

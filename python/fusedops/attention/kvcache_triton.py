@@ -7,7 +7,9 @@ sequence's visible keys [lo, L) (lo > 0 only with a left window) are cut into nu
 whole key blocks, computed in the kernel from the length on the device; a split with no keys
 writes lse = -inf. Each split writes its normalised partial output and lse (float32); the combine
 kernel weights the splits by exp(lse_s - lse) (rows that saw nothing: zeros, lse -inf). With
-one split the partial kernel writes the output directly.
+one split the partial kernel writes the output directly. Groups of more than MAX_BLOCK_M rows
+(G * Sq: many query heads per KV head, or long speculative steps) are cut into blocks of rows,
+each its own program (the KV head's keys are then read once per block).
 
 Paged caches: each key's page is read from the page table (any page size, keys of one block may
 span pages); page numbers are clamped into [0, num_pages) and lengths to the capacity, so bad
@@ -50,7 +52,7 @@ def _key_offsets(cols, keep, b, PT, stride_pt, page_size, num_pages, stride_kb, 
 
 @triton.jit
 def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
-                    sm_scale, softcap, left, right, sq, capacity, page_size, num_pages,
+                    sm_scale, softcap, left, right, sq, n_mb, capacity, page_size, num_pages,
                     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_pt,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -58,13 +60,14 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
                     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
                     PAGED: tl.constexpr, FINAL: tl.constexpr):
     split = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // n_mb
+    mb = tl.program_id(1) % n_mb
     b = tl.program_id(2)
     n_splits = tl.num_programs(0)
-    n_kv = tl.num_programs(1)
+    n_kv = tl.num_programs(1) // n_mb
     batch = tl.num_programs(2)
     m = GROUP * sq
-    rows = tl.arange(0, BLOCK_M)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < m
     qi = rows // GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -139,15 +142,16 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
 
 
 @triton.jit
-def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, stride_ob, stride_os, stride_oh,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_M: tl.constexpr):
-    kvh = tl.program_id(0)
+def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, n_mb, stride_ob, stride_os,
+                    stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+    kvh = tl.program_id(0) // n_mb
+    mb = tl.program_id(0) % n_mb
     b = tl.program_id(1)
-    n_kv = tl.num_programs(0)
+    n_kv = tl.num_programs(0) // n_mb
     batch = tl.num_programs(1)
     m = GROUP * sq
-    rows = tl.arange(0, BLOCK_M)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < m
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -177,6 +181,11 @@ def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, stride_ob, stride_os, 
     tl.store(LSE + (b.to(tl.int64) * n_kv * GROUP + h) * sq + qi, lse, mask=row_ok)
 
 
+# Rows of one program's query tile: 64 rows x 128 columns of float32 accumulator is 64
+# registers a thread at 4 warps. 16 under the interpreter, so that the CPU tests cut groups.
+MAX_BLOCK_M = 16 if INTERPRET else 64
+
+
 def _config(head_dim: int, dtype: torch.dtype):
     """(BLOCK_N, warps, stages). Not yet measured on a GPU: 64-key blocks and 4 warps, the usual
     shape of split-KV decode kernels for head dims up to 128; 32 keys above."""
@@ -202,7 +211,8 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
     lse = torch.empty((batch, hq, sq), dtype=torch.float32, device=q.device)
     right = 0 if causal else right
     m = group * sq
-    block_m = max(16, triton.next_power_of_2(m))
+    block_m = max(16, min(MAX_BLOCK_M, triton.next_power_of_2(m)))
+    n_mb = triton.cdiv(m, block_m)
     final = num_splits == 1
     if final:
         out_p = lse_p = lse  # unused
@@ -213,9 +223,9 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
     pt = page_table if paged else seqlens_k  # a placeholder pointer when contiguous
     block_d = max(16, triton.next_power_of_2(head_dim))
     meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m)
-    _partial_kernel[(num_splits, hkv, batch)](
+    _partial_kernel[(num_splits, hkv * n_mb, batch)](
         q, k_cache, v_cache, seqlens_k, pt, out, lse, out_p, lse_p, float(scale), float(softcap),
-        max(left, 0), max(right, 0), sq, cap, k_cache.shape[1], k_cache.shape[0],
+        max(left, 0), max(right, 0), sq, n_mb, cap, k_cache.shape[1], k_cache.shape[0],
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2), pt.stride(0),
@@ -223,7 +233,7 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
         IEEE=q.dtype == torch.float32, PAGED=paged, FINAL=final, num_warps=warps,
         num_stages=stages, **meta)
     if not final:
-        _combine_kernel[(hkv, batch)](out_p, lse_p, out, lse, num_splits, sq, out.stride(0),
-                                      out.stride(1), out.stride(2), num_warps=warps if not
-                                      INTERPRET else 1, **meta)
+        _combine_kernel[(hkv * n_mb, batch)](out_p, lse_p, out, lse, num_splits, sq, n_mb,
+                                             out.stride(0), out.stride(1), out.stride(2),
+                                             num_warps=warps if not INTERPRET else 1, **meta)
     return out, lse
