@@ -330,8 +330,9 @@ def test_no_host_synchronisation_with_check_false(monkeypatch):
     backends = ["torch"] + (["triton"] if INTERPRET and HAS_TRITON and not HAS_GPU else [])
     for backend in backends:
         with monkeypatch.context() as m:
-            m.setattr(torch.Tensor, "tolist", refuse)
-            m.setattr(torch.Tensor, "item", refuse)
+            for method in ("tolist", "item", "__bool__", "__int__", "__float__", "nonzero",
+                           "numpy"):
+                m.setattr(torch.Tensor, method, refuse)
             got = call(attention_with_kvcache, inp, c, torch.float32, backend=backend,
                        check=False)
         torch.testing.assert_close(got["out"], want["out"], rtol=1e-5, atol=1e-5)
@@ -618,6 +619,36 @@ def test_cuda_graph_capture_of_a_decode_step(paged, backend):
         torch.cuda.synchronize()
         assert torch.equal(out, want), it
         assert torch.equal(kc, kc_eager) and torch.equal(vc, vc_eager), it
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_CUDA_DECODE)])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged16"])
+def test_no_synchronising_call_on_the_gpu(paged, backend):
+    """With check=False a decode step with an append (int and tensor lengths, splits and one
+    split) makes no synchronising CUDA call: torch's sync debug mode raises on any."""
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.float16
+    b, cap, ps = 3, 512, 16
+    pages = (torch.randperm(b * cap // ps, device=dev).to(torch.int32).view(b, -1) if paged
+             else None)
+    shape = (b * cap // ps, ps, 2, 64) if paged else (b, cap, 2, 64)
+    kc, vc = (torch.randn(shape, device=dev, dtype=dt) for _ in range(2))
+    q = torch.randn(b, 2, 8, 64, device=dev, dtype=dt)
+    kn, vn = (torch.randn(b, 2, 2, 64, device=dev, dtype=dt) for _ in range(2))
+    lens = torch.tensor([0, 7, 400], dtype=torch.int32, device=dev)
+    for seqlens in (lens, 100):
+        for splits in (None, 1, 3):
+            attention_with_kvcache(q, kc, vc, seqlens, k_new=kn, v_new=vn, page_table=pages,
+                                   num_splits=splits, backend=backend, check=False)  # warm-up
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                attention_with_kvcache(q, kc, vc, seqlens, k_new=kn, v_new=vn, page_table=pages,
+                                       num_splits=splits, backend=backend, check=False,
+                                       return_lse=True)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu
