@@ -3,14 +3,18 @@
 Two and four gloo processes on CPU against one process on the full weight: loss, lse and the
 gradients of hidden, the weight shard and the bias shard for every option, uneven splits (a rank
 with a one-row shard, shards out of rank order), a DTensor weight, and the misuse cases. Each
-world size is one spawn that runs every case (starting processes is most of the cost); the
-workers write their results to a file that the tests below compare. GPU variants: NCCL with one
-GPU per rank (needs >= 2 GPUs), and gloo with every rank's shard on the one GPU.
+world size is one start of processes that runs every case (starting them is most of the cost:
+they are forked from a forkserver that imported torch and fusedops once); the workers write their
+results to a file that the tests below compare. GPU variants: NCCL with one GPU per rank (needs
+>= 2 GPUs), and gloo with every rank's shard on the one GPU.
 """
 
 from __future__ import annotations
 
+import datetime
+import gc
 import os
+import sys
 import time
 import traceback
 
@@ -53,12 +57,15 @@ CASES = {
                            softcap=3.0, z_loss=1e-2, ignore=True),
     "recompute_tiny": dict(reduction="sum", algo="recompute", split="tiny"),
     "mixed_bf16": dict(reduction="mean", mixed=True, bias=True, ignore=True),
+    # hidden without grad (every rank skips d_hidden's all-reduce), and a no_grad evaluation
+    "frozen_hidden": dict(reduction="sum", bias=True, frozen=True, label_smoothing=0.1),
+    "no_grad_eval": dict(reduction="mean", bias=True, no_grad=True, z_loss=1e-2),
 }
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 MISUSE = ("group_type", "start_out_of_range", "overlap", "start_on_one_rank", "target_range",
           "mismatch_hidden", "bad_dtype_one_rank", "tokens_differ", "empty_shard",
           "start_type", "double_backward", "double_backward_lse", "dtensor_replicate",
-          "module_form")
+          "module_form", "bias_group_differs")
 
 
 def _sizes(split, world, v):
@@ -111,7 +118,7 @@ def _kwargs(opts):
 def _run(x, w, b, t, g_loss, g_lse, opts, backend, **extra):
     """Loss, lse and the gradients of (x, w, b) for the upstream gradients g_loss, g_lse; the
     second of two backwards through a retained graph, checked equal to the first."""
-    x = x.detach().requires_grad_()
+    x = x.detach().requires_grad_(not opts.get("frozen") and not opts.get("no_grad"))
     w_leaf = w.detach().requires_grad_() if not extra.get("dtensor") else w
     extra.pop("dtensor", None)
     b = None if b is None else b.detach().requires_grad_()
@@ -119,6 +126,12 @@ def _run(x, w, b, t, g_loss, g_lse, opts, backend, **extra):
     if opts.get("algo"):
         os.environ["FUSEDOPS_LCE_ALGO"] = opts["algo"]
     try:
+        if opts.get("no_grad"):
+            with torch.no_grad():
+                loss = linear_cross_entropy(x, w_leaf, t, b, backend=backend, **_kwargs(opts),
+                                            **extra)
+            return {"loss": loss.cpu(), "lse": None, "dx": None, "dw": None, "db": None,
+                    "grad_fn": loss.grad_fn is not None}
         out = linear_cross_entropy(x, w_leaf, t, b, backend=backend, **_kwargs(opts), **extra)
     finally:
         os.environ.pop("FUSEDOPS_LCE_ALGO", None)
@@ -128,16 +141,18 @@ def _run(x, w, b, t, g_loss, g_lse, opts, backend, **extra):
     total = (loss * g_loss).sum()
     if lse is not None:
         total = total + (lse * g_lse).sum()
-    params = [p for p in (x, w_leaf, b) if p is not None]
+    params = [p for p in (x, w_leaf, b) if p is not None and p.requires_grad]
     first = torch.autograd.grad(total, params, retain_graph=True)
     second = torch.autograd.grad(total, params)
     for a, c in zip(first, second, strict=True):
         a_l, c_l = (a.to_local(), c.to_local()) if hasattr(a, "to_local") else (a, c)
         assert torch.equal(a_l, c_l), "second backward differs from the first"
     grads = [g.to_local() if hasattr(g, "to_local") else g for g in first]
+    if not x.requires_grad:
+        grads = [None, *grads]
     res = {"loss": loss.detach().cpu(), "lse": None if lse is None else lse.detach().cpu(),
-           "dx": grads[0].cpu(), "dw": grads[1].cpu(), "db": grads[2].cpu() if b is not None
-           else None}
+           "dx": None if grads[0] is None else grads[0].cpu(), "dw": grads[1].cpu(),
+           "db": grads[2].cpu() if b is not None else None}
     return res
 
 
@@ -195,6 +210,14 @@ def _misuse(name, rank, world, group, device):
             ref = linear_cross_entropy(x, ws, t, bs, **kw)
             assert torch.equal(mod(x, ws, t, bs), ref)
             LinearCrossEntropyLoss(process_group=object())(x, ws, t, bs)
+        elif name == "bias_group_differs":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            mesh = init_device_mesh(device.split(":")[0], (world,))
+            bd = distribute_tensor(b, mesh, [Shard(0)])
+            other = dist.new_group(list(range(world)))
+            linear_cross_entropy(x, ws, t, bd, process_group=other, backend="torch")
         elif name == "dtensor_replicate":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.tensor import Replicate, distribute_tensor
@@ -225,8 +248,9 @@ def _worker(rank, world, init_file, out_dir, backend_name, device_kind, dtypes, 
         device = "cuda:0"
     else:
         device = "cpu"
+    # A collective left waiting (a rank that failed) raises after this instead of hanging.
     dist.init_process_group(backend_name, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_S))
     results = {}
     try:
         group = dist.group.WORLD
@@ -263,29 +287,76 @@ def _worker(rank, world, init_file, out_dir, backend_name, device_kind, dtypes, 
         results["ok"] = True
     except Exception:  # noqa: BLE001
         results["error"] = traceback.format_exc()
-    finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    _leave(results.get("ok", False))
+
+
+def _leave(ok: bool) -> None:
+    """Ends a worker: the ranks meet (when none failed), whatever may hold gloo work (DTensors,
+    device meshes, autograd graphs of collectives) is dropped while the group lives, the group
+    is destroyed, and the process leaves by os._exit: gloo's threads torn down at interpreter
+    exit have aborted a worker after its results were written ("terminate called without an
+    active exception", on a loaded 2-core machine). The results file is what the tests read."""
+    import torch.distributed as dist
+
+    try:
+        if ok:
+            dist.barrier()
+        gc.collect()
         dist.destroy_process_group()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+COLLECTIVE_S = 60  # the workers' collective timeout
+
+
+def _start_method() -> str:
+    """forkserver: the server imports torch, fusedops and this module once and forks the
+    workers from there (a spawned worker imports them itself: about 7 s of CPU each). The
+    server never touches CUDA, so its children may use it."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "fusedops.linear_ce",
+                                            __name__])
+    return "forkserver"
+
+
+def _read_results(tmp_dir, world):
+    out = {}
+    for r in range(world):
+        path = os.path.join(tmp_dir, f"rank{r}.pt")
+        if os.path.exists(path):
+            out[r] = torch.load(path, weights_only=False)
+    return out
 
 
 def _spawn(tmp_dir, world, backend_name="gloo", device_kind="cpu",
-           dtypes=("float64", "float32"), backend="torch", timeout=120):
+           dtypes=("float64", "float32"), backend="torch", timeout=150):
     import torch.multiprocessing as mp
 
-    ctx = mp.spawn(_worker, args=(world, os.path.join(tmp_dir, "init"), tmp_dir, backend_name,
-                                  device_kind, dtypes, backend),
-                   nprocs=world, join=False)
+    ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp_dir, "init"), tmp_dir,
+                                            backend_name, device_kind, dtypes, backend),
+                             nprocs=world, join=False, start_method=_start_method())
     deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=2):
+    while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
             for p in ctx.processes:
                 p.kill()
-            pytest.fail(f"the {world} workers did not finish in {timeout} s")
-    out = [torch.load(os.path.join(tmp_dir, f"rank{r}.pt"), weights_only=False)
-           for r in range(world)]
-    for r, res in enumerate(out):
+            errors = "".join(f"\nrank {r}:\n{res['error']}"
+                             for r, res in _read_results(tmp_dir, world).items()
+                             if "error" in res)
+            pytest.fail(f"the {world} workers did not finish in {timeout} s{errors}")
+    found = _read_results(tmp_dir, world)
+    missing = [r for r in range(world) if r not in found]
+    assert not missing, f"rank(s) {missing} exited without writing results"
+    for r, res in found.items():
         assert "error" not in res, f"rank {r}:\n{res['error']}"
-    return out
+    return [found[r] for r in range(world)]
 
 
 def _rel(a, b):
@@ -318,13 +389,23 @@ def _compare(per_rank, dname, case, device="cpu", backend="torch"):
         assert _rel(got["loss"], ref["loss"]) <= tol, (r, "loss")
         if ref["lse"] is not None:
             assert _rel(got["lse"], ref["lse"]) <= tol, (r, "lse")
-        assert _rel(got["dx"], ref["dx"]) <= tol, (r, "d_hidden")
+        if ref["dw"] is None:  # evaluated under no_grad: no graph
+            assert got["dw"] is None and not got["grad_fn"] and not ref["grad_fn"], r
+            continue
+        if ref["dx"] is None:
+            assert got["dx"] is None, (r, "d_hidden of a hidden without grad")
+        else:
+            assert _rel(got["dx"], ref["dx"]) <= tol, (r, "d_hidden")
         assert got["dw"].shape == (rows, H)
         assert _rel(got["dw"], ref["dw"][start:start + rows]) <= tol, (r, "d_weight")
         if ref["db"] is not None:
             assert _rel(got["db"], ref["db"][start:start + rows]) <= tol, (r, "d_bias")
     spans = sorted(res[(dname, case)]["span"] for res in per_rank)
-    assert spans[0][0] == 0 and sum(s[1] for s in spans) == ref["dw"].shape[0]
+    assert spans[0][0] == 0 and sum(s[1] for s in spans) == opts_v(case)
+
+
+def opts_v(case):
+    return (CASES["everything"] if case == "dtensor" else CASES[case]).get("V", V)
 
 
 def _gloo_ok():
@@ -365,6 +446,7 @@ _MISUSE_EXPECT = {
     "double_backward_lse": ("RuntimeError", "double backward"),
     "module_form": ("TypeError", "process_group must be a torch.distributed.ProcessGroup"),
     "dtensor_replicate": ("ValueError", "needs Shard(0) on one mesh dimension"),
+    "bias_group_differs": ("ValueError", "bias is a DTensor sharded over another process group"),
 }
 
 
@@ -441,3 +523,13 @@ def test_gloo_shards_on_one_gpu(tmp_path):
     for dname in _gpu_dtypes():
         for case in CASES:
             _compare(per_rank, dname, case, "cuda:0", None)
+
+
+def test_nccl_group_needs_cuda_tensors():
+    """A CPU hidden with an NCCL group is refused by name (the rank raises after the layout
+    all-gather, like the other local checks, so no rank is left waiting)."""
+    from fusedops.linear_ce.parallel import check_group_device
+
+    with pytest.raises(ValueError, match="hidden is on cpu, but process_group's backend is NCCL"):
+        check_group_device("nccl", torch.randn(2, 3))
+    check_group_device("gloo", torch.randn(2, 3))

@@ -75,15 +75,25 @@ def _replicated_local(name: str, t):
 
 
 def _comm_device(group, device) -> torch.device:
-    """Where the collectives' tensors live: the CPU for gloo, else the inputs' device."""
+    """Where the collectives' tensors live: the CPU for gloo, else the inputs' device (the
+    current CUDA device for NCCL when the inputs are not CUDA tensors, so that the layout
+    all-gather still runs and every rank raises)."""
     import torch.distributed as dist
 
-    if dist.get_backend(group) == "gloo":
+    backend = dist.get_backend(group)
+    if backend == "gloo":
         return torch.device("cpu")
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
-    return device
+    if device is not None and (device.type == "cuda" or backend != "nccl"):
+        return device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def check_group_device(backend: str, hidden: Tensor) -> None:
+    """NCCL moves CUDA tensors only."""
+    if backend == "nccl" and hidden.device.type != "cuda":
+        raise ValueError(f"hidden is on {hidden.device}, but process_group's backend is NCCL, "
+                         "which needs CUDA tensors (use a gloo group for CPU tensors)")
 
 
 def _all_reduce_(t: Tensor, op, group, comm_dev: torch.device) -> Tensor:
@@ -304,13 +314,18 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
                              "DTensor mesh dimension; pass one or the other")
         group = mesh_group
     if is_dtensor(bias):
-        bias, _ = _shard0_group("bias", bias)
+        bias, bias_group = _shard0_group("bias", bias)
+        if group is not None and bias_group is not group:
+            raise ValueError("bias is a DTensor sharded over another process group than weight "
+                             "(or process_group); the two must be split over one group")
+        group = bias_group
     if is_dtensor(hidden):
         hidden = _replicated_local("hidden", hidden)
     if is_dtensor(target):
         target = _replicated_local("target", target)
     if group is None:
-        raise ValueError("vocab_start needs process_group (the group the weight is split over)")
+        raise ValueError("vocab_start needs process_group (the group the weight is split over) "
+                         "or a DTensor weight sharded on dim 0")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got "
                         f"{type(group).__name__} (for a DeviceMesh, pass mesh.get_group())")
@@ -333,6 +348,7 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
                              "must hold at least one vocabulary row")
         _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
                       memory_budget_mib, ignore_index, return_lse, check_targets)
+        check_group_device(dist.get_backend(group), hidden)
     except (TypeError, ValueError) as e:
         local_error = e
     ok = local_error is None
