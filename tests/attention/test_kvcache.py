@@ -554,14 +554,22 @@ def test_no_query_heads_or_queries_give_empty_outputs():
     if HAS_GPU and HAS_TRITON:
         runs += [("triton", "cuda"), ("torch", "cuda")]
     for backend, dev in runs:
-        for shape in ((2, 1, 0, 16), (2, 0, 4, 16)):
-            kc, vc = torch.zeros(2, 8, 2, 16, device=dev), torch.zeros(2, 8, 2, 16, device=dev)
-            kn, vn = torch.ones(2, 1, 2, 16, device=dev), torch.ones(2, 1, 2, 16, device=dev)
+        for shape in ((2, 1, 0, 16), (2, 0, 4, 16), (0, 1, 4, 16)):
+            b = shape[0]
+            kc, vc = torch.zeros(b, 8, 2, 16, device=dev), torch.zeros(b, 8, 2, 16, device=dev)
+            kn, vn = torch.ones(b, 1, 2, 16, device=dev), torch.ones(b, 1, 2, 16, device=dev)
             out, lse = attention_with_kvcache(torch.randn(shape, device=dev), kc, vc, 3,
                                               k_new=kn, v_new=vn, return_lse=True,
                                               backend=backend)
-            assert out.shape == shape and lse.shape == (2, shape[2], shape[1])
+            assert out.shape == shape and lse.shape == (b, shape[2], shape[1])
             assert torch.all(kc[:, 3] == 1) and torch.all(kc[:, 4] == 0)
+        # an empty batch with a paged cache and tensor lengths
+        pt = torch.zeros(0, 2, dtype=torch.int32, device=dev)
+        lens = torch.zeros(0, dtype=torch.int32, device=dev)
+        kc = torch.zeros(3, 4, 2, 16, device=dev)
+        out = attention_with_kvcache(torch.randn(0, 1, 4, 16, device=dev), kc, kc, lens,
+                                     page_table=pt, backend=backend)
+        assert out.shape == (0, 1, 4, 16)
 
 
 def test_num_splits_heuristic():

@@ -323,8 +323,9 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
                  and not torch.compiler.is_compiling()):
         check_values(cache_seqlens, page_table, n_new, cap, k_cache.shape[0], k_cache.shape[1])
     if k_new is not None:
+        # (empty tensors all have data_ptr 0: nothing to overwrite there)
         same = (k_cache is v_cache if torch.compiler.is_compiling()
-                else k_cache.data_ptr() == v_cache.data_ptr())
+                else k_cache.numel() > 0 and k_cache.data_ptr() == v_cache.data_ptr())
         if same:
             raise ValueError("k_cache and v_cache are one tensor: appending k_new and v_new "
                              "would overwrite each other")
