@@ -4,9 +4,9 @@ Two and four gloo processes on CPU against one process on the full weight: loss,
 gradients of hidden, the weight shard and the bias shard for every option, uneven splits (a rank
 with a one-row shard, shards out of rank order), a DTensor weight, and the misuse cases. Each
 world size is one start of processes that runs every case (starting them is most of the cost:
-they are forked from a forkserver that imported torch and fusedops once); the workers write their
-results to a file that the tests below compare. GPU variants: NCCL with one GPU per rank (needs
->= 2 GPUs), and gloo with every rank's shard on the one GPU.
+CPU workers are forked from a forkserver that imported torch and fusedops once); the workers
+write their results to a file that the tests below compare. GPU variants: NCCL with one GPU per
+rank (needs >= 2 GPUs), and gloo with every rank's shard on the one GPU.
 """
 
 from __future__ import annotations
@@ -313,13 +313,14 @@ def _leave(ok: bool) -> None:
 COLLECTIVE_S = 60  # the workers' collective timeout
 
 
-def _start_method() -> str:
-    """forkserver: the server imports torch, fusedops and this module once and forks the
-    workers from there (a spawned worker imports them itself: about 7 s of CPU each). The
-    server never touches CUDA, so its children may use it."""
+def _start_method(device_kind: str) -> str:
+    """CPU workers: forkserver; the server imports torch, fusedops and this module once and
+    forks the workers from there (a spawned worker imports them itself: about 7 s of CPU each).
+    GPU workers are spawned: an import that asks whether CUDA is available initialises the
+    driver, which forked children cannot use."""
     import multiprocessing
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if device_kind != "cpu" or "forkserver" not in multiprocessing.get_all_start_methods():
         return "spawn"
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "fusedops.linear_ce",
                                             __name__])
@@ -341,7 +342,7 @@ def _spawn(tmp_dir, world, backend_name="gloo", device_kind="cpu",
 
     ctx = mp.start_processes(_worker, args=(world, os.path.join(tmp_dir, "init"), tmp_dir,
                                             backend_name, device_kind, dtypes, backend),
-                             nprocs=world, join=False, start_method=_start_method())
+                             nprocs=world, join=False, start_method=_start_method(device_kind))
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
