@@ -86,7 +86,9 @@ def make_inputs(c: Case):
 def call(fn, inp, c: Case, dtype, **kw):
     """Runs fn on copies of the inputs in `dtype`; returns out, lse and the caches after."""
     dev = c.device
-    cast = lambda t: None if t is None else t.to(dev, dtype)  # noqa: E731
+    # copies always: the call appends in place, and the inputs must stay as make_inputs left
+    # them (for float32 CPU cases .to() would return the input itself)
+    cast = lambda t: None if t is None else t.to(dev, dtype, copy=True)  # noqa: E731
     kc, vc = cast(inp["k"]), cast(inp["v"])
     pt = None if inp["page_table"] is None else inp["page_table"].to(dev)
     lens = inp["lens"].to(dev)
@@ -139,8 +141,10 @@ def appended(inp, c: Case, dtype):
 def check(c: Case, backend: str, fn=attention_with_kvcache):
     """The repository's rule: error against float64 <= 2x plain PyTorch's + slack."""
     inp = make_inputs(c)
+    k0, v0 = inp["k"].clone(), inp["v"].clone()
     ref = call(attention_with_kvcache, inp, c, torch.float64, backend="torch")
     got = call(fn, inp, c, c.dtype, backend=backend)
+    assert torch.equal(inp["k"], k0) and torch.equal(inp["v"], v0)  # the inputs stay
     want_k, want_v = appended(inp, c, c.dtype)
     assert torch.equal(got["k"].cpu(), want_k) and torch.equal(got["v"].cpu(), want_v)
     plain = eager(inp, c, c.dtype, ref)
@@ -281,21 +285,24 @@ def test_rows_that_see_no_key_are_zero_with_lse_minus_inf():
     assert torch.all(out[1] == 0) and torch.all(lse[1] == float("-inf"))
 
 
-@pytest.mark.parametrize("wrong", ["scale", "not_causal"])
+@pytest.mark.parametrize("wrong", ["scale", "not_causal", "append_extra"])
 def test_checker_rejects_a_wrong_implementation(wrong):
-    """A wrong softmax scale, or a decode step that forgets the causal mask of its Sq queries,
-    must fail the rule the parity tests use."""
+    """A wrong softmax scale, a decode step that forgets the causal mask of its Sq queries, or
+    an append that also writes past the new keys must fail the rule the parity tests use."""
     c = Case(**CPU_CASES["gqa-sq3-append"], dtype=torch.float32, device="cpu")
 
     def bad(*args, **kw):
         if wrong == "scale":
             kw["softmax_scale"] = 0.26
-        else:
+        elif wrong == "not_causal":
             kw["causal"] = False
-        return attention_with_kvcache(*args, **kw)
+        out = attention_with_kvcache(*args, **kw)
+        if wrong == "append_extra":  # one slot past sequence 0's new keys
+            args[1][0, int(args[3][0]) + kw["k_new"].shape[1]] = 99.0
+        return out
 
     check(c, "torch")
-    with pytest.raises(AssertionError, match="out: error"):
+    with pytest.raises(AssertionError, match=None if wrong == "append_extra" else "out: error"):
         check(c, "torch", fn=bad)
 
 
