@@ -29,3 +29,21 @@ def check_real(name: str, value, *, optional: bool = False) -> float | None:
     if math.isnan(value):
         raise ValueError(f"{name} must not be NaN")
     return value
+
+
+def check_attention_options(window_size, softcap, softmax_scale) -> None:
+    """window_size a (left, right) pair of ints >= -1 (-1 = unlimited); softcap None or a
+    positive finite number; softmax_scale None or finite."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
+    for side, w in zip(("left", "right"), window_size, strict=True):
+        check_int(f"window_size {side}", w)
+        if w < -1:
+            raise ValueError(f"window_size entries must be >= -1 (-1 = unlimited), got "
+                             f"{window_size!r}")
+    softcap = check_real("softcap", softcap, optional=True)
+    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+    softmax_scale = check_real("softmax_scale", softmax_scale, optional=True)
+    if softmax_scale is not None and not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")

@@ -1,4 +1,5 @@
-"""What the Triton kernels of every op share: the interpreter flag, exp2 constants and tanh."""
+"""What the Triton kernels of every op share: the interpreter flag, exp2 constants, tanh and
+attention scores."""
 
 from __future__ import annotations
 
@@ -27,3 +28,17 @@ def tanh(x):
         return tl.where(x < 0, -t, t)
     else:
         return libdevice.tanh(x)
+
+
+@triton.jit
+def scores_log2(q, k, sm_scale, softcap, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """Attention scores q k^T of a tile in log2 units: scaled, soft-capped when SOFTCAP
+    (softcap * tanh(s / softcap)), times log2(e); IEEE asks tl.dot for full float32."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * sm_scale
+    if SOFTCAP:
+        s = softcap * tanh(s / softcap)
+    return s * LOG2E

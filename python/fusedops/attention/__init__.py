@@ -8,7 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from fusedops import dispatch
-from fusedops._checks import check_bool, check_int, check_real
+from fusedops._checks import check_attention_options, check_bool
 from fusedops.attention import backends as _backends  # noqa: F401  (declares the backends)
 
 __all__ = ["attention", "Attention", "attention_with_kvcache"]
@@ -64,19 +64,7 @@ def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k, window_size, softcap, soft
                 raise ValueError(f"{name} must be an int >= 0 with cu_seqlens, got {m!r}")
     elif cu_q is not None or cu_k is not None:
         raise ValueError("pass both cu_seqlens_q and cu_seqlens_k (packed q, k, v) or neither")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
-    for side, w in zip(("left", "right"), window_size, strict=True):
-        check_int(f"window_size {side}", w)
-        if w < -1:
-            raise ValueError(f"window_size entries must be >= -1 (-1 = unlimited), got "
-                             f"{window_size!r}")
-    softcap = check_real("softcap", softcap, optional=True)
-    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
-    softmax_scale = check_real("softmax_scale", softmax_scale, optional=True)
-    if softmax_scale is not None and not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    check_attention_options(window_size, softcap, softmax_scale)
 
 
 _CU_SEQLENS: dict = {}

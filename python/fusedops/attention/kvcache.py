@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from fusedops import _ext, dispatch
-from fusedops._checks import check_bool, check_int, check_real
+from fusedops._checks import check_attention_options, check_bool, check_int
 from fusedops.attention import kvcache_backends as _backends  # noqa: F401  (declares them)
 from fusedops.attention import kvcache_reference as reference
 
@@ -100,19 +100,7 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, wi
             if tuple(t.shape) != want:
                 raise ValueError(f"{name} must be (B, S_new, Hkv, D) = {want}, got "
                                  f"{tuple(t.shape)}")
-    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
-        raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
-    for side, w in zip(("left", "right"), window_size, strict=True):
-        check_int(f"window_size {side}", w)
-        if w < -1:
-            raise ValueError(f"window_size entries must be >= -1 (-1 = unlimited), got "
-                             f"{window_size!r}")
-    softcap = check_real("softcap", softcap, optional=True)
-    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
-    softmax_scale = check_real("softmax_scale", softmax_scale, optional=True)
-    if softmax_scale is not None and not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    check_attention_options(window_size, softcap, softmax_scale)
     if num_splits is not None:
         check_int("num_splits", num_splits)
         if not 1 <= num_splits <= 256:

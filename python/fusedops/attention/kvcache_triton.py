@@ -25,8 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops._triton import INTERPRET, LOG2E
-from fusedops._triton import tanh as _tanh
+from fusedops._triton import INTERPRET, LOG2E, scores_log2
 from fusedops.attention.kvcache import num_splits_heuristic, sm_count
 
 
@@ -95,14 +94,7 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
                             stride_ks, PAGED)
         k = tl.load(K + koff[:, None] + kvh.to(tl.int64) * stride_kh + offs_d[None, :],
                     mask=keep[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * sm_scale
-        if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        s = s * LOG2E  # log2 units from here on
+        s = scores_log2(q, k, sm_scale, softcap, SOFTCAP, IEEE)  # log2 units from here on
         valid = row_ok[:, None] & keep[None, :]
         if HAS_RIGHT:
             valid &= cols[None, :] <= qi[:, None] + off + right

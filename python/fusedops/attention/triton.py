@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops._triton import INTERPRET, LOG2E
+from fusedops._triton import INTERPRET, LOG2E, scores_log2
 from fusedops._triton import tanh as _tanh
 
 
@@ -104,14 +104,7 @@ def _fwd_kernel(Q, K, V, OUT, LSE, CU_Q, CU_K, sm_scale, softcap, left, right,
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = _load_rows(K, k_start, cols, lk, kvh, stride_kt, stride_kh, offs_d, HEAD_DIM)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * sm_scale
-        if SOFTCAP:
-            s = softcap * _tanh(s / softcap)
-        s = s * LOG2E  # log2 units from here on
+        s = scores_log2(q, k, sm_scale, softcap, SOFTCAP, IEEE)  # log2 units from here on
         valid = _mask(offs_m, cols, lq, lk, off, left, right, HAS_LEFT, HAS_RIGHT)
         s = tl.where(valid, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

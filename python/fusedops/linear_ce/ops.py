@@ -241,3 +241,28 @@ def fused_loss(hidden, weight, bias, target, ignore_index, reduction, label_smoo
     return _FusedLoss.apply(hidden, weight, bias, target, ignore_index, reduction,
                             label_smoothing, softcap, z_loss,
                             chunked.budget_bytes(memory_budget_mib), check_targets, *need, backend)
+
+
+def loss_from_statistics(lse: Tensor, z_target: Tensor, z_sum: Tensor, valid: Tensor,
+                         vocab_size: int, label_smoothing: float, z_loss: float, reduction: str,
+                         lead_shape, return_lse: bool):
+    """The loss from per-token statistics (log-sum-exp, target logit, logit sum), as
+    linear_cross_entropy returns it: label smoothing over the vocabulary, z-loss, tokens outside
+    `valid` giving 0, then the reduction (and lse shaped as the loss when asked)."""
+    eps = float(label_smoothing)
+    if eps == 0.0:
+        loss = lse - z_target
+    else:
+        loss = lse - (1.0 - eps) * z_target - (eps / vocab_size) * z_sum
+    if z_loss:
+        loss = loss + float(z_loss) * lse * lse
+    loss = torch.where(valid, loss, torch.zeros_like(loss))
+    if reduction == "mean":
+        loss = loss.sum() / valid.sum().clamp(min=1).to(loss.dtype)
+    elif reduction == "sum":
+        loss = loss.sum()
+    else:
+        loss = loss.view(lead_shape)
+    if return_lse:
+        return loss, lse.view(lead_shape)
+    return loss

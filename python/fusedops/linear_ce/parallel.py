@@ -423,24 +423,8 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
         b = None if b is None else b.to(h2.dtype)
     lse, z_target, z_sum = _ShardStats.apply(h2, w, b, t_local, float(softcap or 0.0), name,
                                              group, comm_dev, need_dh)
-
-    eps = float(label_smoothing)
-    if eps == 0.0:
-        loss = lse - z_target
-    else:
-        loss = lse - (1.0 - eps) * z_target - (eps / vocab_size) * z_sum
-    if z_loss:
-        loss = loss + float(z_loss) * lse * lse
-    loss = torch.where(valid, loss, torch.zeros_like(loss))
-    if reduction == "mean":
-        loss = loss.sum() / valid.sum().clamp(min=1).to(loss.dtype)
-    elif reduction == "sum":
-        loss = loss.sum()
-    else:
-        loss = loss.view(lead_shape)
-    if return_lse:
-        return loss, lse.view(lead_shape)
-    return loss
+    return _ops.loss_from_statistics(lse, z_target, z_sum, valid, vocab_size, label_smoothing,
+                                     z_loss, reduction, lead_shape, return_lse)
 
 
 def _check_layout(rows_meta, rank: int) -> int:
