@@ -4,7 +4,8 @@
 // bf16 x the three layouts, plus accumulation for layout 3 (d_weight, the only product the
 // linear cross-entropy accumulates). The kernel bodies exist only in the sm_90a build (setup.py
 // also compiles this file for sm_80, where they trap; the binding launches them only on compute
-// capability 9.0 with a 9.0a build).
+// capability 9.0 with a 9.0a build). Also the logits GEMM with the cross-entropy statistics
+// epilogue (EpiCEStats, gemm_sm90_stats.cuh), fp16 / bf16, and its combine kernel.
 #include <cuda.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
@@ -14,6 +15,7 @@
 #include "../static_switch.h"
 #include "gemm_sm90.cuh"
 #include "gemm_sm90.h"
+#include "gemm_sm90_stats.cuh"
 
 namespace fusedops {
 namespace lce_gemm {
@@ -153,8 +155,59 @@ cudaError_t launch(const LceGemmSm90Args& args) {
   return launch_kernel<T, kATrans, kBTrans, Epi>(p, tm_a, tm_b, ep, args);
 }
 
+// Layout 1 with EpiCEStats, then ce_stats_combine_kernel.
+template <typename T>
+cudaError_t launch_ce_stats(const LceCeStatsSm90Args& args) {
+  using C = GemmTilesSm90;
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  const LceGemmSm90Args& g = args.gemm;
+  LceGemmSm90Args one = g;
+  one.k_splits = 1;
+  const GemmParamsSm90 p = make_params(one);
+  if (p.n_units == 0 || args.target == nullptr || args.partials == nullptr ||
+      args.lse == nullptr || args.zt == nullptr || args.zsum == nullptr ||
+      reinterpret_cast<uintptr_t>(args.partials) % 16 != 0)
+    return cudaErrorInvalidValue;
+  CUtensorMap tm_a, tm_b;
+  if (!make_map(&tm_a, g.a, kBf16, g.k, g.m, g.lda, 64, C::kBlockM) ||
+      !make_map(&tm_b, g.b, kBf16, g.k, g.n, g.ldb, 64, C::kBlockN))
+    return cudaErrorInvalidValue;
+  using Epi = EpiCEStats<T>;
+  typename Epi::Params ep;
+  if (!make_map(&ep.tm_c, g.c, kBf16, g.n, g.m, g.ldc, 64, 64)) return cudaErrorInvalidValue;
+  ep.bias = args.bias;
+  ep.target = args.target;
+  ep.partials = reinterpret_cast<float4*>(args.partials);
+  ep.ld_part = p.tiles_n;
+  ep.softcap = args.softcap;
+  ep.m = p.m;
+  ep.n = p.n;
+  cudaError_t err = launch_kernel<T, false, false, Epi>(p, tm_a, tm_b, ep, one);
+  if (err != cudaSuccess) return err;
+  constexpr int kWarps = 8;
+  const int blocks = (p.m + kWarps - 1) / kWarps;
+  ce_stats_combine_kernel<kWarps><<<blocks, 32 * kWarps, 0, g.stream>>>(
+      ep.partials, ep.ld_part, p.tiles_n, p.m, args.lse, args.zt, args.zsum);
+  return cudaGetLastError();
+}
+
 }  // namespace
 }  // namespace lce_gemm
+
+int64_t lce_ce_stats_tiles(int64_t n) {
+  using C = lce_gemm::GemmTilesSm90;
+  return (n + C::kBlockN - 1) / C::kBlockN;
+}
+
+cudaError_t lce_logits_ce_stats_sm90(const LceCeStatsSm90Args& args) {
+  const LceGemmSm90Args& g = args.gemm;
+  if (g.m < 1 || g.n < 1 || g.k < 1 || g.m > INT32_MAX || g.n > INT32_MAX || g.k > INT32_MAX ||
+      g.num_sms < 1)
+    return cudaErrorInvalidValue;
+  return FP16_BF16_SWITCH(g.is_bf16, [&]() -> cudaError_t {
+    return lce_gemm::launch_ce_stats<elem_t>(args);
+  });
+}
 
 int lce_gemm_sm90_splits(const LceGemmSm90Args& args, int64_t* workspace_floats) {
   using C = lce_gemm::GemmTilesSm90;

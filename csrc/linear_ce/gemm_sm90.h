@@ -42,4 +42,26 @@ int lce_gemm_sm90_splits(const LceGemmSm90Args& args, int64_t* workspace_floats)
 // and 2). m, n, k must be >= 1.
 cudaError_t lce_gemm_sm90(const LceGemmSm90Args& args);
 
+// The logits GEMM with the cross-entropy statistics in its epilogue (gemm_sm90_stats.cuh):
+// gemm.c = z = round(X W^T) (layout 1: gemm.a = X [M, K], gemm.b = W [N, K]; gemm.layout,
+// accumulate and k_splits are ignored), per row and 256-column tile a float4 partial (max, sum
+// of exp, target logit, logit sum) of apply_cap(z + bias) into `partials` [M][ce_stats_tiles(N)],
+// then per row lse, zt and zsum (float32 [M]) merged from them by a second kernel.
+struct LceCeStatsSm90Args {
+  LceGemmSm90Args gemm;
+  const float* bias = nullptr;    // [N] float32, or null
+  const int64_t* target = nullptr;  // [M]; outside [0, N) (ignore_index): zt = 0
+  float* partials = nullptr;      // [M][tiles] float4, 16-byte aligned
+  float* lse = nullptr;
+  float* zt = nullptr;
+  float* zsum = nullptr;
+  float softcap = 0.f;  // 0: none
+};
+
+// Column tiles of the statistics' partials for N columns (ceil(N / 256)).
+int64_t lce_ce_stats_tiles(int64_t n);
+
+// Launches both kernels; the same errors as lce_gemm_sm90.
+cudaError_t lce_logits_ce_stats_sm90(const LceCeStatsSm90Args& args);
+
 }  // namespace fusedops
