@@ -1,14 +1,17 @@
 // Torch binding of the Hopper GEMM of the linear cross-entropy (gemm_sm90.cu): the argument
 // checks and the op torch.ops.fusedops.lce_gemm_sm90(a, b, out, layout, accumulate), which
 // writes out in place (tests, benchmarks and the opt-in FUSEDOPS_LCE_GEMM=sm90 path of
-// python/fusedops/linear_ce/chunked.py).
+// python/fusedops/linear_ce/chunked.py), and lce_logits_ce_stats_sm90, the logits GEMM with the
+// cross-entropy statistics in its epilogue (FUSEDOPS_LCE_GEMM=sm90-fused).
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "../torch_utils.h"
@@ -122,12 +125,109 @@ void lce_gemm_sm90_cuda(const Tensor& a, const Tensor& b, const Tensor& out, int
   check_launch(lce_gemm_sm90(args), "lce_gemm_sm90");
 }
 
+void check_f32_vector(const Tensor& t, const char* name, int64_t size, const Tensor& ref) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), "lce_logits_ce_stats_sm90: ", name,
+                    " is on another device than z");
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, "lce_logits_ce_stats_sm90: ", name,
+                   " must be float32, got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == size && t.is_contiguous(),
+                    "lce_logits_ce_stats_sm90: ", name, " must be a contiguous 1-D tensor of ",
+                    str(size), " elements, got shape ", t.sizes());
+}
+
+// z = round(x w^T) (layout 1) and the cross-entropy statistics of its rows from the GEMM's
+// epilogue: partials (M, ceil(V / 256), 4) float32 per row and 256-column tile (max, sum of exp,
+// target logit, logit sum of softcap(z + bias)), then lse, zt, zsum (M,) float32 merged from them.
+void lce_logits_ce_stats_sm90_cuda(const Tensor& x, const Tensor& w, const Tensor& z,
+                                   const std::optional<Tensor>& bias, const Tensor& target,
+                                   double softcap, const Tensor& partials, const Tensor& lse,
+                                   const Tensor& zt, const Tensor& zsum) {
+  check_matrix(z, "z", z);
+  check_matrix(x, "x", z);
+  check_matrix(w, "w", z);
+  const int64_t m = z.size(0), n = z.size(1), k = x.size(1);
+  TORCH_CHECK_VALUE(x.size(0) == m && w.size(0) == n && w.size(1) == k,
+                    "lce_logits_ce_stats_sm90 takes x (M, K), w (V, K), z (M, V); got x (",
+                    str(x.size(0)), ", ", str(x.size(1)), "), w (", str(w.size(0)), ", ",
+                    str(w.size(1)), "), z (", str(m), ", ", str(n), ")");
+  TORCH_CHECK_VALUE(k >= 1, "lce_logits_ce_stats_sm90: the inner size K must be at least 1");
+  for (const Tensor* t : {&x, &w}) {
+    const at::MemOverlapStatus s = at::get_overlap_status(z, *t);
+    TORCH_CHECK_VALUE(s != at::MemOverlapStatus::Full && s != at::MemOverlapStatus::Partial,
+                      "lce_logits_ce_stats_sm90: z must not overlap ", t == &x ? "x" : "w");
+  }
+  TORCH_CHECK_VALUE(target.device() == z.device(),
+                    "lce_logits_ce_stats_sm90: target is on another device than z");
+  TORCH_CHECK_TYPE(target.scalar_type() == at::kLong,
+                   "lce_logits_ce_stats_sm90: target must be int64, got ", target.scalar_type());
+  TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == m && target.is_contiguous(),
+                    "lce_logits_ce_stats_sm90: target must be a contiguous (M,) tensor");
+  if (bias.has_value()) {
+    check_f32_vector(*bias, "bias", n, z);
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(bias->data_ptr()) % 8 == 0,
+                      "lce_logits_ce_stats_sm90: bias must start 8-byte aligned");
+  }
+  const int64_t tiles = lce_ce_stats_tiles(n);
+  TORCH_CHECK_VALUE(partials.device() == z.device(),
+                    "lce_logits_ce_stats_sm90: partials is on another device than z");
+  TORCH_CHECK_TYPE(partials.scalar_type() == at::kFloat,
+                   "lce_logits_ce_stats_sm90: partials must be float32, got ",
+                   partials.scalar_type());
+  TORCH_CHECK_VALUE(partials.dim() == 3 && partials.size(0) == m && partials.size(1) == tiles &&
+                        partials.size(2) == 4 && partials.is_contiguous() &&
+                        reinterpret_cast<uintptr_t>(partials.data_ptr()) % 16 == 0,
+                    "lce_logits_ce_stats_sm90: partials must be a contiguous, 16-byte aligned (",
+                    str(m), ", ", str(tiles), ", 4) tensor (M, ceil(V / 256), 4), got shape ",
+                    partials.sizes());
+  check_f32_vector(lse, "lse", m, z);
+  check_f32_vector(zt, "zt", m, z);
+  check_f32_vector(zsum, "zsum", m, z);
+  TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap),
+                    "lce_logits_ce_stats_sm90: softcap must be finite and >= 0 (0: none), got ",
+                    softcap);
+  const int dev = z.get_device();
+  TORCH_CHECK_VALUE(hopper_kernels_for(dev),
+                    "lce_logits_ce_stats_sm90 needs a GPU of compute capability 9.0 and an "
+                    "extension built for 9.0a (built: " FUSEDOPS_BUILT_ARCHS ")");
+  if (m == 0) return;
+  c10::cuda::CUDAGuard guard(z.device());
+  LceCeStatsSm90Args args;
+  args.gemm.a = x.data_ptr();
+  args.gemm.b = w.data_ptr();
+  args.gemm.c = z.data_ptr();
+  auto ld = [](const Tensor& t) { return t.size(0) <= 1 ? (t.size(1) + 7) / 8 * 8 : t.stride(0); };
+  args.gemm.lda = ld(x);
+  args.gemm.ldb = ld(w);
+  args.gemm.ldc = ld(z);
+  args.gemm.m = m;
+  args.gemm.n = n;
+  args.gemm.k = k;
+  args.gemm.layout = 1;
+  args.gemm.is_bf16 = z.scalar_type() == at::kBFloat16;
+  cudaDeviceGetAttribute(&args.gemm.num_sms, cudaDevAttrMultiProcessorCount, dev);
+  args.gemm.stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  args.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  args.target = target.data_ptr<int64_t>();
+  args.partials = partials.data_ptr<float>();
+  args.lse = lse.data_ptr<float>();
+  args.zt = zt.data_ptr<float>();
+  args.zsum = zsum.data_ptr<float>();
+  args.softcap = static_cast<float>(softcap);
+  check_launch(lce_logits_ce_stats_sm90(args), "lce_logits_ce_stats_sm90");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fusedops, m) {
   m.def("lce_gemm_sm90(Tensor a, Tensor b, Tensor(a!) out, int layout, bool accumulate) -> ()");
+  m.def(
+      "lce_logits_ce_stats_sm90(Tensor x, Tensor w, Tensor(a!) z, Tensor? bias, Tensor target, "
+      "float softcap, Tensor(b!) partials, Tensor(c!) lse, Tensor(d!) zt, Tensor(e!) zsum) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(fusedops, CUDA, m) { m.impl("lce_gemm_sm90", &lce_gemm_sm90_cuda); }
+TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
+  m.impl("lce_gemm_sm90", &lce_gemm_sm90_cuda);
+  m.impl("lce_logits_ce_stats_sm90", &lce_logits_ce_stats_sm90_cuda);
+}
 
 }  // namespace fusedops
