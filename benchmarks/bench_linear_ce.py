@@ -5,6 +5,13 @@ benchmarks/results/linear_ce.jsonl (or <--out>/linear_ce.jsonl).
 
     python benchmarks/bench_linear_ce.py                  # Llama-3-8B LM head, bf16
     python benchmarks/bench_linear_ce.py --shapes llama3,gemma2,llama2 --out DIR
+    python benchmarks/bench_linear_ce.py --shapes llama3,llama3-4k \
+        --methods fusedops,fusedops-sm90,fusedops-sm90-fused,fusedops-sm90-fused-520
+
+"fusedops-sm90" runs the mean path's three GEMMs on our Hopper GEMMs (FUSEDOPS_LCE_GEMM=sm90),
+"fusedops-sm90-fused" also the statistics in the logits GEMM's epilogue (sm90-fused; its partials
+count in the 512 MiB budget, so Llama-3's 8192 tokens go in 5 chunks of 1664 instead of 4 of
+2048), "-520" the same at a 520 MiB budget, where both routes take 4 chunks of 2048.
 
 "extra_mib" is peak memory above what was allocated before the step (inputs, weights) minus the
 bytes of the gradients the step returns (d_hidden, d_weight), i.e. the method's scratch. "ms" is
@@ -36,6 +43,7 @@ SHAPES = {  # name: (N tokens, H, V, softcap)
     "gemma2": (16384, 2304, 256000, 30.0),
     "llama2": (4096, 4096, 32000, None),
     "small": (2048, 1024, 32000, None),
+    "llama3-4k": (4096, 4096, 128256, None),
 }
 
 
@@ -64,7 +72,33 @@ def methods(softcap):
         finally:
             del os.environ["FUSEDOPS_LCE_ALGO"]
 
+    def with_gemm(mode, budget=None):  # FUSEDOPS_LCE_GEMM=<mode> for the forward (all the work)
+        inner = fused(budget=budget)
+
+        def run(x, w, t):
+            old = os.environ.get("FUSEDOPS_LCE_GEMM")
+            os.environ["FUSEDOPS_LCE_GEMM"] = mode
+            calls = gemm_sm90.stats_calls
+            try:
+                out = inner(x, w, t)
+                if mode == "sm90-fused" and gemm_sm90.stats_calls == calls:
+                    raise RuntimeError("the statistics epilogue did not run (route not taken)")
+                return out
+            finally:
+                if old is None:
+                    del os.environ["FUSEDOPS_LCE_GEMM"]
+                else:
+                    os.environ["FUSEDOPS_LCE_GEMM"] = old
+        return run
+
     out = {"fusedops": fused(), "fusedops-lowmem": fused(budget=LOWMEM_MIB)}
+    from fusedops.linear_ce import gemm_sm90
+    if gemm_sm90.supported(torch.device("cuda")):
+        out["fusedops-sm90"] = with_gemm("sm90")
+        if gemm_sm90.stats_op_available():
+            out["fusedops-sm90-fused"] = with_gemm("sm90-fused")
+            out["fusedops-sm90-fused-520"] = with_gemm("sm90-fused", 520)
+            out["fusedops-520"] = fused(budget=520)
     sig = dispatch.InputSig("linear_ce", "cuda", torch.cuda.current_device(), torch.bfloat16, 64)
     default = dispatch.select_name("linear_ce", "cuda", torch.cuda.current_device(), "bfloat16",
                                    64, None)

@@ -9,6 +9,9 @@ vocabulary go in chunks sized by a memory budget:
   GEMMs per token chunk, z = X_c W^T (cuBLAS, input dtype) -> one pass of our row kernel turns z
   into dz in place (lse, target logit and logit sum first) -> d_hidden[c] = dz W (complete) ->
   d_weight += dz^T X_c (cuBLAS, float32 accumulation, rounded into d_weight once per chunk);
+  with FUSEDOPS_LCE_GEMM=sm90-fused on a Hopper GPU (opt-in), the logits GEMM is ours and
+  computes lse, target logit and logit sum in its epilogue (gemm_sm90.logits_ce_stats), so the
+  row kernel only writes dz (MODE_DZ), and d_hidden, d_weight run on our GEMMs too;
 * vocab-chunked (small budgets): per token chunk, one sweep over vocab chunks for the statistics
   (online log-sum-exp) and a second one that recomputes z, turns it into dz, adds each chunk's
   d_hidden product into a float32 buffer (token chunk x H) and d_weight slices as above: four
@@ -70,15 +73,16 @@ def _balanced(total: int, most: int, align: int = 128) -> int:
 
 
 def plan_chunks(n_tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,
-                budget: int, need_dh: bool) -> Plan:
+                budget: int, need_dh: bool, extra_row_bytes: int = 0) -> Plan:
     """Chunk sizes whose scratch (logits chunk, d_hidden buffers, per-token arrays) fits
-    `budget` bytes."""
+    `budget` bytes. extra_row_bytes: more scratch per token of a whole-row chunk (the
+    statistics epilogue's partials)."""
     n = max(n_tokens, 1)
     avail = budget - (2 << 20) - 64 * n  # per-token arrays, targets, small temporaries
     if avail <= 0:
         raise ValueError(f"memory_budget_mib={budget / MIB:.3f} is too small for {n_tokens} "
                          f"tokens (needs more than {(64 * n + (2 << 20)) / MIB:.3f})")
-    rows_full = avail // (vocab_size * elem_bytes)
+    rows_full = avail // (vocab_size * elem_bytes + extra_row_bytes)
     if rows_full >= min(n, MIN_FULL_ROWS):
         return Plan(_balanced(n, rows_full), vocab_size, True)
     # Vocab chunks: per token, a float32 d_hidden accumulator and a partial in the input dtype.
@@ -196,6 +200,20 @@ def _flat_view(buf: Tensor, rows: int, cols: int) -> Tensor:
     return buf.view(-1)[: rows * cols].view(rows, cols)
 
 
+def stats_plan(plan: Plan, hidden: Tensor, w_mm: Tensor, bias: Tensor | None, target: Tensor,
+               budget: int, need_dh: bool) -> Plan | None:
+    """The whole-row plan for the logits GEMM with the statistics epilogue
+    (FUSEDOPS_LCE_GEMM=sm90-fused), its partials counted in the budget; None where that route
+    does not apply (gemm_sm90.stats_route_why_not) or the budget then holds no whole rows."""
+    if gemm_sm90.stats_route_why_not(hidden, w_mm, bias, target, plan.full_rows) is not None:
+        return None
+    n_tokens, hidden_size = hidden.shape
+    vocab = w_mm.shape[0]
+    fused = plan_chunks(n_tokens, hidden_size, vocab, hidden.element_size(), budget, need_dh,
+                        gemm_sm90.stats_partial_bytes(vocab))
+    return fused if fused.full_rows else None
+
+
 def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                   ignore_index: int, reduction: str, label_smoothing: float, softcap: float,
                   z_loss: float, budget: int, need_dh: bool, need_dw: bool, need_db: bool,
@@ -231,6 +249,14 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     if n_tokens > 0:
         plan = plan_chunks(n_tokens, hidden_size, vocab, hidden.element_size(), budget,
                            need_dh)
+        # FUSEDOPS_LCE_GEMM=sm90-fused: the statistics come from the logits GEMM's epilogue and
+        # the row kernel only turns z into dz (MODE_DZ).
+        splan = stats_plan(plan, hidden, w_mm, b_in, target, budget, need_dh)
+        partials = None
+        if splan is not None:
+            plan = splan
+            partials = torch.empty(plan.rows, gemm_sm90.stats_tiles(vocab), 4,
+                                   dtype=torch.float32, device=dev)
         buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
         acc = part = None
         if need_dh and not plan.full_rows:
@@ -258,6 +284,18 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
         for n0 in range(0, n_tokens, plan.rows):
             n1 = min(n0 + plan.rows, n_tokens)
             x = hidden[n0:n1]
+            if partials is not None:
+                z = _flat_view(buf, n1 - n0, vocab)
+                gemm_sm90.logits_ce_stats(x, w_mm, z, b_in, target[n0:n1], cap,
+                                          partials[: n1 - n0], lse[n0:n1], zt[n0:n1],
+                                          zsum[n0:n1])
+                if need_grads:
+                    _rows(backend, z, b_in, target[n0:n1], 0, vocab, w_tok[n0:n1], lse[n0:n1],
+                          lse[n0:n1], lse[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap, MODE_DZ)
+                    _grads_from_dz(z, x, w_mm, 0, vocab, d_hidden[n0:n1] if need_dh else None,
+                                   d_weight if need_dw else None, d_bias32, first_dw)
+                    first_dw = False
+                continue
             if plan.full_rows:
                 z = logits_then_rows(n0, n1, 0, vocab, MODE_FULL_DZ if need_grads else MODE_FULL)
                 if need_grads:

@@ -2,6 +2,10 @@
 torch.ops.fusedops.lce_gemm_sm90 for tests and benchmarks, and the opt-in switch
 FUSEDOPS_LCE_GEMM=sm90 that makes chunked.py run its three GEMMs (logits, d_hidden, d_weight)
 on them instead of cuBLAS where the operands fit (off by default; read at every call).
+FUSEDOPS_LCE_GEMM=sm90-fused does the same and, for whole-row token chunks, runs the logits
+GEMM with the cross-entropy statistics in its epilogue (torch.ops.fusedops.
+lce_logits_ce_stats_sm90), so that the row kernel only turns z into dz (stats_route_why_not says
+when it applies).
 
 Layouts (row-major operands; out is written in place):
   LOGITS   = 1: out[M, N] = a[M, K] @ b[N, K].T
@@ -21,6 +25,9 @@ from fusedops import _ext
 
 LOGITS, D_HIDDEN, D_WEIGHT = 1, 2, 3
 ENV = "FUSEDOPS_LCE_GEMM"
+SM90, SM90_FUSED = "sm90", "sm90-fused"  # the values of ENV that turn our GEMMs on
+STATS_BLOCK_N = 256  # vocab columns per partial of the statistics epilogue (the GEMM's tile)
+stats_calls = 0  # calls of logits_ce_stats so far: tests and benchmarks see the route ran
 # A library holding the op alone (benchmarks/lce_gemm_sm90_standalone.py), loaded at import
 # when fusedops._C does not register the op: for device checks without the whole extension.
 LIB_ENV = "FUSEDOPS_LCE_GEMM_LIB"
@@ -56,8 +63,85 @@ def gemm(a: Tensor, b: Tensor, out: Tensor, layout: int, accumulate: bool = Fals
     return out
 
 
+def _mode() -> str:
+    return os.environ.get(ENV, "").strip().lower()
+
+
 def enabled() -> bool:
-    return os.environ.get(ENV, "").strip().lower() == "sm90"
+    """Our GEMMs run the products they cover (FUSEDOPS_LCE_GEMM=sm90 or sm90-fused)."""
+    return _mode() in (SM90, SM90_FUSED)
+
+
+def fused_enabled() -> bool:
+    """The logits GEMM also computes the statistics (FUSEDOPS_LCE_GEMM=sm90-fused)."""
+    return _mode() == SM90_FUSED
+
+
+def stats_op_available() -> bool:
+    try:
+        return hasattr(torch.ops.fusedops, "lce_logits_ce_stats_sm90")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def stats_tiles(vocab: int) -> int:
+    """Column tiles of the statistics' partials per row."""
+    return -(-vocab // STATS_BLOCK_N)
+
+
+def stats_partial_bytes(vocab: int) -> int:
+    """Bytes of partials per token row (one float4 per column tile)."""
+    return 16 * stats_tiles(vocab)
+
+
+def _stats_device_ok(device: torch.device) -> bool:
+    return device.type == "cuda" and stats_op_available() and supported(device)
+
+
+def stats_route_why_not(hidden: Tensor, w_mm: Tensor, bias: Tensor | None, target: Tensor,
+                        full_rows: bool) -> str | None:
+    """Why chunked.fused_forward cannot run the logits GEMM with the statistics epilogue for
+    these inputs (None: it can). From the switch, dtypes, shapes, strides, pointer alignment and
+    the device only (never tensor values), so the choice is stable for torch.compile."""
+    if not fused_enabled():
+        return f"{ENV} is not {SM90_FUSED}"
+    if not full_rows:
+        return "the token chunks are vocab-chunked (the memory budget holds no whole rows)"
+    if hidden.dtype not in (torch.bfloat16, torch.float16) or w_mm.dtype != hidden.dtype:
+        return f"needs float16/bfloat16 hidden and weight of one dtype, got {hidden.dtype}, " \
+               f"{w_mm.dtype}"
+    n, h = hidden.shape
+    v = w_mm.shape[0]
+    if h < 1 or h % 8 or v % 8:
+        return f"needs H and V multiples of 8 (TMA row strides), got H={h}, V={v}"
+    if not (hidden.is_contiguous() and w_mm.is_contiguous()):
+        return "needs contiguous hidden and weight"
+    if hidden.data_ptr() % 16 or w_mm.data_ptr() % 16:
+        return "needs 16-byte aligned hidden and weight"
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                             or bias.data_ptr() % 8):
+        return "needs a contiguous, 8-byte aligned float32 bias"
+    if target.dtype != torch.int64 or not target.is_contiguous():
+        return "needs a contiguous int64 target"
+    if v > 2**31 - 1 or n > 2**31 - 1:
+        return "sizes of 2^31 or more"
+    if not _stats_device_ok(hidden.device):
+        return "needs a compute capability 9.0 GPU and the lce_logits_ce_stats_sm90 op " \
+               "(fusedops._C built for 9.0a)"
+    return None
+
+
+def logits_ce_stats(x: Tensor, w: Tensor, z: Tensor, bias: Tensor | None, target: Tensor,
+                    softcap: float, partials: Tensor, lse: Tensor, zt: Tensor,
+                    zsum: Tensor) -> None:
+    """z = x @ w.T (rounded to z's dtype) and per row of z the statistics of softcap(z + bias):
+    partials (M, stats_tiles(V), 4) float32 per 256-column tile (max, sum of exp, target logit,
+    logit sum), then lse, zt, zsum (M,) float32 merged from them. Targets outside [0, V) get
+    zt = 0."""
+    global stats_calls
+    stats_calls += 1
+    torch.ops.fusedops.lce_logits_ce_stats_sm90(x, w, z, bias, target, float(softcap), partials,
+                                                lse, zt, zsum)
 
 
 def _row_major(t: Tensor) -> bool:
@@ -102,6 +186,11 @@ def register_fake() -> None:
     @torch.library.register_fake("fusedops::lce_gemm_sm90")
     def _(a, b, out, layout, accumulate):
         return None
+
+    if stats_op_available():
+        @torch.library.register_fake("fusedops::lce_logits_ce_stats_sm90")
+        def _(x, w, z, bias, target, softcap, partials, lse, zt, zsum):
+            return None
 
     _FAKE = True
 
