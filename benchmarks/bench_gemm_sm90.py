@@ -1,7 +1,10 @@
 """Benchmark: the Hopper GEMMs of the linear cross-entropy (torch.ops.fusedops.lce_gemm_sm90)
 against cuBLAS (torch.mm / Tensor.addmm_) at the linear cross-entropy's products per token
 chunk: logits z = X W^T (layout 1), d_hidden = dz W (layout 2), d_weight += dz^T X (layout 3,
-accumulated as in every chunk but the first; "d_weight_first" overwrites). Prints a table;
+accumulated as in every chunk but the first; "d_weight_first" overwrites), and "logits_stats", the
+logits GEMM with the cross-entropy statistics in its epilogue plus the combine kernel
+(lce_logits_ce_stats_sm90; its cuBLAS row is torch.mm alone, so the difference to "logits" is
+the epilogue's cost). Prints a table;
 appends one JSON object per measured row to benchmarks/results/lce_gemm.jsonl (or
 <--out>/lce_gemm.jsonl).
 
@@ -34,7 +37,7 @@ SHAPES = {  # name: (rows per token chunk, H, V)
     "gemma2-2048": (2048, 2304, 256000),
     "gemma2-4096": (4096, 2304, 256000),
 }
-GEMMS = ("logits", "d_hidden", "d_weight", "d_weight_first")
+GEMMS = ("logits", "d_hidden", "d_weight", "d_weight_first", "logits_stats")
 
 
 def _gemm_sm90():
@@ -55,6 +58,16 @@ def problems(rows, h, v, dtype, which):
         z = torch.empty(rows, v, device="cuda", dtype=dtype)
         out["logits"] = (1, False, rows, v, h, lambda: gemm(x, w, z, 1),
                          lambda: torch.mm(x, w.T, out=z), z, None)
+    if "logits_stats" in which:
+        zs = torch.empty(rows, v, device="cuda", dtype=dtype)
+        sm90 = _gemm_sm90()
+        t = torch.randint(0, v, (rows,), generator=g, device="cuda")
+        part = torch.empty(rows, sm90.stats_tiles(v), 4, device="cuda")
+        lse, zt, zsum = (torch.empty(rows, device="cuda") for _ in range(3))
+        out["logits_stats"] = (
+            1, False, rows, v, h,
+            lambda: sm90.logits_ce_stats(x, w, zs, None, t, 0.0, part, lse, zt, zsum),
+            lambda: torch.mm(x, w.T, out=zs), zs, None)
     if "d_hidden" in which:
         dh = torch.empty(rows, h, device="cuda", dtype=dtype)
         out["d_hidden"] = (2, False, rows, h, v, lambda: gemm(dz, w, dh, 2),
@@ -167,8 +180,45 @@ def sanitize_cases():
             if not err <= 0.05 * float(ref.abs().max()) + 1e-2:
                 raise SystemExit(f"sanitize case {layout, acc, m, n, k} {dtype}: error {err}")
     os.environ.pop("FUSEDOPS_LCE_GEMM_SPLITK")
+    sanitize_stats_cases()
     torch.cuda.synchronize()
     print("sanitize cases ran")
+
+
+STATS_SANITIZE_CASES = [  # (M, V, K, bias, softcap, padded z): ragged, several tiles per CTA
+    (133, 520, 136, True, 5.0, False), (1, 8, 8, False, 0.0, False),
+    (300, 1000, 72, True, 0.0, True), (130, 523, 64, True, 30.0, True),
+]
+
+
+def sanitize_stats_cases():
+    """The statistics epilogue (bf16/fp16) and its combine kernel on small ragged shapes, lse
+    checked loosely against torch (tests/linear_ce/test_lce_fused_sm90.py checks tightly)."""
+    sm90 = _gemm_sm90()
+    if not sm90.stats_op_available():
+        print("stats sanitize cases skipped: no lce_logits_ce_stats_sm90 op")
+        return
+    for dtype in (torch.bfloat16, torch.float16):
+        for m, v, k, bias, cap, padded in STATS_SANITIZE_CASES:
+            g = torch.Generator(device="cuda").manual_seed(2)
+            x = torch.randn(m, k, generator=g, device="cuda").to(dtype)
+            w = (torch.randn(v, k, generator=g, device="cuda") / 4).to(dtype)
+            b = torch.randn(v, generator=g, device="cuda") if bias else None
+            t = torch.randint(0, v, (m,), generator=g, device="cuda")
+            t[::3] = -100
+            z = torch.empty(m, v, device="cuda", dtype=dtype)
+            if padded:
+                z = _padded(z)
+            part = torch.empty(m, sm90.stats_tiles(v), 4, device="cuda")
+            lse, zt, zsum = (torch.empty(m, device="cuda") for _ in range(3))
+            sm90.logits_ce_stats(x, w, z, b, t, cap, part, lse, zt, zsum)
+            logits = z.float() + (b if bias else 0.0)
+            if cap:
+                logits = cap * torch.tanh(logits / cap)
+            err = float((lse - torch.logsumexp(logits, 1)).abs().max())
+            if not err <= 1e-3:
+                raise SystemExit(f"stats sanitize case {m, v, k, bias, cap} {dtype}: lse error "
+                                 f"{err}")
 
 
 def sanitize_run():
