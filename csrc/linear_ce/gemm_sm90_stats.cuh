@@ -42,7 +42,9 @@ struct EpiCEStats {
 
   const Params& p;
   SlabStager st;
-  int tcol[2];  // per row of the thread (h): the target's offset from col0 (matched to 8 j + e)
+  // Per row of the thread (h): the target's column in the tile (0..255), or -1 when the target
+  // lies outside the tile or outside [0, N).
+  int ttile[2];
 
   __device__ __forceinline__ EpiCEStats(const Params& params, const SlabStager& stager)
       : p(params), st(stager) {}
@@ -54,10 +56,11 @@ struct EpiCEStats {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = f.row0 + 8 * h;
-      tcol[h] = -1;
+      ttile[h] = -1;
       if (row < p.m) {
-        const int64_t d = p.target[row] - f.col0;
-        if (d >= 0 && d < GemmTilesSm90::kBlockN) tcol[h] = static_cast<int>(d);
+        const int64_t t = p.target[row];
+        if (t >= f.n0 && t < f.n0 + GemmTilesSm90::kBlockN && t < p.n)
+          ttile[h] = static_cast<int>(t - f.n0);
       }
     }
     if (p.bias != nullptr && f.warp == 0 && f.lane < GemmTilesSm90::kBlockN / 32) {
@@ -74,11 +77,42 @@ struct EpiCEStats {
     return make_float2(col < p.n ? __ldg(p.bias + col) : 0.f, 0.f);
   }
 
+  // Max, sum of exp and sum over the thread's 64 logits of row h (offsets 8 j + e from col0;
+  // with kMasked only those below lim, the columns < N).
+  template <bool kMasked>
+  __device__ __forceinline__ void row_stats(const float (&acc)[kFrag][4], int h, int lim,
+                                            float& mx, float& s, float& zs) const {
+    mx = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kFrag; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (!kMasked || 8 * j + e < lim) mx = fmaxf(mx, acc[j][2 * h + e]);
+    // exp(v - mx) = 2^(v log2e - mx log2e), one FFMA; no valid column: every term is masked.
+    const float mx2 = (mx == -INFINITY ? 0.f : mx) * dev::kLog2e;
+    s = 0.f;
+    zs = 0.f;
+#pragma unroll
+    for (int j = 0; j < kFrag; ++j)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float v = acc[j][2 * h + e];
+        if (!kMasked || 8 * j + e < lim) {
+          s += dev::ex2(fmaf(v, dev::kLog2e, -mx2));
+          zs += v;
+        }
+      }
+  }
+
   __device__ __forceinline__ void end_tile(float (&acc)[kFrag][4], const FragCoord& f) {
     if (f.slab_m0 >= p.m) return;  // warpgroup-uniform: the slab lies below C
     const int g = f.lane >> 2, tq = f.lane & 3;
+    const float cap = p.softcap;
     // z: rounded to T and stored as EpiStore<T, false> does; acc keeps the rounded values plus
-    // the bias.
+    // the bias. The target logit: lane 0 of the row's quad reads the rounded z at the target
+    // from the box's staging buffer once the warpgroup's barrier in end() has made every
+    // thread's part visible (the buffer is rewritten only after two more boxes' barriers).
+    float zt[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < kBoxes; ++j) {
       if (f.n0 + 64 * j >= p.n) break;  // uniform: the box lies right of C
@@ -86,6 +120,7 @@ struct EpiCEStats {
 #pragma unroll
       for (int c = 0; c < 8; ++c) b[c] = bias_pair(f.col0 + 64 * j + 8 * c);
       st.begin();
+      const uint32_t box_buf = st.current();
 #pragma unroll
       for (int c = 0; c < 8; ++c)
 #pragma unroll
@@ -98,46 +133,49 @@ struct EpiCEStats {
           x1 = EpiStore<T, false>::hi_f(v) + b[c].y;
         }
       st.end(&p.tm_c, f.n0 + 64 * j, f.slab_m0);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int col = ttile[h] - 64 * j;  // the target's column in this box
+        if (tq == 0 && col >= 0 && col < 64) {
+          const int r = 16 * f.warp + g + 8 * h;
+          unsigned short bits;
+          asm volatile("ld.shared.u16 %0, [%1];\n"
+                       : "=h"(bits)
+                       : "r"(box_buf + r * 128 + (((col >> 3) ^ (r & 7)) << 4) + 2 * (col & 7)));
+          const int t = f.n0 + ttile[h];
+          const float raw = EpiStore<T, false>::lo_f(bits);
+          zt[h] = rows::apply_cap(raw + (p.bias != nullptr ? __ldg(p.bias + t) : 0.f), cap);
+        }
+      }
     }
-    // Per row: the logits (bias, softcap), then max, sum of exp, target and sum over the
-    // thread's valid columns (offsets 8 j + e below lim), then over the quad's four lanes.
+    // The logits under the softcap, then per row max, sum of exp and sum over the thread's
+    // columns, then over the quad's four lanes (all columns valid but in the last tile column).
+    if (cap != 0.f) {
+#pragma unroll
+      for (int j = 0; j < kFrag; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[j][e] = rows::apply_cap(acc[j][e], cap);
+    }
     const int lim = p.n - f.col0;
-    const float cap = p.softcap;
+    const bool full = f.n0 + GemmTilesSm90::kBlockN <= p.n;  // tile-uniform
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int j = 0; j < kFrag; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float v = rows::apply_cap(acc[j][2 * h + e], cap);
-          acc[j][2 * h + e] = v;
-          if (8 * j + e < lim) mx = fmaxf(mx, v);
-        }
-      const float ms = mx == -INFINITY ? 0.f : mx;  // no valid column: every term is masked
-      float s = 0.f, zs = 0.f, zt = 0.f;
-#pragma unroll
-      for (int j = 0; j < kFrag; ++j)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float v = acc[j][2 * h + e];
-          const bool ok = 8 * j + e < lim;
-          s += ok ? dev::ex2((v - ms) * dev::kLog2e) : 0.f;
-          zs += ok ? v : 0.f;
-          zt += (8 * j + e == tcol[h]) ? v : 0.f;  // tcol < lim: the target is < N
-        }
+      float mx, s, zs;
+      if (full)
+        row_stats<false>(acc, h, lim, mx, s, zs);
+      else
+        row_stats<true>(acc, h, lim, mx, s, zs);
 #pragma unroll
       for (int off = 1; off <= 2; off <<= 1) {
         const float m2 = __shfl_xor_sync(0xffffffffu, mx, off);
         const float s2 = __shfl_xor_sync(0xffffffffu, s, off);
         zs += __shfl_xor_sync(0xffffffffu, zs, off);
-        zt += __shfl_xor_sync(0xffffffffu, zt, off);
         rows::merge_state(mx, s, m2, s2);
       }
       const int row = f.row0 + 8 * h;
       if (tq == 0 && row < p.m)
         p.partials[static_cast<int64_t>(row) * p.ld_part + f.n0 / GemmTilesSm90::kBlockN] =
-            make_float4(mx, s, zt, zs);
+            make_float4(mx, s, zt[h], zs);
     }
   }
 
