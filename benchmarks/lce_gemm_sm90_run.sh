@@ -18,7 +18,8 @@ OUT=${OUT:-/tmp/lce_gemm_out}; mkdir -p "$OUT"; LOG=$OUT/log.txt
 export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEDOPS_CUDA_ARCHS=${FUSEDOPS_CUDA_ARCHS:-9.0a}
 say() { echo "== $* ($(date +%T))" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee -a "$LOG"
-TEST_ARGS="-q -rs -p no:cacheprovider -m gpu tests/linear_ce/test_gemm_sm90.py tests/linear_ce/test_lce_fused_sm90.py"
+TEST_ARGS="-q -rs -p no:cacheprovider -m gpu tests/linear_ce/test_gemm_sm90.py"
+TEST_ARGS="$TEST_ARGS tests/linear_ce/test_lce_fused_sm90.py"
 if [ -n "${TESTS:-}" ] && [ "$TESTS" != "none" ]; then TEST_ARGS="$TEST_ARGS -k '$TESTS'"; fi
 say build
 t0=$(date +%s)
@@ -64,7 +65,8 @@ if [ "${SKIP_BENCH:-0}" != "1" ]; then
 fi
 if [ "${SKIP_LCE_BENCH:-0}" != "1" ] && [ "${STANDALONE:-0}" != "1" ]; then
   say lce bench
-  LCE_ARGS=${LCE_BENCH_ARGS:-"--shapes llama3,llama3-4k --methods fusedops,fusedops-sm90,fusedops-sm90-fused,fusedops-520,fusedops-sm90-fused-520"}
+  LCE_METHODS=fusedops,fusedops-sm90,fusedops-sm90-fused,fusedops-520,fusedops-sm90-fused-520
+  LCE_ARGS=${LCE_BENCH_ARGS:-"--shapes llama3,llama3-4k --methods $LCE_METHODS"}
   # shellcheck disable=SC2086  # LCE_ARGS holds words
   timeout 300 python3 benchmarks/bench_linear_ce.py --out "$OUT" $LCE_ARGS \
     > "$OUT/lce_bench.log" 2> "$OUT/lce_bench.err"

@@ -128,7 +128,7 @@ def _stats_inputs(m, v, *, bias, softcap, dtype=torch.float32, device="cpu", see
     t[::7] = -100  # ignore_index rows still get statistics
     t[1::5] = v - 1  # the last column, in the last (partial) tile
     t[2::9] = (v - 1) // BN * BN  # the last tile's first column
-    t[3] = 0
+    t[3::11] = 0
     cast = lambda x: None if x is None else x.to(device)  # noqa: E731
     return z.to(device), cast(b), t.to(device), float(softcap or 0.0)
 
@@ -455,11 +455,12 @@ _ORACLE = {}
 def test_fused_route_oracle(name, n, h, v, budget, opts, monkeypatch):
     dtype = torch.float16 if name == "fp16" else torch.bfloat16
     case = O.Case((n,), h, v, dtype, "cuda", **opts)
-    modes = []
+    modes, active = [], [False]  # the row kernel's modes in our run (not the oracle's)
     real_rows = chunked._rows
 
     def rows(backend, *args):
-        modes.append(args[-1])
+        if active[0]:
+            modes.append(args[-1])
         return real_rows(backend, *args)
 
     monkeypatch.setattr(chunked, "_rows", rows)
@@ -467,7 +468,12 @@ def test_fused_route_oracle(name, n, h, v, budget, opts, monkeypatch):
     before = gemm_sm90.stats_calls
 
     def impl(x, w, t, b, **kw):
-        return linear_cross_entropy(x, w, t, b, backend="cuda", memory_budget_mib=budget, **kw)
+        active[0] = True
+        try:
+            return linear_cross_entropy(x, w, t, b, backend="cuda", memory_budget_mib=budget,
+                                        **kw)
+        finally:
+            active[0] = False
 
     O.check(case, impl, _ORACLE)
     calls = gemm_sm90.stats_calls - before
