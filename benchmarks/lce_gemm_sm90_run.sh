@@ -3,9 +3,10 @@
 # (tests/linear_ce/test_gemm_sm90.py, test_lce_fused_sm90.py), compute-sanitizer (memcheck,
 # racecheck, synccheck) on the tiny cases of every instantiation, bench_gemm_sm90.py against
 # cuBLAS, and bench_linear_ce.py's whole loss with FUSEDOPS_LCE_GEMM=sm90 / sm90-fused next to
-# the default at Llama-3's shape (N = 8192 and 4096). Logs go to $OUT (log.txt, build.log, tests.log, sanitize.log, bench.log,
-# bench.err, lce_bench.log, lce_bench.err); rows to $OUT/lce_gemm.jsonl and
-# $OUT/linear_ce.jsonl. Each step has a time limit, so that a hang costs minutes, not the call.
+# the default at Llama-3's shape (N = 8192 and 4096). Logs go to $OUT (log.txt, build.log,
+# tests.log, sanitize.log, bench.log, bench.err, lce_bench.log, lce_bench.err); rows to
+# $OUT/lce_gemm.jsonl and $OUT/linear_ce.jsonl. Each step has a time limit, so that a hang costs
+# minutes, not the call.
 # Env: FUSEDOPS_GIT (sha for the rows); STANDALONE=1 builds the GEMM op alone
 #   (lce_gemm_sm90_standalone.py, about a minute; the chunked.py switch tests then skip) instead
 #   of installing fusedops for FUSEDOPS_CUDA_ARCHS (default here 9.0a); TESTS (a pytest -k
