@@ -152,9 +152,9 @@ def _row_major(t: Tensor) -> bool:
 
 
 def try_mm(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> bool:
-    """out (+)= a @ b by our GEMM when FUSEDOPS_LCE_GEMM=sm90 is set and the operands fit (one
-    of the three layouts, fp16/bf16 everywhere, a Hopper GPU); False, having done nothing,
-    otherwise."""
+    """out (+)= a @ b by our GEMM when FUSEDOPS_LCE_GEMM=sm90 (or sm90-fused) is set and the
+    operands fit (one of the three layouts, fp16/bf16 everywhere, a Hopper GPU); False, having
+    done nothing, otherwise."""
     if not enabled() or not (out.is_cuda and a.is_cuda and b.is_cuda):
         return False
     if out.dtype not in (torch.bfloat16, torch.float16) or not (a.dtype == b.dtype == out.dtype):
