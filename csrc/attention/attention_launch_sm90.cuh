@@ -14,26 +14,12 @@
 #include <cstring>
 #include <type_traits>
 
+#include "../tma_host.h"
 #include "attention_config_sm90.h"
 #include "attention_fwd_kernel_sm90.cuh"
 
 namespace fusedops {
 namespace attn {
-
-// cuTensorMapEncodeTiled from the driver (the ABI of CUDA 12.0, which later drivers keep), or
-// null when the driver does not have it.
-inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      ptr = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
-  return fn;
-}
 
 // A tensor map over a packed (rows, heads, D) tensor of 2-byte elements, rows `row_stride`
 // elements apart and heads D apart, read in boxes of 64 (head dim) x 1 (head) x box_rows (rows),

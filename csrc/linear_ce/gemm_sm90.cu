@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "../static_switch.h"
+#include "../tma_host.h"
 #include "gemm_sm90.cuh"
 #include "gemm_sm90.h"
 #include "gemm_sm90_stats.cuh"
@@ -21,27 +22,12 @@ namespace fusedops {
 namespace lce_gemm {
 namespace {
 
-// cuTensorMapEncodeTiled from the driver (the ABI of CUDA 12.0, which later drivers keep), or
-// null when the driver does not have it.
-PFN_cuTensorMapEncodeTiled_v12000 encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      ptr = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
-  return fn;
-}
-
 // A 2-D map over a row-major matrix of 2-byte elements (`cols` contiguous per row, rows
 // `row_stride` elements apart), boxes of box_cols (64: one 128-byte swizzle row) x box_rows;
 // out-of-range elements load as zeros and are not stored.
 bool make_map(CUtensorMap* map, const void* ptr, bool bf16, int64_t cols, int64_t rows,
               int64_t row_stride, int box_cols, int box_rows) {
-  const PFN_cuTensorMapEncodeTiled_v12000 encode = encoder();
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
   const cuuint64_t strides[1] = {static_cast<cuuint64_t>(row_stride) * 2};  // bytes
