@@ -53,6 +53,22 @@ def test_plan_llama3_default_and_lowmem():
     assert low.cols % 256 == 0 and low.rows % 128 == 0
 
 
+def test_min_full_rows_switch(monkeypatch):
+    """FUSEDOPS_LCE_MIN_FULL_ROWS lowers the fewest tokens a whole-row chunk may hold: at
+    Llama-3.2-1B's head (H 2048, V 128256) a 224 MiB budget holds 912 whole rows, below the
+    default 1024 (vocab chunks), above 512 (whole rows)."""
+    budget = chunked.budget_bytes(224)
+    assert not chunked.plan_chunks(8192, 2048, 128256, 2, budget, True).full_rows
+    monkeypatch.setenv("FUSEDOPS_LCE_MIN_FULL_ROWS", "512")
+    plan = chunked.plan_chunks(8192, 2048, 128256, 2, budget, True)
+    assert plan.full_rows and 512 <= plan.rows < 1024
+    assert plan.rows * plan.cols * 2 <= budget
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv("FUSEDOPS_LCE_MIN_FULL_ROWS", bad)
+        with pytest.raises(ValueError, match="FUSEDOPS_LCE_MIN_FULL_ROWS"):
+            chunked.plan_chunks(8192, 2048, 128256, 2, budget, True)
+
+
 def test_plan_rejects_tiny_budget():
     with pytest.raises(ValueError, match="memory_budget_mib"):
         chunked.plan_chunks(10**6, 64, 1000, 2, 1 << 20, True)

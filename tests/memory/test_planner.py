@@ -101,6 +101,28 @@ def test_best_switch():
     assert sharded.best_switch().name == "shard"
 
 
+def test_loss_budget():
+    """At the default 512 MiB the fused loss's chunk is Llama-3.2-1B's planned peak at 8192
+    tokens; loss_budget is the largest whole budget at which it is not, and one MiB more makes it
+    the peak again. Elsewhere (the loss not at the peak, or the stock loss) it is None."""
+    fused = plan(LLAMA_1B, batch=1, seq=8192, mixed_precision=False, attention_impl="fusedops")
+    assert fused.peak_phase == "loss forward"
+    budget = fused.loss_budget()
+    assert budget is not None and 3 <= budget < 512
+    at = plan(LLAMA_1B, batch=1, seq=8192, mixed_precision=False, attention_impl="fusedops",
+              memory_budget_mib=budget)
+    above = plan(LLAMA_1B, batch=1, seq=8192, mixed_precision=False, attention_impl="fusedops",
+                 memory_budget_mib=budget + 1)
+    assert at.peak_phase != "loss forward" and at.peak_bytes < fused.peak_bytes
+    assert above.peak_phase == "loss forward"
+    assert at.loss_budget() is None
+    assert plan(LLAMA_1B, batch=1, seq=8192, fused_loss=False).loss_budget() is None
+    # best_switch considers the budget; checkpointing saves more here.
+    best = fused.best_switch()
+    assert best.name == "activation_checkpointing"
+    assert best.saving_bytes > fused.peak_bytes - at.peak_bytes > 0
+
+
 def test_bad_arguments():
     with pytest.raises(ValueError, match="dtype"):
         plan(LLAMA_1B, batch=1, seq=8, dtype="int8")

@@ -48,6 +48,20 @@ _CUDA = ("cuda-sm90", "cuda-sm80")
 MIN_FULL_ROWS = 1024
 
 
+def min_full_rows() -> int:
+    """MIN_FULL_ROWS, or FUSEDOPS_LCE_MIN_FULL_ROWS (a measurement switch, read at each call)."""
+    value = os.environ.get("FUSEDOPS_LCE_MIN_FULL_ROWS")
+    if value is None:
+        return MIN_FULL_ROWS
+    try:
+        rows = int(value)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise ValueError(f"FUSEDOPS_LCE_MIN_FULL_ROWS must be a positive integer, got {value!r}")
+    return rows
+
+
 def budget_bytes(memory_budget_mib: float | None) -> int:
     if memory_budget_mib is None:
         memory_budget_mib = float(os.environ.get("FUSEDOPS_LCE_MEMORY_MIB", DEFAULT_BUDGET_MIB))
@@ -83,7 +97,7 @@ def plan_chunks(n_tokens: int, hidden_size: int, vocab_size: int, elem_bytes: in
         raise ValueError(f"memory_budget_mib={budget / MIB:.3f} is too small for {n_tokens} "
                          f"tokens (needs more than {(64 * n + (2 << 20)) / MIB:.3f})")
     rows_full = avail // (vocab_size * elem_bytes + extra_row_bytes)
-    if rows_full >= min(n, MIN_FULL_ROWS):
+    if rows_full >= min(n, min_full_rows()):
         return Plan(_balanced(n, rows_full), vocab_size, True)
     # Vocab chunks: per token, a float32 d_hidden accumulator and a partial in the input dtype.
     per_row_dh = hidden_size * (4 + elem_bytes) if need_dh else 0

@@ -40,6 +40,8 @@ def _parser(gpu: bool) -> argparse.ArgumentParser:
                     help="activation checkpointing (gradient_checkpointing_enable)")
     ap.add_argument("--warmup", type=int, default=1,
                     help="unmeasured steps first, so the optimizer state exists (default 1)")
+    ap.add_argument("--memory-budget", type=float, default=None,
+                    help="the fused loss's memory_budget_mib (default: its own, 512 MiB)")
     ap.add_argument("--out", default="memory_report", help="folder for JSON, PNG, snapshots")
     return ap
 
@@ -86,12 +88,13 @@ def main(argv=None) -> int:
         est = plan(cfg, batch=args.batch, seq=args.seq, dtype=args.dtype, mixed_precision=False,
                    activation_checkpointing=args.checkpointing, fused_loss=fused,
                    attention_impl="fusedops" if fused else "sdpa", device=device.type,
+                   memory_budget_mib=args.memory_budget if fused else None,
                    label=f"{name} (planned)")
         model = build_llama(cfg, dtype=dtype, device=device, attn_implementation="sdpa")
         if args.checkpointing:
             model.gradient_checkpointing_enable()
         if fused:
-            model = apply_fusedops(model)
+            model = apply_fusedops(model, memory_budget_mib=args.memory_budget)
         try:
             report = profile_step(model, batch, warmup=args.warmup, label=name)
         except torch.cuda.OutOfMemoryError as exc:
@@ -106,6 +109,11 @@ def main(argv=None) -> int:
         print(report.table(plan=est))
         for note in report.notes:
             print(f"  note: {note}")
+        budget = est.loss_budget()
+        if budget is not None:
+            print(f"  planner: the fused loss's chunk sets this peak; at memory_budget_mib="
+                  f"{budget:g} or less the step peaks elsewhere (apply_fusedops(model, "
+                  f"memory_budget_mib=...))")
         results[name] = dict(report=report.to_dict(), plan=est.to_dict())
         if report.snapshot is not None:
             path = report.save_snapshot(os.path.join(args.out, f"snapshot_{name}.pickle"))

@@ -183,14 +183,41 @@ class MemoryPlan(Breakdown):
                      f"{self.peak_phase})")
         return "\n".join(lines)
 
+    def loss_budget(self) -> float | None:
+        """With the fused loss at the peak (phase "loss forward"): the largest memory budget
+        (whole MiB) at which the loss's forward no longer sets the planned peak, i.e. the step
+        peaks elsewhere; None when the loss is not the peak (or no budget moves it)."""
+        s = dict(self.settings)
+        if not s["fused_loss"] or self.peak_phase != "loss forward":
+            return None
+        from fusedops.linear_ce import chunked
+
+        config = s.pop("config")
+        hi = chunked.budget_bytes(s["memory_budget_mib"]) // chunked.MIB
+        lo = 3  # the loss's fixed part (chunked.plan_chunks) is 2 MiB and the per-token arrays
+        if hi <= lo or plan(config, **{**s, "memory_budget_mib": lo}).peak_phase == "loss forward":
+            return None
+        while hi - lo > 1:  # lo: not the peak; hi: the peak
+            mid = (lo + hi) // 2
+            if plan(config, **{**s, "memory_budget_mib": mid}).peak_phase == "loss forward":
+                hi = mid
+            else:
+                lo = mid
+        return float(lo)
+
     def best_switch(self) -> Switch | None:
         """The single change of setting (fused_loss, tiled_attention, activation_checkpointing,
-        shard="zero3" over world_size > 1) that lowers the peak most, or None when none does."""
+        shard="zero3" over world_size > 1, or a smaller memory_budget_mib of the fused loss
+        when its chunk sets the peak, see loss_budget) that lowers the peak most, or None when
+        none does."""
         s = dict(self.settings)
         config = s.pop("config")
         if s["attention_impl"] == "eager":
             s["attention_impl"] = None
         trials = []
+        budget = self.loss_budget()
+        if budget is not None:
+            trials.append(("memory_budget_mib", budget))
         if not s["fused_loss"]:
             trials.append(("fused_loss", True))
         if not s["tiled_attention"]:
