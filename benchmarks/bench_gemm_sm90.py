@@ -23,13 +23,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import subprocess
 import sys
 import time
 
 import torch
-from common import add_out_arg, append_rows, describe, print_table, run_meta, time_ms
+from common import (
+    add_out_arg,
+    append_rows,
+    describe,
+    find_sanitizer,
+    print_table,
+    run_meta,
+    sanitizer_verdict,
+    time_ms,
+)
 
 SHAPES = {  # name: (rows per token chunk, H, V)
     "llama3-2048": (2048, 4096, 128256),
@@ -222,11 +230,7 @@ def sanitize_stats_cases():
 
 
 def sanitize_run():
-    exe = shutil.which("compute-sanitizer")
-    for root in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
-        cand = os.path.join(root, "bin", "compute-sanitizer")
-        if exe is None and root and os.path.exists(cand):
-            exe = cand
+    exe = find_sanitizer()
     if exe is None:
         print("FAIL sanitize: compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda)")
         return 1
@@ -238,13 +242,7 @@ def sanitize_run():
                                os.path.abspath(__file__), "--sanitize"],
                               env=env, capture_output=True, text=True, timeout=600)
         text = proc.stdout + proc.stderr
-        ok = proc.returncode == 0 and "sanitize cases ran" in text
-        bad += not ok
-        summary = [ln for ln in text.splitlines() if "ERROR SUMMARY" in ln or "RACECHECK" in ln]
-        print(f"{'PASS' if ok else 'FAIL'} sanitize {tool:<9} rc={proc.returncode} "
-              f"{time.time() - t0:.0f}s {' | '.join(summary[-2:])}")
-        if not ok:
-            print("\n".join(text.splitlines()[-25:]))
+        bad += not sanitizer_verdict(tool, proc.returncode, text, time.time() - t0)
     return bad
 
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -725,13 +724,9 @@ def sanitize_cases(dims=DIMS, schedules=SCHEDULES, do_bwd=True,
 def sanitize_run(dims=DIMS, schedules=SCHEDULES, do_bwd=True,
                  tools=("memcheck", "racecheck", "synccheck"), timeout_s=600,
                  dtypes="bfloat16,float16"):
-    exe = shutil.which("compute-sanitizer")
-    if exe is None:
-        for root in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
-            cand = os.path.join(root, "bin", "compute-sanitizer")
-            if root and os.path.exists(cand):
-                exe = cand
-                break
+    from common import find_sanitizer, sanitizer_verdict
+
+    exe = find_sanitizer()
     if exe is None:
         print("FAIL sanitize: compute-sanitizer not found (PATH, $CUDA_HOME/bin, /usr/local/cuda)")
         return 1
@@ -755,13 +750,7 @@ def sanitize_run(dims=DIMS, schedules=SCHEDULES, do_bwd=True,
             print(f"FAIL sanitize {tool:<9} timed out after {timeout_s:.0f}s")
             print("\n".join((text or "").splitlines()[-10:]))
             continue
-        ok = proc.returncode == 0 and "sanitize cases ran" in text
-        bad += not ok
-        summary = [ln for ln in text.splitlines() if "ERROR SUMMARY" in ln or "RACECHECK" in ln]
-        print(f"{'PASS' if ok else 'FAIL'} sanitize {tool:<9} rc={proc.returncode} "
-              f"{time.time() - t0:.0f}s {' | '.join(summary[-2:])}")
-        if not ok:
-            print("\n".join(text.splitlines()[-25:]))
+        bad += not sanitizer_verdict(tool, proc.returncode, text, time.time() - t0)
     return bad
 
 

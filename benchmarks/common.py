@@ -174,3 +174,28 @@ def print_table(rows, columns, title: str | None = None) -> None:
     for c in cells:
         print(" ".join(v.rjust(w) if r else v.ljust(w)
                        for v, w, r in zip(c, widths, right, strict=True)))
+
+
+def find_sanitizer() -> str | None:
+    """compute-sanitizer from PATH, $CUDA_HOME/bin or /usr/local/cuda/bin; None when absent."""
+    import shutil
+
+    exe = shutil.which("compute-sanitizer")
+    for root in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        cand = os.path.join(root, "bin", "compute-sanitizer")
+        if exe is None and root and os.path.exists(cand):
+            exe = cand
+    return exe
+
+
+def sanitizer_verdict(tool: str, returncode: int, text: str, seconds: float) -> bool:
+    """Prints a PASS/FAIL line for one compute-sanitizer run of a script whose cases end by
+    printing "sanitize cases ran" (the error summary of the tool, and the output's tail on
+    failure); True when it passed."""
+    ok = returncode == 0 and "sanitize cases ran" in text
+    summary = [ln for ln in text.splitlines() if "ERROR SUMMARY" in ln or "RACECHECK" in ln]
+    print(f"{'PASS' if ok else 'FAIL'} sanitize {tool:<9} rc={returncode} {seconds:.0f}s "
+          f"{' | '.join(summary[-2:])}")
+    if not ok:
+        print("\n".join(text.splitlines()[-25:]))
+    return ok
