@@ -5,7 +5,9 @@
 // linear cross-entropy accumulates). The kernel bodies exist only in the sm_90a build (setup.py
 // also compiles this file for sm_80, where they trap; the binding launches them only on compute
 // capability 9.0 with a 9.0a build). Also the logits GEMM with the cross-entropy statistics
-// epilogue (EpiCEStats, gemm_sm90_stats.cuh), fp16 / bf16, and its combine kernel.
+// epilogue (EpiCEStats, gemm_sm90_stats.cuh), fp16 / bf16, and its combine kernel; and layouts
+// 2 and 3 with dz computed from z in the operand path (DzPrologue, gemm_sm90_dz.cuh): fp16 /
+// bf16 x {layout 2, layout 2 split-K, layout 3, layout 3 accumulating}.
 #include <cuda.h>
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
@@ -16,6 +18,7 @@
 #include "../tma_host.h"
 #include "gemm_sm90.cuh"
 #include "gemm_sm90.h"
+#include "gemm_sm90_dz.cuh"
 #include "gemm_sm90_stats.cuh"
 
 namespace fusedops {
@@ -76,22 +79,24 @@ GemmParamsSm90 make_params(const LceGemmSm90Args& args) {
   return p;
 }
 
-template <typename T, bool kATrans, bool kBTrans, class Epi>
+template <typename T, bool kATrans, bool kBTrans, class Epi, class Pro = NoPrologue>
 cudaError_t launch_kernel(const GemmParamsSm90& p, const CUtensorMap& tm_a,
                           const CUtensorMap& tm_b, const typename Epi::Params& ep,
-                          const LceGemmSm90Args& args) {
+                          const LceGemmSm90Args& args,
+                          const typename Pro::Params& pp = typename Pro::Params{}) {
   using C = GemmTilesSm90;
-  auto kernel = gemm_kernel_sm90<T, kATrans, kBTrans, Epi>;
+  auto kernel = gemm_kernel_sm90<T, kATrans, kBTrans, Epi, Pro>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          C::kSmem);
   if (err != cudaSuccess) return err;
   const int grid = p.n_units < args.num_sms ? p.n_units : args.num_sms;
-  kernel<<<grid, C::kThreads, C::kSmem, args.stream>>>(p, tm_a, tm_b, ep);
+  kernel<<<grid, C::kThreads, C::kSmem, args.stream>>>(p, tm_a, tm_b, ep, pp);
   return cudaGetLastError();
 }
 
-template <typename T, bool kATrans, bool kBTrans, bool kAccumulate>
-cudaError_t launch(const LceGemmSm90Args& args) {
+template <typename T, bool kATrans, bool kBTrans, bool kAccumulate, class Pro = NoPrologue>
+cudaError_t launch(const LceGemmSm90Args& args,
+                   const typename Pro::Params& pp = typename Pro::Params{}) {
   using C = GemmTilesSm90;
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   constexpr bool kSplitK = !kATrans && kBTrans && !kAccumulate;  // layout 2
@@ -118,7 +123,8 @@ cudaError_t launch(const LceGemmSm90Args& args) {
       ep.split_stride = args.m * ep.ld_ws;
       ep.m = p.m;
       ep.n = p.n;
-      cudaError_t err = launch_kernel<T, kATrans, kBTrans, EpiPartial<T>>(p, tm_a, tm_b, ep, args);
+      cudaError_t err =
+          launch_kernel<T, kATrans, kBTrans, EpiPartial<T>, Pro>(p, tm_a, tm_b, ep, args, pp);
       if (err != cudaSuccess) return err;
       const int64_t threads = args.m * ((args.n + 3) / 4);
       const int64_t blocks64 = (threads + 255) / 256;
@@ -130,7 +136,7 @@ cudaError_t launch(const LceGemmSm90Args& args) {
       return cudaGetLastError();
     }
   }
-  using Epi = EpiStore<T, kAccumulate>;
+  using Epi = EpiStore<T, kAccumulate, Pro::kOn>;
   typename Epi::Params ep;
   if (!make_map(&ep.tm_c, args.c, kBf16, args.n, args.m, args.ldc, 64, 64))
     return cudaErrorInvalidValue;
@@ -138,7 +144,7 @@ cudaError_t launch(const LceGemmSm90Args& args) {
   ep.ldc = args.ldc;
   ep.m = p.m;
   ep.n = p.n;
-  return launch_kernel<T, kATrans, kBTrans, Epi>(p, tm_a, tm_b, ep, args);
+  return launch_kernel<T, kATrans, kBTrans, Epi, Pro>(p, tm_a, tm_b, ep, args, pp);
 }
 
 // Layout 1 with EpiCEStats, then ce_stats_combine_kernel.
@@ -177,8 +183,69 @@ cudaError_t launch_ce_stats(const LceCeStatsSm90Args& args) {
   return cudaGetLastError();
 }
 
+// The per-token table of DzPrologue: {lse log2e, w (1 + 2 zl lse), w, target bits (-1 outside
+// [0, V))}, one thread per token. Any architecture.
+__global__ void __launch_bounds__(256)
+    dz_table_kernel(const float* lse, const float* w, const int64_t* target, int tokens,
+                    int64_t vocab, float z_loss, float4* tab) {
+  const int i = blockIdx.x * 256 + threadIdx.x;
+  if (i >= tokens) return;
+  const float l = lse[i], wi = w[i];
+  const int64_t t = target[i];
+  tab[i] = make_float4(l * dev::kLog2e, wi * (1.f + 2.f * z_loss * l), wi,
+                       __int_as_float(t >= 0 && t < vocab ? static_cast<int>(t) : -1));
+}
+
+template <typename T>
+cudaError_t launch_dz(const LceDzGemmSm90Args& args) {
+  const LceGemmSm90Args& g = args.gemm;
+  const bool l3 = g.layout == 3;
+  const int64_t tokens = l3 ? g.k : g.m, vocab = l3 ? g.m : g.k;
+  if (args.lse == nullptr || args.w == nullptr || args.target == nullptr || args.tab == nullptr ||
+      reinterpret_cast<uintptr_t>(args.tab) % 16 != 0 ||
+      (args.bias != nullptr && reinterpret_cast<uintptr_t>(args.bias) % 8 != 0))
+    return cudaErrorInvalidValue;
+  float4* tab = reinterpret_cast<float4*>(args.tab);
+  dz_table_kernel<<<static_cast<unsigned>((tokens + 255) / 256), 256, 0, g.stream>>>(
+      args.lse, args.w, args.target, static_cast<int>(tokens), vocab, args.z_loss, tab);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  typename DzPrologue<T, false>::Params pp;  // the same fields for both layouts
+  pp.tab = tab;
+  pp.bias = args.bias;
+  pp.c_zs = -args.eps / static_cast<float>(vocab);
+  pp.c_zt = -(1.f - args.eps);
+  pp.softcap = args.softcap;
+  pp.vocab = static_cast<int>(vocab);
+  pp.tokens = static_cast<int>(tokens);
+  if (!l3) {
+    if (g.accumulate) return cudaErrorNotSupported;
+    return launch<T, false, true, false, DzPrologue<T, false>>(g, pp);
+  }
+  typename DzPrologue<T, true>::Params pp3;
+  pp3.tab = pp.tab;
+  pp3.bias = pp.bias;
+  pp3.c_zs = pp.c_zs;
+  pp3.c_zt = pp.c_zt;
+  pp3.softcap = pp.softcap;
+  pp3.vocab = pp.vocab;
+  pp3.tokens = pp.tokens;
+  return g.accumulate ? launch<T, true, true, true, DzPrologue<T, true>>(g, pp3)
+                      : launch<T, true, true, false, DzPrologue<T, true>>(g, pp3);
+}
+
 }  // namespace
 }  // namespace lce_gemm
+
+cudaError_t lce_dz_gemm_sm90(const LceDzGemmSm90Args& args) {
+  const LceGemmSm90Args& g = args.gemm;
+  if (g.m < 1 || g.n < 1 || g.k < 1 || g.m > INT32_MAX || g.n > INT32_MAX || g.k > INT32_MAX ||
+      g.num_sms < 1 || (g.layout != 2 && g.layout != 3))
+    return cudaErrorInvalidValue;
+  return FP16_BF16_SWITCH(g.is_bf16, [&]() -> cudaError_t {
+    return lce_gemm::launch_dz<elem_t>(args);
+  });
+}
 
 int64_t lce_ce_stats_tiles(int64_t n) {
   using C = lce_gemm::GemmTilesSm90;

@@ -168,8 +168,9 @@ struct SlabStager {
 // rounding, as torch.addmm into a bf16/fp16 tensor). The old values are read by the consumer
 // threads in the fragment layout (4-byte loads, predicated at the edges) before the tile's main
 // loop, so that their latency hides behind it (64 more registers: the accumulate kernels peak at
-// about 211 of the consumers' 232).
-template <typename T, bool kAccumulate>
+// about 211 of the consumers' 232). kLateOld reads them per box in the epilogue instead (16
+// registers), for main loops that need those registers themselves (the dz prologue's).
+template <typename T, bool kAccumulate, bool kLateOld = false>
 struct EpiStore {
   struct Params {
     CUtensorMap tm_c;  // C [M, N], boxes 64 x 64, 128-byte swizzle
@@ -181,7 +182,8 @@ struct EpiStore {
 
   const Params& p;
   SlabStager st;
-  uint32_t old[kAccumulate ? kBoxes : 1][8][2];  // old C pairs: [box][chunk][row half]
+  static constexpr bool kPrefetch = kAccumulate && !kLateOld;
+  uint32_t old[kPrefetch ? kBoxes : 1][8][2];  // old C pairs: [box][chunk][row half]
 
   __device__ __forceinline__ EpiStore(const Params& params, const SlabStager& stager)
       : p(params), st(stager) {}
@@ -200,14 +202,14 @@ struct EpiStore {
             v = *reinterpret_cast<const uint32_t*>(src);
           else if (row < p.m && col < p.n)  // the last column of an odd N
             v = *reinterpret_cast<const unsigned short*>(src);
-          old[j][c][h] = v;
+          old[kPrefetch ? j : 0][c][h] = v;
         }
       }
     }
   }
 
   __device__ __forceinline__ void begin_tile(const FragCoord& f) {
-    if constexpr (kAccumulate) {
+    if constexpr (kPrefetch) {
 #pragma unroll
       for (int j = 0; j < kBoxes; ++j) load_old(j, f);
     }
@@ -233,6 +235,7 @@ struct EpiStore {
 #pragma unroll
     for (int j = 0; j < kBoxes; ++j) {
       if (f.n0 + 64 * j >= p.n) break;  // uniform: the box lies right of C
+      if constexpr (kAccumulate && kLateOld) load_old(j, f);
       st.begin();
 #pragma unroll
       for (int c = 0; c < 8; ++c)
@@ -240,8 +243,8 @@ struct EpiStore {
         for (int h = 0; h < 2; ++h) {
           float x0 = acc[8 * j + c][2 * h], x1 = acc[8 * j + c][2 * h + 1];
           if constexpr (kAccumulate) {
-            x0 += lo_f(old[j][c][h]);
-            x1 += hi_f(old[j][c][h]);
+            x0 += lo_f(old[kPrefetch ? j : 0][c][h]);
+            x1 += hi_f(old[kPrefetch ? j : 0][c][h]);
           }
           st.put(16 * f.warp + g + 8 * h, c, tq, dev::pack2<T>(x0, x1));
         }
@@ -316,11 +319,25 @@ __global__ void __launch_bounds__(256)
   }
 }
 
-template <typename T, bool kATrans, bool kBTrans, class Epi>
+// The plain operand path: A from shared memory (SS wgmma). A prologue functor Pro with kOn
+// instead builds every A fragment in registers from the stage's A tile (Pro::fragment, RS
+// wgmma; gemm_sm90_dz.cuh's DzPrologue: dz from z); Pro::begin_tile(row0) runs before a tile's
+// main loop.
+struct NoPrologue {
+  static constexpr bool kOn = false;
+  struct Params {};
+  __device__ __forceinline__ NoPrologue(const Params&, int, int) {}
+  __device__ __forceinline__ void begin_tile(int) {}
+  __device__ __forceinline__ void fragment(uint32_t, int, int, int, int, int,
+                                           uint32_t (&)[4]) const {}
+};
+
+template <typename T, bool kATrans, bool kBTrans, class Epi, class Pro = NoPrologue>
 __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
     gemm_kernel_sm90(const GemmParamsSm90 p, const __grid_constant__ CUtensorMap tm_a,
                      const __grid_constant__ CUtensorMap tm_b,
-                     const __grid_constant__ typename Epi::Params ep) {
+                     const __grid_constant__ typename Epi::Params ep,
+                     const __grid_constant__ typename Pro::Params pp) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fusedops::sm90;
   using C = GemmTilesSm90;
@@ -384,6 +401,7 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
     const SlabStager stager{base + C::kOutOff + 2 * cw * C::kOutBufBytes, 1 + cw,
                             threadIdx.x % 128 == 0};
     Epi epi(ep, stager);
+    Pro pro(pp, warp, lane);
 
     // Shared-memory descriptors of k-step kk (16 K-elements) of stage s for this warpgroup.
     //  A K-major: 128 rows of 128 bytes, the warpgroup's 64 from byte 64 cw 128; a k-step is
@@ -422,6 +440,29 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
       f.warp = warp;
       f.lane = lane;
       epi.begin_tile(f);
+      pro.begin_tile(f.row0);
+
+      // One k-block's products on stage s; first: its first k-step overwrites the accumulators.
+      // With a prologue the four A fragments are built (and fenced) before the first wgmma.
+      auto mma_block = [&](int s, int kb, bool first) {
+        if constexpr (Pro::kOn) {
+          uint32_t a[BK / 16][4];
+#pragma unroll
+          for (int kk = 0; kk < BK / 16; ++kk)
+            pro.fragment(sA + s * C::kABytes, cw, kk, kb * BK, f.slab_m0, lane, a[kk]);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < BK / 16; ++kk)
+            Wgmma<T, BN>::rs_mn(acc, a[kk], desc_b(s, kk), (first && kk == 0) ? 0 : 1);
+        } else {
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < BK / 16; ++kk)
+            WgmmaSs<T, BN>::template run<kATrans, kBTrans>(acc, desc_a(s, kk), desc_b(s, kk),
+                                                           (first && kk == 0) ? 0 : 1);
+        }
+        wgmma_commit();
+      };
 
       // The first k-block overwrites the accumulators (scale_d = 0 on its first k-step); each
       // later one is issued before the previous one is waited for, which then frees its stage.
@@ -429,22 +470,13 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
         const int s = it % S;
         mbar_wait(bar_full(s), (it / S) & 1);
         reg_fence(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk)
-          WgmmaSs<T, BN>::template run<kATrans, kBTrans>(acc, desc_a(s, kk), desc_b(s, kk),
-                                                         kk > 0 ? 1 : 0);
-        wgmma_commit();
+        mma_block(s, kb0, true);
         ++it;
       }
       for (int kb = kb0 + 1; kb < kb1; ++kb, ++it) {
         const int s = it % S;
         mbar_wait(bar_full(s), (it / S) & 1);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BK / 16; ++kk)
-          WgmmaSs<T, BN>::template run<kATrans, kBTrans>(acc, desc_a(s, kk), desc_b(s, kk), 1);
-        wgmma_commit();
+        mma_block(s, kb, false);
         wgmma_wait<1>();  // the previous k-block's products are done: its stage is free
         release((it - 1) % S);
       }

@@ -64,4 +64,24 @@ int64_t lce_ce_stats_tiles(int64_t n);
 // Launches both kernels; the same errors as lce_gemm_sm90.
 cudaError_t lce_logits_ce_stats_sm90(const LceCeStatsSm90Args& args);
 
+// Layouts 2 and 3 with A = dz computed from the stored logits z in the operand path (the row
+// kernel's MODE_DZ math, gemm_sm90_dz.cuh): gemm.a = z [tokens, V] (raw: no bias, no softcap) in
+// both layouts, so layout 2 is C[tokens, N] = dz B (gemm.m = tokens, gemm.k = V) and layout 3 is
+// C[V, N] (+)= dz^T B (gemm.m = V, gemm.k = tokens). Split-K as lce_gemm_sm90 (layout 2).
+// A first kernel builds the per-token table in `tab` (16 bytes per token, 16-byte aligned).
+struct LceDzGemmSm90Args {
+  LceGemmSm90Args gemm;
+  const float* bias = nullptr;      // [V] float32, 8-byte aligned, or null
+  const float* lse = nullptr;       // [tokens] float32
+  const float* w = nullptr;         // [tokens] float32, d loss / d per-token loss (0: ignored)
+  const int64_t* target = nullptr;  // [tokens]; outside [0, V): no one-hot term
+  float* tab = nullptr;             // [tokens][4] float32 scratch
+  float eps = 0.f;                  // label smoothing
+  float z_loss = 0.f;
+  float softcap = 0.f;              // 0: none
+};
+
+// Launches both kernels; the same errors as lce_gemm_sm90.
+cudaError_t lce_dz_gemm_sm90(const LceDzGemmSm90Args& args);
+
 }  // namespace fusedops
