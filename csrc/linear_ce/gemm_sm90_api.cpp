@@ -2,7 +2,8 @@
 // checks and the op torch.ops.fusedops.lce_gemm_sm90(a, b, out, layout, accumulate), which
 // writes out in place (tests, benchmarks and the opt-in FUSEDOPS_LCE_GEMM=sm90 path of
 // python/fusedops/linear_ce/chunked.py), and lce_logits_ce_stats_sm90, the logits GEMM with the
-// cross-entropy statistics in its epilogue (FUSEDOPS_LCE_GEMM=sm90-fused).
+// cross-entropy statistics in its epilogue (FUSEDOPS_LCE_GEMM=sm90-fused), and lce_dz_gemm_sm90,
+// d_hidden / d_weight with dz computed from z in the operand path (FUSEDOPS_LCE_GEMM=sm90-fused2).
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -216,9 +217,113 @@ void lce_logits_ce_stats_sm90_cuda(const Tensor& x, const Tensor& w, const Tenso
   check_launch(lce_logits_ce_stats_sm90(args), "lce_logits_ce_stats_sm90");
 }
 
+void check_dz_vector(const Tensor& t, const char* name, int64_t size, const Tensor& ref,
+                     at::ScalarType dtype) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), "lce_dz_gemm_sm90: ", name,
+                    " is on another device than out");
+  TORCH_CHECK_TYPE(t.scalar_type() == dtype, "lce_dz_gemm_sm90: ", name, " must be ", dtype,
+                   ", got ", t.scalar_type());
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == size && t.is_contiguous(), "lce_dz_gemm_sm90: ",
+                    name, " must be a contiguous 1-D tensor of ", str(size),
+                    " elements, got shape ", t.sizes());
+}
+
+// out (+)= the product of `layout` with A = dz computed from z [tokens, V] (the stored logits,
+// no bias or softcap) as the row kernel's MODE_DZ does: layout 2 out [tokens, H] = dz b [V, H];
+// layout 3 out [V, H] (+)= dz^T b [tokens, H] (accumulate: out = round(out + product)).
+void lce_dz_gemm_sm90_cuda(const Tensor& z, const Tensor& b, const Tensor& out, int64_t layout,
+                           bool accumulate, const std::optional<Tensor>& bias, const Tensor& lse,
+                           const Tensor& w, const Tensor& target, double eps, double z_loss,
+                           double softcap) {
+  TORCH_CHECK_VALUE(layout == 2 || layout == 3,
+                    "lce_dz_gemm_sm90: layout must be 2 (dz b) or 3 (dz^T b), got ", str(layout));
+  TORCH_CHECK_VALUE(!accumulate || layout == 3,
+                    "lce_dz_gemm_sm90: accumulate is built for layout 3 (d_weight) only");
+  check_matrix(out, "out", out);
+  check_matrix(z, "z", out);
+  check_matrix(b, "b", out);
+  const int64_t tokens = z.size(0), vocab = z.size(1);
+  const int64_t m = out.size(0), n = out.size(1);
+  const bool l3 = layout == 3;
+  TORCH_CHECK_VALUE(b.size(0) == (l3 ? tokens : vocab) && b.size(1) == n &&
+                        m == (l3 ? vocab : tokens),
+                    "lce_dz_gemm_sm90: layout ", str(layout), " takes z (tokens, V), ",
+                    l3 ? "b (tokens, H), out (V, H)" : "b (V, H), out (tokens, H)", "; got z (",
+                    str(tokens), ", ", str(vocab), "), b (", str(b.size(0)), ", ",
+                    str(b.size(1)), "), out (", str(m), ", ", str(n), ")");
+  for (const Tensor* t : {&z, &b}) {
+    const at::MemOverlapStatus st = at::get_overlap_status(out, *t);
+    TORCH_CHECK_VALUE(st != at::MemOverlapStatus::Full && st != at::MemOverlapStatus::Partial,
+                      "lce_dz_gemm_sm90: out must not overlap ", t == &z ? "z" : "b");
+  }
+  check_dz_vector(lse, "lse", tokens, out, at::kFloat);
+  check_dz_vector(w, "w", tokens, out, at::kFloat);
+  check_dz_vector(target, "target", tokens, out, at::kLong);
+  if (bias.has_value()) {
+    check_dz_vector(*bias, "bias", vocab, out, at::kFloat);
+    TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(bias->data_ptr()) % 8 == 0,
+                      "lce_dz_gemm_sm90: bias must start 8-byte aligned");
+  }
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0 && eps <= 1.0,
+                    "lce_dz_gemm_sm90: eps (label smoothing) must be in [0, 1], got ", eps);
+  TORCH_CHECK_VALUE(std::isfinite(z_loss), "lce_dz_gemm_sm90: z_loss must be finite, got ",
+                    z_loss);
+  TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap),
+                    "lce_dz_gemm_sm90: softcap must be finite and >= 0 (0: none), got ", softcap);
+  const int dev = out.get_device();
+  TORCH_CHECK_VALUE(hopper_kernels_for(dev),
+                    "lce_dz_gemm_sm90 needs a GPU of compute capability 9.0 and an extension "
+                    "built for 9.0a (built: " FUSEDOPS_BUILT_ARCHS ")");
+  if (m == 0 || n == 0) return;
+  c10::cuda::CUDAGuard guard(out.device());
+  const int64_t k = l3 ? tokens : vocab;
+  if (k == 0) {
+    if (!accumulate) const_cast<Tensor&>(out).zero_();
+    return;
+  }
+  Tensor tab = at::empty({tokens, 4}, out.options().dtype(at::kFloat));
+  LceDzGemmSm90Args args;
+  LceGemmSm90Args& g = args.gemm;
+  g.a = z.data_ptr();
+  g.b = b.data_ptr();
+  g.c = out.data_ptr();
+  auto ld = [](const Tensor& t) { return t.size(0) <= 1 ? (t.size(1) + 7) / 8 * 8 : t.stride(0); };
+  g.lda = ld(z);
+  g.ldb = ld(b);
+  g.ldc = ld(out);
+  g.m = m;
+  g.n = n;
+  g.k = k;
+  g.layout = static_cast<int>(layout);
+  g.accumulate = accumulate;
+  g.is_bf16 = out.scalar_type() == at::kBFloat16;
+  cudaDeviceGetAttribute(&g.num_sms, cudaDevAttrMultiProcessorCount, dev);
+  g.stream = c10::cuda::getCurrentCUDAStream(dev).stream();
+  int64_t ws_floats = 0;
+  g.k_splits = lce_gemm_sm90_splits(g, &ws_floats);
+  Tensor workspace;
+  if (ws_floats > 0) {
+    workspace = at::empty({ws_floats}, out.options().dtype(at::kFloat));
+    g.workspace = workspace.data_ptr<float>();
+  }
+  args.bias = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  args.lse = lse.data_ptr<float>();
+  args.w = w.data_ptr<float>();
+  args.target = target.data_ptr<int64_t>();
+  args.tab = tab.data_ptr<float>();
+  args.eps = static_cast<float>(eps);
+  args.z_loss = static_cast<float>(z_loss);
+  args.softcap = static_cast<float>(softcap);
+  check_launch(lce_dz_gemm_sm90(args), "lce_dz_gemm_sm90");
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fusedops, m) {
+  m.def(
+      "lce_dz_gemm_sm90(Tensor z, Tensor b, Tensor(a!) out, int layout, bool accumulate, "
+      "Tensor? bias, Tensor lse, Tensor w, Tensor target, float eps, float z_loss, "
+      "float softcap) -> ()");
   m.def("lce_gemm_sm90(Tensor a, Tensor b, Tensor(a!) out, int layout, bool accumulate) -> ()");
   m.def(
       "lce_logits_ce_stats_sm90(Tensor x, Tensor w, Tensor(a!) z, Tensor? bias, Tensor target, "
@@ -228,6 +333,7 @@ TORCH_LIBRARY_FRAGMENT(fusedops, m) {
 TORCH_LIBRARY_IMPL(fusedops, CUDA, m) {
   m.impl("lce_gemm_sm90", &lce_gemm_sm90_cuda);
   m.impl("lce_logits_ce_stats_sm90", &lce_logits_ce_stats_sm90_cuda);
+  m.impl("lce_dz_gemm_sm90", &lce_dz_gemm_sm90_cuda);
 }
 
 }  // namespace fusedops
