@@ -218,7 +218,9 @@ cudaError_t launch_dz(const LceDzGemmSm90Args& args) {
   pp.softcap = args.softcap;
   pp.vocab = static_cast<int>(vocab);
   pp.tokens = static_cast<int>(tokens);
+  pp.dbias = nullptr;
   if (!l3) {
+    if (args.dbias != nullptr) return cudaErrorInvalidValue;
     if (g.accumulate) return cudaErrorNotSupported;
     return launch<T, false, true, false, DzPrologue<T, false>>(g, pp);
   }
@@ -230,6 +232,7 @@ cudaError_t launch_dz(const LceDzGemmSm90Args& args) {
   pp3.softcap = pp.softcap;
   pp3.vocab = pp.vocab;
   pp3.tokens = pp.tokens;
+  pp3.dbias = args.dbias;
   return g.accumulate ? launch<T, true, true, true, DzPrologue<T, true>>(g, pp3)
                       : launch<T, true, true, false, DzPrologue<T, true>>(g, pp3);
 }

@@ -322,14 +322,15 @@ __global__ void __launch_bounds__(256)
 // The plain operand path: A from shared memory (SS wgmma). A prologue functor Pro with kOn
 // instead builds every A fragment in registers from the stage's A tile (Pro::fragment, RS
 // wgmma; gemm_sm90_dz.cuh's DzPrologue: dz from z); Pro::begin_tile(row0) runs before a tile's
-// main loop.
+// main loop, Pro::end_tile(row0, n0) after it.
 struct NoPrologue {
   static constexpr bool kOn = false;
   struct Params {};
   __device__ __forceinline__ NoPrologue(const Params&, int, int) {}
   __device__ __forceinline__ void begin_tile(int) {}
+  __device__ __forceinline__ void end_tile(int, int) {}
   __device__ __forceinline__ void fragment(uint32_t, int, int, int, int, int,
-                                           uint32_t (&)[4]) const {}
+                                           uint32_t (&)[4]) {}
 };
 
 template <typename T, bool kATrans, bool kBTrans, class Epi, class Pro = NoPrologue>
@@ -483,6 +484,7 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
       wgmma_wait<0>();
       reg_fence(acc);
       release((it - 1) % S);
+      pro.end_tile(f.row0, f.n0);
       epi.end_tile(acc, f);
     }
     epi.finish();

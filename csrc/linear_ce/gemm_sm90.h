@@ -79,6 +79,7 @@ struct LceDzGemmSm90Args {
   float eps = 0.f;                  // label smoothing
   float z_loss = 0.f;
   float softcap = 0.f;              // 0: none
+  float* dbias = nullptr;  // layout 3 only, or null: [V] float32 = the column sums of dz
 };
 
 // Launches both kernels; the same errors as lce_gemm_sm90.

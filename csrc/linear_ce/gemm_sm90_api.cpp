@@ -230,11 +230,12 @@ void check_dz_vector(const Tensor& t, const char* name, int64_t size, const Tens
 
 // out (+)= the product of `layout` with A = dz computed from z [tokens, V] (the stored logits,
 // no bias or softcap) as the row kernel's MODE_DZ does: layout 2 out [tokens, H] = dz b [V, H];
-// layout 3 out [V, H] (+)= dz^T b [tokens, H] (accumulate: out = round(out + product)).
+// layout 3 out [V, H] (+)= dz^T b [tokens, H] (accumulate: out = round(out + product)), and with
+// dbias (layout 3) dbias [V] float32 = the column sums of dz.
 void lce_dz_gemm_sm90_cuda(const Tensor& z, const Tensor& b, const Tensor& out, int64_t layout,
                            bool accumulate, const std::optional<Tensor>& bias, const Tensor& lse,
                            const Tensor& w, const Tensor& target, double eps, double z_loss,
-                           double softcap) {
+                           double softcap, const std::optional<Tensor>& dbias) {
   TORCH_CHECK_VALUE(layout == 2 || layout == 3,
                     "lce_dz_gemm_sm90: layout must be 2 (dz b) or 3 (dz^T b), got ", str(layout));
   TORCH_CHECK_VALUE(!accumulate || layout == 3,
@@ -264,6 +265,16 @@ void lce_dz_gemm_sm90_cuda(const Tensor& z, const Tensor& b, const Tensor& out, 
     TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(bias->data_ptr()) % 8 == 0,
                       "lce_dz_gemm_sm90: bias must start 8-byte aligned");
   }
+  if (dbias.has_value()) {
+    TORCH_CHECK_VALUE(l3, "lce_dz_gemm_sm90: dbias is written by layout 3 only");
+    TORCH_CHECK_VALUE(n >= 1, "lce_dz_gemm_sm90: dbias needs b with at least one column");
+    check_dz_vector(*dbias, "dbias", vocab, out, at::kFloat);
+    for (const Tensor* t : {&z, &b, &out, &lse, &w}) {
+      const at::MemOverlapStatus st = at::get_overlap_status(*dbias, *t);
+      TORCH_CHECK_VALUE(st != at::MemOverlapStatus::Full && st != at::MemOverlapStatus::Partial,
+                        "lce_dz_gemm_sm90: dbias must not overlap the other arguments");
+    }
+  }
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0 && eps <= 1.0,
                     "lce_dz_gemm_sm90: eps (label smoothing) must be in [0, 1], got ", eps);
   TORCH_CHECK_VALUE(std::isfinite(z_loss), "lce_dz_gemm_sm90: z_loss must be finite, got ",
@@ -279,6 +290,7 @@ void lce_dz_gemm_sm90_cuda(const Tensor& z, const Tensor& b, const Tensor& out, 
   const int64_t k = l3 ? tokens : vocab;
   if (k == 0) {
     if (!accumulate) const_cast<Tensor&>(out).zero_();
+    if (dbias.has_value()) const_cast<Tensor&>(*dbias).zero_();
     return;
   }
   Tensor tab = at::empty({tokens, 4}, out.options().dtype(at::kFloat));
@@ -314,6 +326,7 @@ void lce_dz_gemm_sm90_cuda(const Tensor& z, const Tensor& b, const Tensor& out, 
   args.eps = static_cast<float>(eps);
   args.z_loss = static_cast<float>(z_loss);
   args.softcap = static_cast<float>(softcap);
+  args.dbias = dbias.has_value() ? dbias->data_ptr<float>() : nullptr;
   check_launch(lce_dz_gemm_sm90(args), "lce_dz_gemm_sm90");
 }
 
@@ -323,7 +336,7 @@ TORCH_LIBRARY_FRAGMENT(fusedops, m) {
   m.def(
       "lce_dz_gemm_sm90(Tensor z, Tensor b, Tensor(a!) out, int layout, bool accumulate, "
       "Tensor? bias, Tensor lse, Tensor w, Tensor target, float eps, float z_loss, "
-      "float softcap) -> ()");
+      "float softcap, Tensor(b!)? dbias) -> ()");
   m.def("lce_gemm_sm90(Tensor a, Tensor b, Tensor(a!) out, int layout, bool accumulate) -> ()");
   m.def(
       "lce_logits_ce_stats_sm90(Tensor x, Tensor w, Tensor(a!) z, Tensor? bias, Tensor target, "

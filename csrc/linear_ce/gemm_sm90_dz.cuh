@@ -23,6 +23,8 @@
 // (four per thread and k-step, read by plain loads, L1/L2-resident: 16 bytes per token). The bias
 // is per vocab column: the K index for layout 2 (four per k-step), M for layout 3 (two per tile).
 // Columns >= V and tokens past the end give dz = 0 (the zero-filled tile edges must add nothing).
+// Layout 3 can also write d_bias's chunk sums (Params::dbias, end_tile), as the dz pass's
+// dz.sum(0) did, from the float32 dz.
 #pragma once
 
 #include <cstdint>
@@ -61,6 +63,7 @@ struct DzPrologue {
     float softcap;      // 0: none
     int vocab;          // V
     int tokens;
+    float* dbias;       // layout 3 only, or null: dbias[v] = sum over the tokens of dz[., v]
   };
 
   const Params& p;
@@ -70,6 +73,7 @@ struct DzPrologue {
   float4 row_tab[2];
   float row_bias[2];
   int row_ok[2];
+  float row_sum[2];  // layout 3 with dbias: the thread's share of its two vocab rows' dz sums
 
   __device__ __forceinline__ DzPrologue(const Params& params, int warp_, int lane)
       : p(params), warp(warp_), g(lane >> 2), tq(lane & 3) {}
@@ -79,6 +83,7 @@ struct DzPrologue {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = r0 + 8 * h;
+      row_sum[h] = 0.f;
       if constexpr (!kATrans) {
         row_ok[h] = r < p.tokens;
         row_tab[h] = row_ok[h] ? __ldg(p.tab + r) : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -119,7 +124,7 @@ struct DzPrologue {
   // for consumer warpgroup cw; k0: the k-block's first K index; m_slab: the warpgroup's first M
   // index (slab_m0).
   __device__ __forceinline__ void fragment(uint32_t a_stage, int cw, int kk, int k0, int m_slab,
-                                           int lane, uint32_t (&a)[4]) const {
+                                           int lane, uint32_t (&a)[4]) {
     const int mi = lane >> 3, r8 = lane & 7;
     uint32_t raw[4];
     if constexpr (!kATrans) {
@@ -172,9 +177,29 @@ struct DzPrologue {
         for (int hm = 0; hm < 2; ++hm) {
           const int i = 2 * hk + hm;
           const int col = col0 + 8 * hm;
-          a[i] = dev::pack2<T>(dz(lo_f(raw[i]), row_bias[hm], t0, col, ok0 && row_ok[hm]),
-                               dz(hi_f(raw[i]), row_bias[hm], t1, col, ok1 && row_ok[hm]));
+          const float d0 = dz(lo_f(raw[i]), row_bias[hm], t0, col, ok0 && row_ok[hm]);
+          const float d1 = dz(hi_f(raw[i]), row_bias[hm], t1, col, ok1 && row_ok[hm]);
+          if (p.dbias != nullptr) row_sum[hm] += d0 + d1;
+          a[i] = dev::pack2<T>(d0, d1);
         }
+      }
+    }
+  }
+
+  // After a tile's main loop (r0 as begin_tile, n0 the tile's first column): layout 3 with
+  // dbias, the tiles of the first column block write the column sums of dz (float32, before
+  // the operand's rounding) of their vocab rows; a row's 64-token shares lie in the four lanes
+  // of a quad.
+  __device__ __forceinline__ void end_tile(int r0, int n0) {
+    if constexpr (kATrans) {
+      if (p.dbias == nullptr || n0 != 0) return;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float v = row_sum[h];
+        v += __shfl_xor_sync(0xffffffffu, v, 1);
+        v += __shfl_xor_sync(0xffffffffu, v, 2);
+        const int r = r0 + 8 * h;
+        if (tq == 0 && r < p.vocab) p.dbias[r] = v;
       }
     }
   }
