@@ -11,7 +11,9 @@ vocabulary go in chunks sized by a memory budget:
   d_weight += dz^T X_c (cuBLAS, float32 accumulation, rounded into d_weight once per chunk);
   with FUSEDOPS_LCE_GEMM=sm90-fused on a Hopper GPU (opt-in), the logits GEMM is ours and
   computes lse, target logit and logit sum in its epilogue (gemm_sm90.logits_ce_stats), so the
-  row kernel only writes dz (MODE_DZ), and d_hidden, d_weight run on our GEMMs too;
+  row kernel only writes dz (MODE_DZ), and d_hidden, d_weight run on our GEMMs too; with
+  FUSEDOPS_LCE_GEMM=sm90-fused2 there is no dz pass either: d_hidden and d_weight compute dz from
+  z in their operand path (gemm_sm90.dz_gemm; layout 3 also gives d_bias's chunk sums);
 * vocab-chunked (small budgets): per token chunk, one sweep over vocab chunks for the statistics
   (online log-sum-exp) and a second one that recomputes z, turns it into dz, adds each chunk's
   d_hidden product into a float32 buffer (token chunk x H) and d_weight slices as above: four
@@ -267,10 +269,20 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
         # the row kernel only turns z into dz (MODE_DZ).
         splan = stats_plan(plan, hidden, w_mm, b_in, target, budget, need_dh)
         partials = None
+        dz_in_gemm = False  # FUSEDOPS_LCE_GEMM=sm90-fused2: no dz pass (gemm_sm90.dz_gemm)
         if splan is not None:
             plan = splan
             partials = torch.empty(plan.rows, gemm_sm90.stats_tiles(vocab), 4,
                                    dtype=torch.float32, device=dev)
+            dz_in_gemm = gemm_sm90.dz_route_why_not(hidden, d_weight if need_dw else None,
+                                                    b_in) is None
+        db_chunk = None
+        if dz_in_gemm and need_db:
+            # d_bias's chunk sums come from the d_weight GEMM (a plain sum when d_weight is not
+            # needed would need dz itself: keep the dz pass then).
+            dz_in_gemm = need_dw
+            if dz_in_gemm:
+                db_chunk = torch.empty(vocab, dtype=torch.float32, device=dev)
         buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
         acc = part = None
         if need_dh and not plan.full_rows:
@@ -303,7 +315,18 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
                 gemm_sm90.logits_ce_stats(x, w_mm, z, b_in, target[n0:n1], cap,
                                           partials[: n1 - n0], lse[n0:n1], zt[n0:n1],
                                           zsum[n0:n1])
-                if need_grads:
+                if need_grads and dz_in_gemm:
+                    dz_args = (b_in, lse[n0:n1], w_tok[n0:n1], target[n0:n1], eps, zl, cap)
+                    if need_dh:
+                        gemm_sm90.dz_gemm(z, w_mm, d_hidden[n0:n1], gemm_sm90.D_HIDDEN, False,
+                                          *dz_args)
+                    if need_dw:
+                        gemm_sm90.dz_gemm(z, x, d_weight, gemm_sm90.D_WEIGHT, not first_dw,
+                                          *dz_args, dbias=db_chunk)
+                        if db_chunk is not None:
+                            d_bias32 += db_chunk
+                    first_dw = False
+                elif need_grads:
                     _rows(backend, z, b_in, target[n0:n1], 0, vocab, w_tok[n0:n1], lse[n0:n1],
                           lse[n0:n1], lse[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap, MODE_DZ)
                     _grads_from_dz(z, x, w_mm, 0, vocab, d_hidden[n0:n1] if need_dh else None,

@@ -5,7 +5,9 @@ on them instead of cuBLAS where the operands fit (off by default; read at every 
 FUSEDOPS_LCE_GEMM=sm90-fused does the same and, for whole-row token chunks, runs the logits
 GEMM with the cross-entropy statistics in its epilogue (torch.ops.fusedops.
 lce_logits_ce_stats_sm90), so that the row kernel only turns z into dz (stats_route_why_not says
-when it applies).
+when it applies). FUSEDOPS_LCE_GEMM=sm90-fused2 also drops that pass: d_hidden and d_weight
+compute dz from z in their operand path (torch.ops.fusedops.lce_dz_gemm_sm90, dz_gemm;
+dz_route_why_not says when).
 
 Layouts (row-major operands; out is written in place):
   LOGITS   = 1: out[M, N] = a[M, K] @ b[N, K].T
@@ -25,9 +27,10 @@ from fusedops import _ext
 
 LOGITS, D_HIDDEN, D_WEIGHT = 1, 2, 3
 ENV = "FUSEDOPS_LCE_GEMM"
-SM90, SM90_FUSED = "sm90", "sm90-fused"  # the values of ENV that turn our GEMMs on
+SM90, SM90_FUSED, SM90_FUSED2 = "sm90", "sm90-fused", "sm90-fused2"  # ENV values: our GEMMs on
 STATS_BLOCK_N = 256  # vocab columns per partial of the statistics epilogue (the GEMM's tile)
 stats_calls = 0  # calls of logits_ce_stats so far: tests and benchmarks see the route ran
+dz_calls = 0  # calls of dz_gemm so far
 # A library holding the op alone (benchmarks/lce_gemm_sm90_standalone.py), loaded at import
 # when fusedops._C does not register the op: for device checks without the whole extension.
 LIB_ENV = "FUSEDOPS_LCE_GEMM_LIB"
@@ -68,13 +71,27 @@ def _mode() -> str:
 
 
 def enabled() -> bool:
-    """Our GEMMs run the products they cover (FUSEDOPS_LCE_GEMM=sm90 or sm90-fused)."""
-    return _mode() in (SM90, SM90_FUSED)
+    """Our GEMMs run the products they cover (FUSEDOPS_LCE_GEMM=sm90, sm90-fused or
+    sm90-fused2)."""
+    return _mode() in (SM90, SM90_FUSED, SM90_FUSED2)
 
 
 def fused_enabled() -> bool:
-    """The logits GEMM also computes the statistics (FUSEDOPS_LCE_GEMM=sm90-fused)."""
-    return _mode() == SM90_FUSED
+    """The logits GEMM also computes the statistics (FUSEDOPS_LCE_GEMM=sm90-fused or
+    sm90-fused2)."""
+    return _mode() in (SM90_FUSED, SM90_FUSED2)
+
+
+def dz_enabled() -> bool:
+    """d_hidden and d_weight also compute dz from z (FUSEDOPS_LCE_GEMM=sm90-fused2)."""
+    return _mode() == SM90_FUSED2
+
+
+def dz_op_available() -> bool:
+    try:
+        return hasattr(torch.ops.fusedops, "lce_dz_gemm_sm90")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def stats_op_available() -> bool:
@@ -104,7 +121,7 @@ def stats_route_why_not(hidden: Tensor, w_mm: Tensor, bias: Tensor | None, targe
     these inputs (None: it can). From the switch, dtypes, shapes, strides, pointer alignment and
     the device only (never tensor values), so the choice is stable for torch.compile."""
     if not fused_enabled():
-        return f"{ENV} is not {SM90_FUSED}"
+        return f"{ENV} is not {SM90_FUSED} or {SM90_FUSED2}"
     if not full_rows:
         return "the token chunks are vocab-chunked (the memory budget holds no whole rows)"
     if hidden.dtype not in (torch.bfloat16, torch.float16) or w_mm.dtype != hidden.dtype:
@@ -142,6 +159,40 @@ def logits_ce_stats(x: Tensor, w: Tensor, z: Tensor, bias: Tensor | None, target
     stats_calls += 1
     torch.ops.fusedops.lce_logits_ce_stats_sm90(x, w, z, bias, target, float(softcap), partials,
                                                 lse, zt, zsum)
+
+
+def dz_route_why_not(hidden: Tensor, d_weight: Tensor | None, bias: Tensor | None) -> str | None:
+    """Why chunked.fused_forward, on the statistics route, cannot also compute dz inside the
+    d_hidden and d_weight GEMMs (None: it can; it then skips the row kernel's dz pass).
+    d_weight: the gradient buffer (None when not needed); bias: the float32 bias or None. From
+    the switch, dtypes, strides and the device only."""
+    if not dz_enabled():
+        return f"{ENV} is not {SM90_FUSED2}"
+    if not dz_op_available():
+        return "needs the lce_dz_gemm_sm90 op (fusedops._C built for 9.0a)"
+    if d_weight is not None and (d_weight.dtype != hidden.dtype or not _row_major(d_weight)):
+        return f"needs d_weight in hidden's dtype {hidden.dtype}, got {d_weight.dtype} " \
+               "(float32 weights keep the dz pass and cuBLAS)"
+    if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()
+                             or bias.data_ptr() % 8):
+        return "needs a contiguous, 8-byte aligned float32 bias"
+    return None
+
+
+def dz_gemm(z: Tensor, b: Tensor, out: Tensor, layout: int, accumulate: bool,
+            bias: Tensor | None, lse: Tensor, w: Tensor, target: Tensor, eps: float,
+            z_loss: float, softcap: float, dbias: Tensor | None = None) -> Tensor:
+    """The d_hidden (layout 2: out[tokens, H] = dz @ b[V, H]) or d_weight (layout 3: out[V, H]
+    (+)= dz.T @ b[tokens, H]) product with dz computed from the stored logits z [tokens, V]
+    (no bias or softcap applied) as the row kernel's dz pass does: dz = w (softmax(z') (1 + 2
+    z_loss lse) - eps / V - (1 - eps) onehot(target)) times the softcap derivative, z' =
+    softcap(z + bias). lse, w float32 [tokens]; target int64 (outside [0, V): no one-hot term).
+    Layout 3 also writes dbias [V] float32 = dz.sum(0) when given. Returns out."""
+    global dz_calls
+    dz_calls += 1
+    torch.ops.fusedops.lce_dz_gemm_sm90(z, b, out, layout, accumulate, bias, lse, w, target,
+                                        float(eps), float(z_loss), float(softcap), dbias)
+    return out
 
 
 def _row_major(t: Tensor) -> bool:
@@ -190,6 +241,11 @@ def register_fake() -> None:
     if stats_op_available():
         @torch.library.register_fake("fusedops::lce_logits_ce_stats_sm90")
         def _(x, w, z, bias, target, softcap, partials, lse, zt, zsum):
+            return None
+
+    if dz_op_available():
+        @torch.library.register_fake("fusedops::lce_dz_gemm_sm90")
+        def _(z, b, out, layout, accumulate, bias, lse, w, target, eps, z_loss, softcap, dbias):
             return None
 
     _FAKE = True
