@@ -189,6 +189,7 @@ def sanitize_cases():
                 raise SystemExit(f"sanitize case {layout, acc, m, n, k} {dtype}: error {err}")
     os.environ.pop("FUSEDOPS_LCE_GEMM_SPLITK")
     sanitize_stats_cases()
+    sanitize_dz_cases()
     torch.cuda.synchronize()
     print("sanitize cases ran")
 
@@ -227,6 +228,56 @@ def sanitize_stats_cases():
             if not err <= 1e-3:
                 raise SystemExit(f"stats sanitize case {m, v, k, bias, cap} {dtype}: lse error "
                                  f"{err}")
+
+
+DZ_SANITIZE_CASES = [  # (layout, accumulate, tokens, V, H, bias, softcap, split-K, padded z)
+    (2, False, 133, 520, 136, True, 5.0, 1, True), (2, False, 130, 1024, 72, False, 0.0, 2, False),
+    (3, False, 133, 520, 136, True, 5.0, 1, True), (3, True, 1, 8, 8, True, 0.0, 1, False),
+]
+
+
+def sanitize_dz_cases():
+    """The dz-prologue GEMMs (bf16/fp16 x layout 2, its split-K, layout 3, accumulating, d_bias)
+    on small ragged shapes, checked loosely against torch (tests/linear_ce/test_lce_dz_sm90.py
+    checks tightly)."""
+    sm90 = _gemm_sm90()
+    if not sm90.dz_op_available():
+        print("dz sanitize cases skipped: no lce_dz_gemm_sm90 op")
+        return
+    for dtype in (torch.bfloat16, torch.float16):
+        for layout, acc, n, v, h, bias, cap, splits, padded in DZ_SANITIZE_CASES:
+            os.environ["FUSEDOPS_LCE_GEMM_SPLITK"] = str(splits)
+            g = torch.Generator(device="cuda").manual_seed(3)
+            z = (torch.randn(n, v, generator=g, device="cuda") * 2).to(dtype)
+            if padded:
+                z = _padded(z)
+            b = torch.randn(v, generator=g, device="cuda") * 0.3 if bias else None
+            t = torch.randint(0, v, (n,), generator=g, device="cuda")
+            t[::3] = -100
+            logits = z.float() + (b if bias else 0.0)
+            if cap:
+                logits = cap * torch.tanh(logits / cap)
+            lse = torch.logsumexp(logits, 1)
+            w = torch.where(t == -100, 0.0, 1.0 / n)
+            bm = torch.randn(v if layout == 2 else n, h, generator=g, device="cuda").to(dtype)
+            out = torch.randn(n if layout == 2 else v, h, generator=g, device="cuda").to(dtype)
+            old = out.float()
+            dbias = torch.empty(v, device="cuda") if layout == 3 else None
+            sm90.dz_gemm(z, bm, out, layout, acc, b, lse, w, t, 0.1, 1e-3, cap, dbias)
+            p = torch.softmax(logits, 1)
+            onehot = torch.zeros_like(p)
+            inside = t >= 0
+            onehot[inside] = torch.nn.functional.one_hot(t[inside], v).float()
+            dz = w[:, None] * (p * (1 + 2e-3 * lse[:, None]) - 0.1 / v - 0.9 * onehot)
+            if cap:
+                dz = dz * (1 - (logits / cap) ** 2)
+            ref = dz @ bm.float() if layout == 2 else dz.T @ bm.float()
+            if acc:
+                ref = ref + old
+            err = float((out.float() - ref).abs().max())
+            if not err <= 0.05 * float(ref.abs().max()) + 1e-2:
+                raise SystemExit(f"dz sanitize case {layout, acc, n, v, h} {dtype}: error {err}")
+    os.environ.pop("FUSEDOPS_LCE_GEMM_SPLITK")
 
 
 def sanitize_run():

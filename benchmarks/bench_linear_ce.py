@@ -7,11 +7,15 @@ benchmarks/results/linear_ce.jsonl (or <--out>/linear_ce.jsonl).
     python benchmarks/bench_linear_ce.py --shapes llama3,gemma2,llama2 --out DIR
     python benchmarks/bench_linear_ce.py --shapes llama3,llama3-4k \
         --methods fusedops,fusedops-sm90,fusedops-sm90-fused,fusedops-sm90-fused-520
+    python benchmarks/bench_linear_ce.py --shapes llama3 \
+        --methods fusedops-sm90-fused-520,fusedops-sm90-fused2-520
 
 "fusedops-sm90" runs the mean path's three GEMMs on our Hopper GEMMs (FUSEDOPS_LCE_GEMM=sm90),
 "fusedops-sm90-fused" also the statistics in the logits GEMM's epilogue (sm90-fused; its partials
 count in the 512 MiB budget, so Llama-3's 8192 tokens go in 5 chunks of 1664 instead of 4 of
-2048), "-520" the same at a 520 MiB budget, where both routes take 4 chunks of 2048.
+2048), "-520" the same at a 520 MiB budget, where both routes take 4 chunks of 2048;
+"fusedops-sm90-fused2" (-520) also drops the row kernel's dz pass (sm90-fused2: d_hidden and
+d_weight compute dz from z in their operand path).
 
 "extra_mib" is peak memory above what was allocated before the step (inputs, weights) minus the
 bytes of the gradients the step returns (d_hidden, d_weight), i.e. the method's scratch. "ms" is
@@ -78,11 +82,13 @@ def methods(softcap):
         def run(x, w, t):
             old = os.environ.get("FUSEDOPS_LCE_GEMM")
             os.environ["FUSEDOPS_LCE_GEMM"] = mode
-            calls = gemm_sm90.stats_calls
+            calls, dz_calls = gemm_sm90.stats_calls, gemm_sm90.dz_calls
             try:
                 out = inner(x, w, t)
-                if mode == "sm90-fused" and gemm_sm90.stats_calls == calls:
+                if mode.startswith("sm90-fused") and gemm_sm90.stats_calls == calls:
                     raise RuntimeError("the statistics epilogue did not run (route not taken)")
+                if mode == "sm90-fused2" and gemm_sm90.dz_calls == dz_calls:
+                    raise RuntimeError("the dz GEMMs did not run (route not taken)")
                 return out
             finally:
                 if old is None:
@@ -99,6 +105,9 @@ def methods(softcap):
             out["fusedops-sm90-fused"] = with_gemm("sm90-fused")
             out["fusedops-sm90-fused-520"] = with_gemm("sm90-fused", 520)
             out["fusedops-520"] = fused(budget=520)
+            if gemm_sm90.dz_op_available():
+                out["fusedops-sm90-fused2"] = with_gemm("sm90-fused2")
+                out["fusedops-sm90-fused2-520"] = with_gemm("sm90-fused2", 520)
     sig = dispatch.InputSig("linear_ce", "cuda", torch.cuda.current_device(), torch.bfloat16, 64)
     default = dispatch.select_name("linear_ce", "cuda", torch.cuda.current_device(), "bfloat16",
                                    64, None)

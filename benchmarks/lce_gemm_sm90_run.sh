@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One device call for the Hopper GEMMs of the linear cross-entropy: build, their GPU tests
-# (tests/linear_ce/test_gemm_sm90.py, test_lce_fused_sm90.py), compute-sanitizer (memcheck,
+# (tests/linear_ce/test_gemm_sm90.py, test_lce_fused_sm90.py, test_lce_dz_sm90.py),
+# compute-sanitizer (memcheck,
 # racecheck, synccheck) on the tiny cases of every instantiation, bench_gemm_sm90.py against
-# cuBLAS, and bench_linear_ce.py's whole loss with FUSEDOPS_LCE_GEMM=sm90 / sm90-fused next to
+# cuBLAS, and bench_linear_ce.py's whole loss with FUSEDOPS_LCE_GEMM=sm90 / sm90-fused /
+# sm90-fused2 next to
 # the default at Llama-3's shape (N = 8192 and 4096). Logs go to $OUT (log.txt, build.log,
 # tests.log, sanitize.log, bench.log, bench.err, lce_bench.log, lce_bench.err); rows to
 # $OUT/lce_gemm.jsonl and $OUT/linear_ce.jsonl. Each step has a time limit, so that a hang costs
@@ -20,7 +22,7 @@ export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} FUSEDOPS_CUDA_ARCHS=${FUSEDOP
 say() { echo "== $* ($(date +%T))" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee -a "$LOG"
 TEST_ARGS="-q -rs -p no:cacheprovider -m gpu tests/linear_ce/test_gemm_sm90.py"
-TEST_ARGS="$TEST_ARGS tests/linear_ce/test_lce_fused_sm90.py"
+TEST_ARGS="$TEST_ARGS tests/linear_ce/test_lce_fused_sm90.py tests/linear_ce/test_lce_dz_sm90.py"
 if [ -n "${TESTS:-}" ] && [ "$TESTS" != "none" ]; then TEST_ARGS="$TEST_ARGS -k '$TESTS'"; fi
 say build
 t0=$(date +%s)
@@ -67,6 +69,7 @@ fi
 if [ "${SKIP_LCE_BENCH:-0}" != "1" ] && [ "${STANDALONE:-0}" != "1" ]; then
   say lce bench
   LCE_METHODS=fusedops,fusedops-sm90,fusedops-sm90-fused,fusedops-520,fusedops-sm90-fused-520
+  LCE_METHODS=$LCE_METHODS,fusedops-sm90-fused2,fusedops-sm90-fused2-520
   LCE_ARGS=${LCE_BENCH_ARGS:-"--shapes llama3,llama3-4k --methods $LCE_METHODS"}
   # shellcheck disable=SC2086  # LCE_ARGS holds words
   timeout 300 python3 benchmarks/bench_linear_ce.py --out "$OUT" $LCE_ARGS \
