@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
 # One device call for the Hopper GEMMs of the linear cross-entropy: build, their GPU tests
 # (tests/linear_ce/test_gemm_sm90.py, test_lce_fused_sm90.py, test_lce_dz_sm90.py),
-# compute-sanitizer (memcheck,
-# racecheck, synccheck) on the tiny cases of every instantiation, bench_gemm_sm90.py against
-# cuBLAS, and bench_linear_ce.py's whole loss with FUSEDOPS_LCE_GEMM=sm90 / sm90-fused /
-# sm90-fused2 next to
-# the default at Llama-3's shape (N = 8192 and 4096). Logs go to $OUT (log.txt, build.log,
-# tests.log, sanitize.log, bench.log, bench.err, lce_bench.log, lce_bench.err); rows to
-# $OUT/lce_gemm.jsonl and $OUT/linear_ce.jsonl. Each step has a time limit, so that a hang costs
-# minutes, not the call.
+# compute-sanitizer (memcheck, racecheck, synccheck) on the tiny cases of every instantiation,
+# bench_gemm_sm90.py against cuBLAS, and bench_linear_ce.py's whole loss with
+# FUSEDOPS_LCE_GEMM=sm90 / sm90-fused / sm90-fused2 next to the default at Llama-3's shape (N =
+# 8192 and 4096). Logs go to $OUT (log.txt, build.log, tests.log, sanitize.log, bench.log,
+# bench.err, lce_bench.log, lce_bench.err); rows to $OUT/lce_gemm.jsonl and $OUT/linear_ce.jsonl.
+# Each step has a time limit, so that a hang costs minutes, not the call.
 # Env: FUSEDOPS_GIT (sha for the rows); STANDALONE=1 builds the GEMM op alone
 #   (lce_gemm_sm90_standalone.py, about a minute; the chunked.py switch tests then skip) instead
 #   of installing fusedops for FUSEDOPS_CUDA_ARCHS (default here 9.0a); TESTS (a pytest -k
