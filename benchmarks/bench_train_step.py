@@ -109,8 +109,9 @@ def run_one(method: str, args) -> dict:
     cuda = device.type == "cuda"
     row = dict(op="train_step", method=method, model=args.model, B=args.batch, S=args.seq,
                dtype=args.dtype, device=device.type, oom=False)
-    if parse_method(method)[1] is not None:
-        row["memory_budget_mib"] = parse_method(method)[1]
+    budget = parse_method(method)[1]
+    if budget is not None:
+        row["memory_budget_mib"] = budget
     try:
         cfg, model = build(method, args, device, dtype)
     except Skip as exc:
