@@ -167,8 +167,10 @@ void ce_rows_cuda(const Tensor& z, const std::optional<Tensor>& bias, const Tens
   TORCH_CHECK_VALUE(col0 >= 0 && col0 + n_cols <= vocab, "columns [", std::to_string(col0), ", ",
                     std::to_string(col0 + n_cols), ") are outside the vocabulary of ",
                     std::to_string(vocab));
-  TORCH_CHECK_VALUE(mode == 1 || mode == 2 || (col0 == 0 && n_cols == vocab),
-                    "modes 3 and 4 take whole rows (col0 = 0, n_cols = vocab)");
+  // Mode 3's dz uses the row's own lse, so it needs the whole vocabulary; mode 4's statistics
+  // are those of the given columns (a whole vocab shard's rows in the vocab-parallel loss).
+  TORCH_CHECK_VALUE(mode != 3 || (col0 == 0 && n_cols == vocab),
+                    "mode 3 takes whole rows (col0 = 0, n_cols = vocab)");
   TORCH_CHECK_TYPE(target.scalar_type() == at::kLong, "target must be int64");
   TORCH_CHECK_VALUE(target.dim() == 1 && target.size(0) == rows && target.is_contiguous() &&
                         target.device() == z.device(),
