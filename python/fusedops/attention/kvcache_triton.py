@@ -58,6 +58,10 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
                     PAGED: tl.constexpr, FINAL: tl.constexpr):
+    # torch.compile's traced launch passes Python floats as float64 scalars: the softmax's
+    # loop-carried statistics stay float32 only if the scalars are cast here.
+    sm_scale = tl.cast(sm_scale, tl.float32)
+    softcap = tl.cast(softcap, tl.float32)
     split = tl.program_id(0)
     kvh = tl.program_id(1) // n_mb
     mb = tl.program_id(1) % n_mb
