@@ -17,8 +17,9 @@ tensors):
   liger     sdpa + liger_kernel's apply_liger_kernel_to_llama(fused_linear_cross_entropy=True)
             with its other kernels off (rope, rms_norm, swiglu; --liger-all turns them on), so
             that it differs from sdpa by the loss alone; skipped when liger_kernel is missing
-  fusedops  fusedops.integrations.transformers.apply_fusedops (attention and fused loss)
-  fusedops-loss  apply_fusedops(attention=False): SDPA attention, fused loss
+  liger-all the same with Liger's rope, rms_norm and swiglu kernels on too
+  fusedops  fusedops.integrations.transformers.apply_fusedops (attention, fused loss, swiglu MLP)
+  fusedops-loss  apply_fusedops(attention=False, mlp=False): SDPA attention, fused loss
   fusedops@N, fusedops-loss@N  the same with apply_fusedops(memory_budget_mib=N)
 
 Each method runs --warmup steps, then --steps timed steps: "ms" is their median (CUDA
@@ -41,7 +42,7 @@ import time
 
 from common import add_out_arg, append_rows, describe, print_table, results_path, run_meta
 
-METHODS = ("eager", "sdpa", "liger", "fusedops", "fusedops-loss")
+METHODS = ("eager", "sdpa", "liger", "liger-all", "fusedops", "fusedops-loss")
 DEFAULT_METHODS = ("eager", "sdpa", "liger", "fusedops")
 GIB = float(1 << 30)
 
@@ -70,12 +71,12 @@ def build(method: str, args, device, dtype):
     cfg = model_config(args.model)
     model = build_llama(cfg, dtype=dtype, device=device,
                         attn_implementation="eager" if method == "eager" else "sdpa")
-    if method == "liger":
+    if method in ("liger", "liger-all"):
         try:
             from liger_kernel.transformers import apply_liger_kernel_to_llama
         except ImportError as exc:
             raise Skip(f"liger_kernel is not importable ({exc}): pip install liger-kernel") from exc
-        every = args.liger_all
+        every = args.liger_all or method == "liger-all"
         apply_liger_kernel_to_llama(rope=every, rms_norm=every, swiglu=every, cross_entropy=False,
                                     fused_linear_cross_entropy=True, model=model)
     elif method.startswith("fusedops"):
@@ -83,7 +84,8 @@ def build(method: str, args, device, dtype):
             from fusedops.integrations.transformers import apply_fusedops
         except ImportError as exc:
             raise Skip(f"fusedops.integrations.transformers is not importable ({exc})") from exc
-        model = apply_fusedops(model, attention=method == "fusedops", memory_budget_mib=budget)
+        full = method == "fusedops"
+        model = apply_fusedops(model, attention=full, mlp=full, memory_budget_mib=budget)
     return cfg, model
 
 
@@ -91,11 +93,14 @@ def planned(method: str, cfg, args, device_type: str):
     from fusedops.memory import plan
 
     base, budget = parse_method(method)
-    impl = {"eager": "eager", "sdpa": "sdpa", "liger": "sdpa", "fusedops": "fusedops",
-            "fusedops-loss": "sdpa"}[base]
+    impl = {"eager": "eager", "sdpa": "sdpa", "liger": "sdpa", "liger-all": "sdpa",
+            "fusedops": "fusedops", "fusedops-loss": "sdpa"}[base]
+    # Liger's swiglu keeps gate and up and computes the gradients in their place, as fused_mlp
+    # models (its rope and rms_norm kernels are not modelled)
     return plan(cfg, batch=args.batch, seq=args.seq, dtype=args.dtype, mixed_precision=False,
                 fused_loss=base != "eager" and base != "sdpa", attention_impl=impl,
-                device=device_type, memory_budget_mib=budget, label=method)
+                device=device_type, memory_budget_mib=budget,
+                fused_mlp=base in ("fusedops", "liger-all"), label=method)
 
 
 def run_one(method: str, args) -> dict:
@@ -186,7 +191,7 @@ def main():
     ap.add_argument("--dtype", default=None, help="default bfloat16 (GPU), float32 (CPU)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                    help="comma list of eager, sdpa, liger, fusedops, fusedops-loss, "
+                    help="comma list of eager, sdpa, liger, liger-all, fusedops, fusedops-loss, "
                          "fusedops@N, fusedops-loss@N (N: loss budget, MiB)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)

@@ -169,6 +169,42 @@ def test_idempotent_and_flags():
         fo_hf.apply_fusedops(only_loss, attention=1)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mlp_runs_swiglu(family, monkeypatch):
+    """mlp=True (the default) routes every SiLU MLP's product through fusedops.swiglu with the
+    in-place backward in training (not Gemma-2's tanh-GELU MLP); the gradients then match stock
+    (the parity tests above run with it); mlp=False leaves the MLPs alone."""
+    from fusedops.integrations.transformers import mlp as fo_mlp
+
+    calls, original = [], fo_mlp.swiglu
+
+    def counted(gate, up, **kw):
+        calls.append(kw["inplace_backward"])
+        return original(gate, up, **kw)
+
+    monkeypatch.setattr(fo_mlp, "swiglu", counted)
+    ref, cand = model_pair(family, torch.float64)
+    fo_hf.apply_fusedops(cand)
+    silu = family != "gemma2"
+    n_layers = cand.config.num_hidden_layers
+    patched = sum(getattr(m, "_fusedops_mlp", False) for m in cand.modules())
+    assert patched == (n_layers if silu else 0)
+    cand.train()
+    inputs, labels = batch("unpadded")
+    _run(cand, inputs, labels)
+    assert calls == ([True] * n_layers if silu else [])
+    calls.clear()
+    with torch.no_grad():
+        cand.eval()
+        cand(**inputs, use_cache=False)
+    assert calls == ([False] * n_layers if silu else [])
+    _, plain = model_pair(family, torch.float64)
+    fo_hf.apply_fusedops(plain, mlp=False)
+    assert not any(getattr(m, "_fusedops_mlp", False) for m in plain.modules())
+    with pytest.raises(TypeError, match="mlp"):
+        fo_hf.apply_fusedops(plain, mlp="yes")
+
+
 def test_memory_budget_reaches_the_loss():
     """apply_fusedops(memory_budget_mib=...) is the fused loss's scratch budget: a budget below
     the loss's fixed 2 MiB is refused by the loss itself, one just above it (two token chunks

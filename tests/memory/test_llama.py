@@ -32,7 +32,7 @@ def _measure(dtype="float32", attn="sdpa", checkpointing=False, fused=False, cfg
     report = profile_step(model, {"input_ids": ids, "labels": ids})
     est = plan(cfg, batch=B, seq=S, dtype=dtype, mixed_precision=False, device="cpu",
                activation_checkpointing=checkpointing, fused_loss=fused,
-               attention_impl="fusedops" if fused else attn)
+               attention_impl="fusedops" if fused else attn, fused_mlp=fused)
     return model, report, est
 
 

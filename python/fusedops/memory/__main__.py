@@ -89,7 +89,7 @@ def main(argv=None) -> int:
                    activation_checkpointing=args.checkpointing, fused_loss=fused,
                    attention_impl="fusedops" if fused else "sdpa", device=device.type,
                    memory_budget_mib=args.memory_budget if fused else None,
-                   label=f"{name} (planned)")
+                   fused_mlp=fused, label=f"{name} (planned)")
         model = build_llama(cfg, dtype=dtype, device=device, attn_implementation="sdpa")
         if args.checkpointing:
             model.gradient_checkpointing_enable()

@@ -14,7 +14,8 @@ Activations saved for the backward pass (checked against the CPU tracker, tests/
   (e*h, kept by the next linears) and 1/rms (4): ``4h + 2eh + 4``;
 * q and k after the rotary embedding and v (kept by the attention): ``e*(nq + 2*nkv)*d``;
 * the MLP: gate_proj's output (kept by SiLU), SiLU's output and up_proj's output (kept by the
-  product), the product (kept by down_proj): ``4*e*I``;
+  product), the product (kept by down_proj): ``4*e*I``; with fused_mlp (fusedops.swiglu) gate,
+  up and the product: ``3*e*I``;
 * once per model: the rotary cos and sin (``2*e*d`` per position) and, with activation
   checkpointing, the position ids (8 per position).
 
@@ -68,7 +69,9 @@ Parameters, gradients, optimizer state (P = number of parameters):
   and the prefetched one) to other.
 
 The backward of one MLP holds the gradients of its gate, SiLU and up outputs and the incoming
-d_hidden (``3*e*I + e*h`` per token) once down_proj's saved input is freed.
+d_hidden (``3*e*I + e*h`` per token) once down_proj's saved input is freed; with fused_mlp the
+product's incoming gradient and d_hidden (``e*I + e*h``: swiglu writes d_gate and d_up over gate
+and up).
 
 The peak is the largest of these moments of a steady-state step (optimizer state allocated,
 gradients freed before the forward): the loss's forward; the loss's backward; the last decoder
@@ -173,7 +176,7 @@ class MemoryPlan(Breakdown):
         s = self.settings
         lines = [f"planned peak of one training step ({self.label}): B={s.get('batch')} "
                  f"S={s.get('seq')} {s.get('dtype')}, fused_loss={s.get('fused_loss')}, "
-                 f"tiled_attention={s.get('tiled_attention')}, "
+                 f"tiled_attention={s.get('tiled_attention')}, fused_mlp={s.get('fused_mlp')}, "
                  f"checkpointing={s.get('activation_checkpointing')}, shard={s.get('shard')}"
                  f" x{s.get('world_size')}, mixed_precision={s.get('mixed_precision')}"]
         for k, v in self.categories().items():
@@ -207,9 +210,9 @@ class MemoryPlan(Breakdown):
 
     def best_switch(self) -> Switch | None:
         """The single change of setting (fused_loss, tiled_attention, activation_checkpointing,
-        shard="zero3" over world_size > 1, or a smaller memory_budget_mib of the fused loss
-        when its chunk sets the peak, see loss_budget) that lowers the peak most, or None when
-        none does."""
+        fused_mlp, shard="zero3" over world_size > 1, or a smaller memory_budget_mib of the fused
+        loss when its chunk sets the peak, see loss_budget) that lowers the peak most, or None
+        when none does."""
         s = dict(self.settings)
         config = s.pop("config")
         if s["attention_impl"] == "eager":
@@ -224,6 +227,8 @@ class MemoryPlan(Breakdown):
             trials.append(("tiled_attention", True))
         if not s["activation_checkpointing"]:
             trials.append(("activation_checkpointing", True))
+        if not s.get("fused_mlp", False):
+            trials.append(("fused_mlp", True))
         if s["world_size"] > 1 and s["shard"] not in ("zero3", "fsdp"):
             trials.append(("shard", "zero3"))
         best = None
@@ -274,7 +279,7 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
          shard: str = "none", world_size: int = 1, fused_loss: bool = True,
          tiled_attention: bool = True, optimizer: str = "adamw", device: str = "cuda",
          attention_impl: str | None = None, memory_budget_mib: float | None = None,
-         label: str = "planner") -> MemoryPlan:
+         fused_mlp: bool = False, label: str = "planner") -> MemoryPlan:
     """Estimates the peak memory of one training step of a Llama-style decoder (see the module
     docstring for every formula and convention).
 
@@ -287,6 +292,8 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
     attention_impl: "sdpa" (the default when tiled_attention), "eager" (the default otherwise) or
     "fusedops" (tiled; on the CPU its torch backend's backward holds float32 blocks of
     nq x 256 x S per sequence, which the estimate adds).
+    fused_mlp: the MLP's silu(gate) * up by fusedops.swiglu with its in-place backward
+    (apply_fusedops(mlp=True)).
     """
     dtype = str(dtype).removeprefix("torch.")
     if dtype not in _DTYPE_BYTES:
@@ -311,7 +318,8 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
                     activation_checkpointing=activation_checkpointing, shard=shard,
                     world_size=world_size, fused_loss=fused_loss,
                     tiled_attention=tiled_attention, optimizer=optimizer, device=device,
-                    attention_impl=attention_impl, memory_budget_mib=memory_budget_mib)
+                    attention_impl=attention_impl, memory_budget_mib=memory_budget_mib,
+                    fused_mlp=fused_mlp)
     m = ModelShape.from_config(config)
     e = _DTYPE_BYTES[dtype]
     master = mixed_precision in (True, "master") and e != 4
@@ -345,7 +353,7 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
     # --- activations -------------------------------------------------------------------------
     norm = 4 * h + 2 * e * h + 4
     qkv = e * (nq + 2 * nkv) * d
-    mlp = 4 * e * i_
+    mlp = (3 if fused_mlp else 4) * e * i_
     if tiled_attention:
         attn_saved = e * nq * d + 4 * nq
         qkv_outside = qkv
@@ -377,8 +385,8 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
         attn_all = L * attn_saved * n
         recomputed = recomputed_attn = 0
     # the MLP's backward: the gradients of gate, SiLU and up outputs and the incoming d_hidden,
-    # once down_proj's saved input is freed
-    mlp_bwd_tmp = 3 * e * i_ * n + e * h * n
+    # once down_proj's saved input is freed (fused: the product's gradient and d_hidden)
+    mlp_bwd_tmp = (1 if fused_mlp else 3) * e * i_ * n + e * h * n
     mlp_grads = (3 * h * i_ + h) * e // g_div
 
     # --- logits / loss -------------------------------------------------------------------------

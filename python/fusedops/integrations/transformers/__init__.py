@@ -8,7 +8,8 @@ Importing this module registers ``attn_implementation="fusedops"`` with transfor
 AttentionInterface and its mask function with AttentionMaskInterface, so any model that uses the
 attention interface can be loaded with it. :func:`apply_fusedops` also switches a model (or every
 model later built from a class) to it and replaces its ``ForCausalLM.forward`` by one that
-computes the training loss with fusedops.linear_ce, never forming the (tokens x vocab) logits.
+computes the training loss with fusedops.linear_ce, never forming the (tokens x vocab) logits,
+and its gated SiLU MLPs' product by fusedops.swiglu.
 
 Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
 Gemma2ForCausalLM (and subclasses).
@@ -26,6 +27,7 @@ from fusedops.integrations.transformers.attention import (
     fusedops_attention_mask,
 )
 from fusedops.integrations.transformers.loss import fused_causal_lm_forward, patch_lm_head
+from fusedops.integrations.transformers.mlp import patch_mlps
 
 __all__ = ["apply_fusedops", "fusedops_attention_forward", "fusedops_attention_mask",
            "SUPPORTED_MODELS", "NAME"]
@@ -65,7 +67,10 @@ def _check_budget(value) -> None:
         raise ValueError(f"memory_budget_mib must be a positive number or None, got {value!r}")
 
 
-def _patch_instance(model, attention: bool, linear_ce: bool, memory_budget_mib=None):
+def _patch_instance(model, attention: bool, linear_ce: bool, memory_budget_mib=None,
+                    mlp: bool = True):
+    if mlp:
+        patch_mlps(model)
     if attention and model.config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)
     if linear_ce:
@@ -93,7 +98,7 @@ def _patch_class(cls: type) -> None:
 
 
 def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = True,
-                   memory_budget_mib: float | None = None):
+                   memory_budget_mib: float | None = None, mlp: bool = True):
     """Uses fusedops in a transformers causal LM; returns what it was given.
 
     model_or_class: a built model (an instance of a supported ``*ForCausalLM``), patched in place;
@@ -109,6 +114,11 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
     labels, or in eval mode, logits are computed as usual). The LM head stays the model's own
     module, called for the loss, so FSDP2 and DeepSpeed ZeRO-3 gather its weight as before.
 
+    mlp=True computes the gated MLP's silu(gate) * up with fusedops.swiglu (models whose MLP
+    activation is SiLU: not Gemma-2's): it keeps gate and up but not silu(gate) for the backward,
+    which recomputes it and writes the gradients over gate and up. Per decoder layer that is one
+    [tokens, intermediate] tensor less kept and two less allocated in the MLP's backward.
+
     memory_budget_mib: the fused loss's scratch (linear_cross_entropy's memory_budget_mib; None:
     its default, 512 MiB or FUSEDOPS_LCE_MEMORY_MIB). Lower it when the loss's chunk sets the
     step's peak: for Llama-3.2-1B at 8192 tokens the peak is the last decoder layer's MLP
@@ -119,11 +129,12 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
     """
     _check_flag("attention", attention)
     _check_flag("linear_ce", linear_ce)
+    _check_flag("mlp", mlp)
     _check_budget(memory_budget_mib)
     if isinstance(model_or_class, type):
         _check_supported(model_or_class)
-        setattr(model_or_class, _CLASS_OPTIONS, (attention, linear_ce, memory_budget_mib))
+        setattr(model_or_class, _CLASS_OPTIONS, (attention, linear_ce, memory_budget_mib, mlp))
         _patch_class(model_or_class)
         return model_or_class
     _check_supported(type(model_or_class))
-    return _patch_instance(model_or_class, attention, linear_ce, memory_budget_mib)
+    return _patch_instance(model_or_class, attention, linear_ce, memory_budget_mib, mlp)
