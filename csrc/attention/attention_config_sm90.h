@@ -116,15 +116,35 @@ constexpr int sm90_auto_schedule(int head_dim, bool causal, int max_k) {
   return max_k <= 2048 ? 2 : 1;
 }
 
-// Consumer warpgroups of a call's CTA (TilesSm90's kWarpgroups): 2, until an H200 timing of
-// FUSEDOPS_ATTN_SM90_TILE=m192 (3 warpgroups, 192 queries, D=64 only) says otherwise
-// (benchmarks/check_attention_sm90.py times both).
-constexpr int sm90_consumer_warpgroups(int /*head_dim*/, bool /*causal*/) { return 2; }
+// Consumer warpgroups of a call's CTA (TilesSm90's kWarpgroups), from an H200 timing of
+// benchmarks/check_attention_sm90.py (git ae6b1d6, 2026-12-01, bf16, B*L = 16384, H*D = 2048,
+// ping-pong, TFLOP/s 128 / 192 queries per CTA):
+//   D=64: L=1024 347/364, causal 251/216; 4096 402/463, causal 355/378; 16384 415/501, causal
+//     398/471. So 192 queries (3 warpgroups) except causal (or windowed) calls of at most 2048
+//     keys, where the masked diagonal tiles of 192 rows cost more than the extra warpgroup gains.
+//   D=128/256: 2 (the 192-query tile is built for D=64 only).
+constexpr int sm90_consumer_warpgroups(int head_dim, bool causal, int max_k) {
+  if (head_dim != 64) return 2;
+  return causal && max_k <= 2048 ? 2 : 3;
+}
 
-// Whether the softmax uses ex2_poly for TilesSm90's kExp2PolyBlocks of its column blocks: not
-// yet, until an H200 timing of FUSEDOPS_ATTN_SM90_EXP2=poly against mufu says where it pays
-// (benchmarks/check_attention_sm90.py times both).
+// Whether the softmax uses ex2_poly for TilesSm90's kExp2PolyBlocks of its column blocks: no.
+// In the same H200 timing the polynomial was slower than MUFU.EX2 at every point (e.g. D=128,
+// L=4096: 560 against 633 TFLOP/s; D=64, L=16384: 397 against 415), so it stays a measurement
+// switch (FUSEDOPS_ATTN_SM90_EXP2=poly).
 constexpr bool sm90_auto_exp2(int /*head_dim*/, bool /*causal*/) { return false; }
+
+// Whether the forward runs persistent (one CTA per SM looping over work tiles, the longest
+// first) or one CTA per tile, from the same H200 timing (TFLOP/s persistent / one per tile):
+//   D=128: L=4096 633/561, causal 504/487; 16384 628/594, causal 511/568; L=1024 509/448,
+//     causal 380/337. D=64 (128 queries): 4096 402/390, causal 355/345; 16384 415/413, causal
+//     398/406.
+// Persistent everywhere except long causal (or windowed) calls at D=128: the one-CTA-per-tile
+// grid's hardware scheduler balanced L=16384 better. Measured at 4096 and 16384 keys only;
+// the switch sits between them, at 8192.
+constexpr bool sm90_auto_persistent(int head_dim, bool causal, int max_k) {
+  return !(causal && head_dim == 128 && max_k >= 8192);
+}
 
 }  // namespace attn
 }  // namespace fusedops

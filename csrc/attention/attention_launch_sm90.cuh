@@ -73,18 +73,20 @@ inline int sm90_epilogue() {
   return 1;
 }
 
-// Persistent launch (the default): min(work tiles, SMs) CTAs, each looping over work tiles.
+// Persistent launch: min(work tiles, SMs) CTAs, each looping over work tiles, where
+// sm90_auto_persistent (attention_config_sm90.h) says so, else one CTA per work tile.
 // FUSEDOPS_ATTN_SM90_PERSISTENT=0: one CTA per work tile (the same kernel; for measurement);
-// =N (a positive integer): at most N CTAs, so that even a small call runs many tiles per CTA
+// =1..N (a positive integer): at most N CTAs, so that even a small call runs many tiles per CTA
 // (for tests of the cross-tile pipeline). Returns the CTA cap, 0 for one CTA per tile.
-inline int64_t sm90_persistent_ctas(int sms) {
+inline int64_t sm90_persistent_ctas(const AttnParams& p, int sms) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_PERSISTENT");
   if (s != nullptr && *s != '\0') {
     char* end = nullptr;
     const long n = std::strtol(s, &end, 10);
     if (*end == '\0' && n >= 0) return n;
   }
-  return std::max(1, sms);
+  return sm90_auto_persistent(p.head_dim, /*causal=*/p.right == 0, p.max_k) ? std::max(1, sms)
+                                                                            : 0;
 }
 
 // The current device's SM count and L2 size, asked once per device.
@@ -165,7 +167,7 @@ inline bool sm90_exp2_poly(const AttnParams& p) {
 // ignored), for measurement; read at every call.
 inline int sm90_warpgroups(const AttnParams& p) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_TILE");
-  int wg = sm90_consumer_warpgroups(p.head_dim, /*causal=*/p.right == 0);
+  int wg = sm90_consumer_warpgroups(p.head_dim, /*causal=*/p.right == 0, p.max_k);
   if (s != nullptr) {
     if (std::strcmp(s, "m128") == 0) wg = 2;
     if (std::strcmp(s, "m192") == 0) wg = 3;
@@ -186,7 +188,7 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
   // Persistent: one CTA per SM (the shared memory allows no second), unless the override caps
   // or disables it or the tile table has no loop (kPersistent); else one CTA per tile, in
   // launches of at most 2^31 - 1 CTAs.
-  const int64_t cap = C::kPersistent ? sm90_persistent_ctas(dev.sms) : 0;
+  const int64_t cap = C::kPersistent ? sm90_persistent_ctas(p, dev.sms) : 0;
   const int64_t max_grid = cap > 0 ? std::min<int64_t>(cap, 0x7fffffff) : int64_t{0x7fffffff};
   const int64_t per_launch = cap > 0 ? order.n_work : max_grid;
   CUtensorMap tm_q, tm_k, tm_v, tm_o;
