@@ -40,7 +40,7 @@ def fused(backend):
 
 def cuda(name):
     """The CUDA kernel (cuda-sm90: its sm_90a build on a 9.0 GPU; cuda-sm80 the same source),
-    offered only with FUSEDOPS_ATTN_DECODE_CUDA=1 (not yet validated)."""
+    offered only with FUSEDOPS_ATTN_DECODE_CUDA=1 (opt-in: slower than Triton)."""
     from fusedops.attention.kvcache_backends import CUDA_ENABLED
     if not CUDA_ENABLED:
         raise ImportError("FUSEDOPS_ATTN_DECODE_CUDA=1 is not set")

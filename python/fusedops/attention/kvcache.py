@@ -190,7 +190,9 @@ def num_splits_heuristic(batch: int, heads_kv: int, capacity: int, num_sms: int,
 
     Enough programs (batch * Hkv * splits) for about two per SM, but each split at least four key
     blocks of the capacity, and at most 128: one split when batch * Hkv already fills the GPU.
-    Not yet tuned by a measurement.
+    Not tuned yet: on the H200 it gives 32 splits of 256 keys at batch 1, 8k keys, where the
+    Triton kernel reaches a quarter of the copy bandwidth (benchmarks/results/
+    attention_decode.jsonl).
     """
     work = batch * heads_kv
     if work >= num_sms:

@@ -183,8 +183,9 @@ MAX_BLOCK_M = 16 if INTERPRET else 64
 
 
 def _config(head_dim: int, dtype: torch.dtype):
-    """(BLOCK_N, warps, stages). Not yet measured on a GPU: 64-key blocks and 4 warps, the usual
-    shape of split-KV decode kernels for head dims up to 128; 32 keys above."""
+    """(BLOCK_N, warps, stages): 64-key blocks and 4 warps, the usual shape of split-KV decode
+    kernels for head dims up to 128; 32 keys above. Not tuned: the one H200 run timed this
+    configuration alone (benchmarks/results/attention_decode.jsonl)."""
     if INTERPRET:
         return 16, 1, 1
     if head_dim > 128 or dtype == torch.float32:
