@@ -443,47 +443,96 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
       epi.begin_tile(f);
       pro.begin_tile(f.row0);
 
-      // One k-block's products on stage s; first: its first k-step overwrites the accumulators.
-      // With a prologue the four A fragments are built (and fenced) before the first wgmma.
-      auto mma_block = [&](int s, int kb, bool first) {
-        if constexpr (Pro::kOn) {
-          uint32_t a[BK / 16][4];
+      // One k-block's products on stage s, SS: A from shared memory; first: its first k-step
+      // overwrites the accumulators.
+      auto mma_block = [&](int s, bool first) {
+        wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk)
-            pro.fragment(sA + s * C::kABytes, cw, kk, kb * BK, f.slab_m0, lane, a[kk]);
-          wgmma_fence();
+        for (int kk = 0; kk < BK / 16; ++kk)
+          WgmmaSs<T, BN>::template run<kATrans, kBTrans>(acc, desc_a(s, kk), desc_b(s, kk),
+                                                         (first && kk == 0) ? 0 : 1);
+        wgmma_commit();
+      };
+      // With a prologue (RS): the four A fragments of k-block kb are built into `a` (and fenced)
+      // before its first wgmma. The wgmmas read `a` asynchronously, until the wait_group that
+      // retires them; the compiler does not know that, so the caller must neither rebuild `a`
+      // before then nor let the register allocator reuse its registers (keep_frag below).
+      auto mma_block_rs = [&](uint32_t (&a)[BK / 16][4], int s, int kb, bool first) {
 #pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk)
-            Wgmma<T, BN>::rs_mn(acc, a[kk], desc_b(s, kk), (first && kk == 0) ? 0 : 1);
-        } else {
-          wgmma_fence();
+        for (int kk = 0; kk < BK / 16; ++kk)
+          pro.fragment(sA + s * C::kABytes, cw, kk, kb * BK, f.slab_m0, lane, a[kk]);
+        wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk)
-            WgmmaSs<T, BN>::template run<kATrans, kBTrans>(acc, desc_a(s, kk), desc_b(s, kk),
-                                                           (first && kk == 0) ? 0 : 1);
-        }
+        for (int kk = 0; kk < BK / 16; ++kk)
+          Wgmma<T, BN>::rs_mn(acc, a[kk], desc_b(s, kk), (first && kk == 0) ? 0 : 1);
         wgmma_commit();
       };
 
-      // The first k-block overwrites the accumulators (scale_d = 0 on its first k-step); each
-      // later one is issued before the previous one is waited for, which then frees its stage.
-      {
-        const int s = it % S;
-        mbar_wait(bar_full(s), (it / S) & 1);
+      if constexpr (Pro::kOn) {
+        // Two fragment sets, a0 for the k-blocks kb0, kb0 + 2, ... and a1 for the others: set
+        // a0 is rebuilt only after the wait that follows the next block's issue has retired the
+        // wgmmas reading it (and likewise a1), so one k-block's products stay in flight while
+        // the next block's fragments are built. keep_frag after each wait is a use of the set
+        // those wgmmas read, which keeps its registers allocated (and unwritten) until then.
+        uint32_t a0[BK / 16][4], a1[BK / 16][4];
+        auto keep_frag = [](uint32_t (&a)[BK / 16][4]) {
+#pragma unroll
+          for (int kk = 0; kk < BK / 16; ++kk)
+            asm volatile("" ::"r"(a[kk][0]), "r"(a[kk][1]), "r"(a[kk][2]), "r"(a[kk][3]));
+        };
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a1[kk][i] = 0u;
         reg_fence(acc);
-        mma_block(s, kb0, true);
-        ++it;
-      }
-      for (int kb = kb0 + 1; kb < kb1; ++kb, ++it) {
-        const int s = it % S;
-        mbar_wait(bar_full(s), (it / S) & 1);
-        mma_block(s, kb, false);
-        wgmma_wait<1>();  // the previous k-block's products are done: its stage is free
+        for (int kb = kb0; kb < kb1; kb += 2) {
+          {
+            const int s = it % S;
+            mbar_wait(bar_full(s), (it / S) & 1);
+            mma_block_rs(a0, s, kb, kb == kb0);
+            if (kb > kb0) {
+              wgmma_wait<1>();  // the previous block (set a1) is done: its stage is free
+              keep_frag(a1);
+              release((it - 1) % S);
+            }
+            ++it;
+          }
+          if (kb + 1 < kb1) {
+            const int s = it % S;
+            mbar_wait(bar_full(s), (it / S) & 1);
+            mma_block_rs(a1, s, kb + 1, false);
+            wgmma_wait<1>();  // block kb (set a0) is done
+            keep_frag(a0);
+            release((it - 1) % S);
+            ++it;
+          }
+        }
+        wgmma_wait<0>();
+        keep_frag(a0);
+        keep_frag(a1);
+        reg_fence(acc);
+        release((it - 1) % S);
+      } else {
+        // The first k-block overwrites the accumulators (scale_d = 0 on its first k-step); each
+        // later one is issued before the previous one is waited for, which then frees its stage.
+        {
+          const int s = it % S;
+          mbar_wait(bar_full(s), (it / S) & 1);
+          reg_fence(acc);
+          mma_block(s, true);
+          ++it;
+        }
+        for (int kb = kb0 + 1; kb < kb1; ++kb, ++it) {
+          const int s = it % S;
+          mbar_wait(bar_full(s), (it / S) & 1);
+          mma_block(s, false);
+          wgmma_wait<1>();  // the previous k-block's products are done: its stage is free
+          release((it - 1) % S);
+        }
+        wgmma_wait<0>();
+        reg_fence(acc);
         release((it - 1) % S);
       }
-      wgmma_wait<0>();
-      reg_fence(acc);
-      release((it - 1) % S);
       pro.end_tile(f.row0, f.n0);
       epi.end_tile(acc, f);
     }
