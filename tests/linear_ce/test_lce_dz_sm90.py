@@ -257,6 +257,10 @@ OP_CASES = [
     ("persistent", 1000, 8448, 328, True, 0.0, 0.1, 0.0),
     ("splitk", 256, 4096, 2304, True, 10.0, 0.0, 0.0),
     ("padded_z", 200, 520, 200, True, 10.0, 0.1, 1e-3),
+    # H not a multiple of 8 (b in padded rows): out's last H % 8 columns are not TMA-stored.
+    ("odd_h", 300, 1000, 139, True, 0.0, 0.1, 0.0),
+    # Many k-blocks of both parities (the A fragments alternate between two register sets).
+    ("long_k", 1100, 8200, 264, False, 0.0, 0.0, 0.0),
 ]
 
 
@@ -275,9 +279,14 @@ def test_dz_gemm(case, layout, accumulate, dtype):
         zp = torch.full((tokens, vocab + 24), float("nan"), device="cuda", dtype=dtype)
         zp[:, :vocab] = z
         z = zp[:, :vocab]
+    if name == "odd_h":
+        bp = torch.full((b.shape[0], (h + 7) // 8 * 8 + 8), float("nan"), device="cuda",
+                        dtype=dtype)
+        bp[:, :h] = b
+        b = bp[:, :h]
     rows = tokens if layout == 2 else vocab
     guard = 7.0
-    big = torch.full((rows + 2, h + 8), guard, device="cuda", dtype=dtype)
+    big = torch.full((rows + 2, (h + 7) // 8 * 8 + 8), guard, device="cuda", dtype=dtype)
     out = big[:rows, :h]
     old = None
     if accumulate:
