@@ -202,7 +202,7 @@ __host__ __device__ __forceinline__ int tma_store_cols(int n) { return n & ~7; }
 // rounding, as torch.addmm into a bf16/fp16 tensor). The old values are read by the consumer
 // threads in the fragment layout (4-byte loads, predicated at the edges) before the tile's main
 // loop, so that their latency hides behind it (64 more registers: the accumulate kernels peak at
-// about 211 of the consumers' 232). kLateOld reads them per box in the epilogue instead (16
+// about 214 of the consumers' 232). kLateOld reads them per box in the epilogue instead (16
 // registers), for main loops that need those registers themselves (the dz prologue's).
 template <typename T, bool kAccumulate, bool kLateOld = false>
 struct EpiStore {
