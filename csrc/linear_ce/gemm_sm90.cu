@@ -27,7 +27,8 @@ namespace {
 
 // A 2-D map over a row-major matrix of 2-byte elements (`cols` contiguous per row, rows
 // `row_stride` elements apart), boxes of box_cols (64: one 128-byte swizzle row) x box_rows;
-// out-of-range elements load as zeros and are not stored.
+// out-of-range elements load as zeros. Stores clip along a row only at 16-byte granularity, so
+// maps that are stored to end at a multiple of 8 columns (tma_store_cols, gemm_sm90.cuh).
 bool make_map(CUtensorMap* map, const void* ptr, bool bf16, int64_t cols, int64_t rows,
               int64_t row_stride, int box_cols, int box_rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
@@ -137,10 +138,11 @@ cudaError_t launch(const LceGemmSm90Args& args,
     }
   }
   using Epi = EpiStore<T, kAccumulate, Pro::kOn>;
-  typename Epi::Params ep;
-  if (!make_map(&ep.tm_c, args.c, kBf16, args.n, args.m, args.ldc, 64, 64))
+  typename Epi::Params ep{};
+  ep.n_tma = tma_store_cols(p.n);
+  if (ep.n_tma > 0 && !make_map(&ep.tm_c, args.c, kBf16, ep.n_tma, args.m, args.ldc, 64, 64))
     return cudaErrorInvalidValue;
-  ep.c_old = static_cast<const T*>(args.c);
+  ep.c = static_cast<T*>(args.c);
   ep.ldc = args.ldc;
   ep.m = p.m;
   ep.n = p.n;
@@ -165,8 +167,12 @@ cudaError_t launch_ce_stats(const LceCeStatsSm90Args& args) {
       !make_map(&tm_b, g.b, kBf16, g.k, g.n, g.ldb, 64, C::kBlockN))
     return cudaErrorInvalidValue;
   using Epi = EpiCEStats<T>;
-  typename Epi::Params ep;
-  if (!make_map(&ep.tm_c, g.c, kBf16, g.n, g.m, g.ldc, 64, 64)) return cudaErrorInvalidValue;
+  typename Epi::Params ep{};
+  ep.n_tma = tma_store_cols(p.n);
+  if (ep.n_tma > 0 && !make_map(&ep.tm_c, g.c, kBf16, ep.n_tma, g.m, g.ldc, 64, 64))
+    return cudaErrorInvalidValue;
+  ep.c = static_cast<T*>(g.c);
+  ep.ldc = g.ldc;
   ep.bias = args.bias;
   ep.target = args.target;
   ep.partials = reinterpret_cast<float4*>(args.partials);

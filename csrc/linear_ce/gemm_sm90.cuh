@@ -33,10 +33,14 @@
 // __nv_bfloat16; every operand and C row-major with unit column stride, row strides multiples
 // of 8 elements (any for a single row) and 16-byte aligned base addresses (TMA's rules); M, N,
 // K >= 1 and < 2^31.
-// Out-of-range rows and columns of a tile load as zeros (TMA) and are never stored (TMA clips
-// stores at the tensor's end; the accumulate path's loads are predicated). C must not overlap
-// A or B. Launch: GemmTilesSm90::kThreads threads, kSmem bytes of dynamic shared memory, one
-// CTA per SM. The body is empty (a trap) unless compiled for sm_90a.
+// Out-of-range rows and columns of a tile load as zeros (TMA) and are never stored: TMA clips
+// stores at the last row, but along a row only at 16-byte granularity of the global address
+// (seen on an H200: a box ending past N also wrote the columns up to the next multiple of 8 of
+// a strided C), so C's tensor map ends at N rounded down to 8 columns and the last N % 8 columns
+// are copied from the staging buffer by plain stores (SlabStager::store_tail); the accumulate
+// path's loads are predicated. C must not overlap A or B. Launch: GemmTilesSm90::kThreads
+// threads, kSmem bytes of dynamic shared memory, one CTA per SM. The body is empty (a trap)
+// unless compiled for sm_90a.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only; nothing links against the driver)
@@ -129,7 +133,8 @@ struct FragCoord {
 // (128-byte swizzle: row r's 16-byte chunk c at chunk c ^ (r % 8), the layout the tensor map
 // expects and conflict-free for the fragment layout) and TMA stores issued by the warpgroup's
 // first thread. Per box: begin() (the buffer's previous store has read it), put() per pair,
-// end(...) (fence, barrier, store). The buffers alternate over every box this warpgroup stores,
+// end(...) (fence, barrier, store; with store = false, for a box that lies wholly right of the
+// tensor map's columns, no store). The buffers alternate over every box this warpgroup stores,
 // across tiles (a tile at C's right edge stores fewer than four). finish() once after the last
 // tile.
 struct SlabStager {
@@ -150,10 +155,10 @@ struct SlabStager {
   __device__ __forceinline__ void put(int r, int c, int tq, uint32_t v) const {
     sm90::st_shared_u32(current() + r * 128 + ((c ^ (r & 7)) << 4) + 4 * tq, v);
   }
-  __device__ __forceinline__ void end(const CUtensorMap* tm, int col, int row) {
+  __device__ __forceinline__ void end(const CUtensorMap* tm, int col, int row, bool store = true) {
     sm90::fence_proxy_async_smem();  // this thread's stores, before the TMA engine reads them
     sm90::named_bar_sync<128>(bar_id);
-    if (leader) {
+    if (leader && store) {
       sm90::tma_store_2d(tm, current(), col, row);
       sm90::tma_store_commit();
     }
@@ -162,21 +167,51 @@ struct SlabStager {
   __device__ __forceinline__ void finish() const {
     if (leader) sm90::tma_store_wait<0>();
   }
+  // After end() of the box at column box_col that holds C's columns [n_tma, n), which the
+  // tensor map leaves out (fewer than 8: one 16-byte chunk per box row): threads tid < 64 of the
+  // warpgroup (tid = its thread index, 0..127) copy row tid's chunk from the box's staging buffer
+  // to C's row row0 + tid (< m; rows ldc elements apart). end()'s barrier has made every
+  // thread's put visible; the buffer is rewritten only after the next box's begin() barrier,
+  // which these threads reach after their copy.
+  template <typename T>
+  __device__ __forceinline__ void store_tail(T* c, int64_t ldc, int row0, int m, int box_col,
+                                             int n_tma, int n, int tid) const {
+    const int row = row0 + tid;
+    if (tid >= 64 || row >= m) return;
+    const int chunk = (n_tma - box_col) >> 3;
+    const uint32_t src = buf + ((stored - 1) & 1) * GemmTilesSm90::kOutBufBytes + tid * 128 +
+                         ((chunk ^ (tid & 7)) << 4);
+    uint32_t w[4];
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                 : "r"(src));
+    unsigned short* dst =
+        reinterpret_cast<unsigned short*>(c + static_cast<int64_t>(row) * ldc + n_tma);
+#pragma unroll
+    for (int e = 0; e < 7; ++e)
+      if (n_tma + e < n) dst[e] = static_cast<unsigned short>(w[e >> 1] >> (16 * (e & 1)));
+  }
 };
+
+// C's columns a TMA store may write: N rounded down to a multiple of 8 (16 bytes), so that a
+// row's last store ends on a 16-byte boundary (see the constraints above); 0 for N < 8, when
+// there is no tensor map and every column goes through store_tail.
+__host__ __device__ __forceinline__ int tma_store_cols(int n) { return n & ~7; }
 
 // The plain epilogue: C = round(acc), or with kAccumulate C = round(float(C_old) + acc) (one
 // rounding, as torch.addmm into a bf16/fp16 tensor). The old values are read by the consumer
 // threads in the fragment layout (4-byte loads, predicated at the edges) before the tile's main
 // loop, so that their latency hides behind it (64 more registers: the accumulate kernels peak at
-// about 211 of the consumers' 232). kLateOld reads them per box in the epilogue instead (16
+// about 214 of the consumers' 232). kLateOld reads them per box in the epilogue instead (16
 // registers), for main loops that need those registers themselves (the dz prologue's).
 template <typename T, bool kAccumulate, bool kLateOld = false>
 struct EpiStore {
   struct Params {
-    CUtensorMap tm_c;  // C [M, N], boxes 64 x 64, 128-byte swizzle
-    const T* c_old;    // C itself (read when kAccumulate)
+    CUtensorMap tm_c;  // C [M, n_tma], boxes 64 x 64, 128-byte swizzle (none when n_tma = 0)
+    T* c;              // C itself: the old values (kAccumulate) and the columns >= n_tma
     int64_t ldc;       // C's row stride in elements
     int m, n;
+    int n_tma;         // tma_store_cols(n)
   };
   static constexpr int kBoxes = GemmTilesSm90::kBlockN / 64;
 
@@ -196,7 +231,7 @@ struct EpiStore {
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
           const int col = f.col0 + 64 * j + 8 * c;  // even: a 4-byte-aligned pair
-          const T* src = p.c_old + static_cast<int64_t>(row) * p.ldc + col;
+          const T* src = p.c + static_cast<int64_t>(row) * p.ldc + col;
           uint32_t v = 0;
           if (row < p.m && col + 1 < p.n)
             v = *reinterpret_cast<const uint32_t*>(src);
@@ -234,7 +269,8 @@ struct EpiStore {
     const int g = f.lane >> 2, tq = f.lane & 3;
 #pragma unroll
     for (int j = 0; j < kBoxes; ++j) {
-      if (f.n0 + 64 * j >= p.n) break;  // uniform: the box lies right of C
+      const int box_col = f.n0 + 64 * j;
+      if (box_col >= p.n) break;  // uniform: the box lies right of C
       if constexpr (kAccumulate && kLateOld) load_old(j, f);
       st.begin();
 #pragma unroll
@@ -248,7 +284,9 @@ struct EpiStore {
           }
           st.put(16 * f.warp + g + 8 * h, c, tq, dev::pack2<T>(x0, x1));
         }
-      st.end(&p.tm_c, f.n0 + 64 * j, f.slab_m0);
+      st.end(&p.tm_c, box_col, f.slab_m0, box_col < p.n_tma);
+      if (p.n_tma < p.n && p.n_tma < box_col + 64)  // uniform: the box holds C's last columns
+        st.store_tail(p.c, p.ldc, f.slab_m0, p.m, box_col, p.n_tma, p.n, 32 * f.warp + f.lane);
     }
   }
 
@@ -443,47 +481,96 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
       epi.begin_tile(f);
       pro.begin_tile(f.row0);
 
-      // One k-block's products on stage s; first: its first k-step overwrites the accumulators.
-      // With a prologue the four A fragments are built (and fenced) before the first wgmma.
-      auto mma_block = [&](int s, int kb, bool first) {
-        if constexpr (Pro::kOn) {
-          uint32_t a[BK / 16][4];
+      // One k-block's products on stage s, SS: A from shared memory; first: its first k-step
+      // overwrites the accumulators.
+      auto mma_block = [&](int s, bool first) {
+        wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk)
-            pro.fragment(sA + s * C::kABytes, cw, kk, kb * BK, f.slab_m0, lane, a[kk]);
-          wgmma_fence();
+        for (int kk = 0; kk < BK / 16; ++kk)
+          WgmmaSs<T, BN>::template run<kATrans, kBTrans>(acc, desc_a(s, kk), desc_b(s, kk),
+                                                         (first && kk == 0) ? 0 : 1);
+        wgmma_commit();
+      };
+      // With a prologue (RS): the four A fragments of k-block kb are built into `a` (and fenced)
+      // before its first wgmma. The wgmmas read `a` asynchronously, until the wait_group that
+      // retires them; the compiler does not know that, so the caller must neither rebuild `a`
+      // before then nor let the register allocator reuse its registers (keep_frag below).
+      auto mma_block_rs = [&](uint32_t (&a)[BK / 16][4], int s, int kb, bool first) {
 #pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk)
-            Wgmma<T, BN>::rs_mn(acc, a[kk], desc_b(s, kk), (first && kk == 0) ? 0 : 1);
-        } else {
-          wgmma_fence();
+        for (int kk = 0; kk < BK / 16; ++kk)
+          pro.fragment(sA + s * C::kABytes, cw, kk, kb * BK, f.slab_m0, lane, a[kk]);
+        wgmma_fence();
 #pragma unroll
-          for (int kk = 0; kk < BK / 16; ++kk)
-            WgmmaSs<T, BN>::template run<kATrans, kBTrans>(acc, desc_a(s, kk), desc_b(s, kk),
-                                                           (first && kk == 0) ? 0 : 1);
-        }
+        for (int kk = 0; kk < BK / 16; ++kk)
+          Wgmma<T, BN>::rs_mn(acc, a[kk], desc_b(s, kk), (first && kk == 0) ? 0 : 1);
         wgmma_commit();
       };
 
-      // The first k-block overwrites the accumulators (scale_d = 0 on its first k-step); each
-      // later one is issued before the previous one is waited for, which then frees its stage.
-      {
-        const int s = it % S;
-        mbar_wait(bar_full(s), (it / S) & 1);
+      if constexpr (Pro::kOn) {
+        // Two fragment sets, a0 for the k-blocks kb0, kb0 + 2, ... and a1 for the others: set
+        // a0 is rebuilt only after the wait that follows the next block's issue has retired the
+        // wgmmas reading it (and likewise a1), so one k-block's products stay in flight while
+        // the next block's fragments are built. keep_frag after each wait is a use of the set
+        // those wgmmas read, which keeps its registers allocated (and unwritten) until then.
+        uint32_t a0[BK / 16][4], a1[BK / 16][4];
+        auto keep_frag = [](uint32_t (&a)[BK / 16][4]) {
+#pragma unroll
+          for (int kk = 0; kk < BK / 16; ++kk)
+            asm volatile("" ::"r"(a[kk][0]), "r"(a[kk][1]), "r"(a[kk][2]), "r"(a[kk][3]));
+        };
+#pragma unroll
+        for (int kk = 0; kk < BK / 16; ++kk)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) a1[kk][i] = 0u;
         reg_fence(acc);
-        mma_block(s, kb0, true);
-        ++it;
-      }
-      for (int kb = kb0 + 1; kb < kb1; ++kb, ++it) {
-        const int s = it % S;
-        mbar_wait(bar_full(s), (it / S) & 1);
-        mma_block(s, kb, false);
-        wgmma_wait<1>();  // the previous k-block's products are done: its stage is free
+        for (int kb = kb0; kb < kb1; kb += 2) {
+          {
+            const int s = it % S;
+            mbar_wait(bar_full(s), (it / S) & 1);
+            mma_block_rs(a0, s, kb, kb == kb0);
+            if (kb > kb0) {
+              wgmma_wait<1>();  // the previous block (set a1) is done: its stage is free
+              keep_frag(a1);
+              release((it - 1) % S);
+            }
+            ++it;
+          }
+          if (kb + 1 < kb1) {
+            const int s = it % S;
+            mbar_wait(bar_full(s), (it / S) & 1);
+            mma_block_rs(a1, s, kb + 1, false);
+            wgmma_wait<1>();  // block kb (set a0) is done
+            keep_frag(a0);
+            release((it - 1) % S);
+            ++it;
+          }
+        }
+        wgmma_wait<0>();
+        keep_frag(a0);
+        keep_frag(a1);
+        reg_fence(acc);
+        release((it - 1) % S);
+      } else {
+        // The first k-block overwrites the accumulators (scale_d = 0 on its first k-step); each
+        // later one is issued before the previous one is waited for, which then frees its stage.
+        {
+          const int s = it % S;
+          mbar_wait(bar_full(s), (it / S) & 1);
+          reg_fence(acc);
+          mma_block(s, true);
+          ++it;
+        }
+        for (int kb = kb0 + 1; kb < kb1; ++kb, ++it) {
+          const int s = it % S;
+          mbar_wait(bar_full(s), (it / S) & 1);
+          mma_block(s, false);
+          wgmma_wait<1>();  // the previous k-block's products are done: its stage is free
+          release((it - 1) % S);
+        }
+        wgmma_wait<0>();
+        reg_fence(acc);
         release((it - 1) % S);
       }
-      wgmma_wait<0>();
-      reg_fence(acc);
-      release((it - 1) % S);
       pro.end_tile(f.row0, f.n0);
       epi.end_tile(acc, f);
     }

@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <optional>
 #include <string>
 
@@ -24,7 +25,20 @@ namespace {
 
 using at::Tensor;
 
+// Every value in a check message goes in as a std::string (why: torch_utils.h; an int64_t
+// argument crashed the H200 process instead of raising, and so did the test process here once
+// messages streamed shapes (IntArrayRef, int64_t elements) and doubles).
 std::string str(int64_t v) { return std::to_string(v); }
+std::string str(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+std::string shape_str(const Tensor& t) {
+  std::string s = "(";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + ")";
+}
 
 // A row-major matrix TMA can read: unit column stride, a row stride that is a multiple of 8
 // elements (16 bytes) and covers the row (any for a single row), a 16-byte-aligned start.
@@ -133,7 +147,7 @@ void check_f32_vector(const Tensor& t, const char* name, int64_t size, const Ten
                    " must be float32, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == size && t.is_contiguous(),
                     "lce_logits_ce_stats_sm90: ", name, " must be a contiguous 1-D tensor of ",
-                    str(size), " elements, got shape ", t.sizes());
+                    str(size), " elements, got shape ", shape_str(t));
 }
 
 // z = round(x w^T) (layout 1) and the cross-entropy statistics of its rows from the GEMM's
@@ -179,13 +193,13 @@ void lce_logits_ce_stats_sm90_cuda(const Tensor& x, const Tensor& w, const Tenso
                         reinterpret_cast<uintptr_t>(partials.data_ptr()) % 16 == 0,
                     "lce_logits_ce_stats_sm90: partials must be a contiguous, 16-byte aligned (",
                     str(m), ", ", str(tiles), ", 4) tensor (M, ceil(V / 256), 4), got shape ",
-                    partials.sizes());
+                    shape_str(partials));
   check_f32_vector(lse, "lse", m, z);
   check_f32_vector(zt, "zt", m, z);
   check_f32_vector(zsum, "zsum", m, z);
   TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap),
                     "lce_logits_ce_stats_sm90: softcap must be finite and >= 0 (0: none), got ",
-                    softcap);
+                    str(softcap));
   const int dev = z.get_device();
   TORCH_CHECK_VALUE(hopper_kernels_for(dev),
                     "lce_logits_ce_stats_sm90 needs a GPU of compute capability 9.0 and an "
@@ -225,7 +239,7 @@ void check_dz_vector(const Tensor& t, const char* name, int64_t size, const Tens
                    ", got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == size && t.is_contiguous(), "lce_dz_gemm_sm90: ",
                     name, " must be a contiguous 1-D tensor of ", str(size),
-                    " elements, got shape ", t.sizes());
+                    " elements, got shape ", shape_str(t));
 }
 
 // out (+)= the product of `layout` with A = dz computed from z [tokens, V] (the stored logits,
@@ -276,11 +290,12 @@ void lce_dz_gemm_sm90_cuda(const Tensor& z, const Tensor& b, const Tensor& out, 
     }
   }
   TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0.0 && eps <= 1.0,
-                    "lce_dz_gemm_sm90: eps (label smoothing) must be in [0, 1], got ", eps);
+                    "lce_dz_gemm_sm90: eps (label smoothing) must be in [0, 1], got ", str(eps));
   TORCH_CHECK_VALUE(std::isfinite(z_loss), "lce_dz_gemm_sm90: z_loss must be finite, got ",
-                    z_loss);
+                    str(z_loss));
   TORCH_CHECK_VALUE(softcap >= 0.0 && std::isfinite(softcap),
-                    "lce_dz_gemm_sm90: softcap must be finite and >= 0 (0: none), got ", softcap);
+                    "lce_dz_gemm_sm90: softcap must be finite and >= 0 (0: none), got ",
+                    str(softcap));
   const int dev = out.get_device();
   TORCH_CHECK_VALUE(hopper_kernels_for(dev),
                     "lce_dz_gemm_sm90 needs a GPU of compute capability 9.0 and an extension "

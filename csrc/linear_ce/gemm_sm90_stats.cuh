@@ -1,7 +1,8 @@
 // The cross-entropy statistics in the epilogue of the Hopper logits GEMM (layout 1, z = X W^T):
-// EpiCEStats stores z as EpiStore does and reduces each row of each 128 x 256 tile to a partial
-// (max, sum of exp, target logit, logit sum); ce_stats_combine_kernel merges the partials of a
-// row into lse, zt and zsum. The row kernel then only runs its dz pass (MODE_DZ) over the stored z.
+// EpiCEStats stores z as EpiStore does (TMA, and plain stores for the last N % 8 columns) and
+// reduces each row of each 128 x 256 tile to a partial (max, sum of exp, target logit, logit
+// sum); ce_stats_combine_kernel merges the partials of a row into lse, zt and zsum. The row
+// kernel then only runs its dz pass (MODE_DZ) over the stored z.
 //
 // The math is the row kernels' (ce_rows_kernel.cuh): per column j, the logit the statistics see
 // is apply_cap(float(round(z_j)) + bias_j, softcap), i.e. the stored (rounded, raw) z plus the
@@ -29,7 +30,10 @@ namespace lce_gemm {
 template <typename T>
 struct EpiCEStats {
   struct Params {
-    CUtensorMap tm_c;        // z [M, N], boxes 64 x 64, 128-byte swizzle
+    CUtensorMap tm_c;        // z [M, n_tma], boxes 64 x 64, 128-byte swizzle (none if n_tma = 0)
+    T* c;                    // z itself: its columns >= n_tma (SlabStager::store_tail)
+    int64_t ldc;             // z's row stride in elements
+    int n_tma;               // tma_store_cols(n)
     const float* bias;       // [N] or null
     const int64_t* target;   // [M]
     float4* partials;        // [M][ld_part]
@@ -115,7 +119,8 @@ struct EpiCEStats {
     float zt[2] = {0.f, 0.f};
 #pragma unroll
     for (int j = 0; j < kBoxes; ++j) {
-      if (f.n0 + 64 * j >= p.n) break;  // uniform: the box lies right of C
+      const int box_col = f.n0 + 64 * j;
+      if (box_col >= p.n) break;  // uniform: the box lies right of C
       float2 b[8];
 #pragma unroll
       for (int c = 0; c < 8; ++c) b[c] = bias_pair(f.col0 + 64 * j + 8 * c);
@@ -132,7 +137,9 @@ struct EpiCEStats {
           x0 = EpiStore<T, false>::lo_f(v) + b[c].x;
           x1 = EpiStore<T, false>::hi_f(v) + b[c].y;
         }
-      st.end(&p.tm_c, f.n0 + 64 * j, f.slab_m0);
+      st.end(&p.tm_c, box_col, f.slab_m0, box_col < p.n_tma);
+      if (p.n_tma < p.n && p.n_tma < box_col + 64)  // uniform: the box holds z's last columns
+        st.store_tail(p.c, p.ldc, f.slab_m0, p.m, box_col, p.n_tma, p.n, 32 * f.warp + f.lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int col = ttile[h] - 64 * j;  // the target's column in this box

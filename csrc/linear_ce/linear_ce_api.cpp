@@ -149,7 +149,8 @@ void check_f32_rows(const Tensor& t, int64_t rows, const char* name, const Tenso
   TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, name, " must be float32, got ", t.scalar_type());
   TORCH_CHECK_VALUE(t.device() == z.device(), name, " is on another device than z");
   TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) >= rows && t.is_contiguous(), name,
-                    " must be a contiguous 1-D tensor of at least ", rows, " elements");
+                    " must be a contiguous 1-D tensor of at least ", std::to_string(rows),
+                    " elements");
 }
 
 // The fast path's row kernel (see ce_rows_kernel.cuh for the modes); mutates z and the statistics.
