@@ -87,6 +87,19 @@ def test_fused_loss_measured_and_planned(monkeypatch):
     assert fused.peak_bytes == pytest.approx(est.peak_bytes, rel=0.15)
 
 
+def test_fused_mlp_measured_and_planned():
+    """A wide MLP (the last layer's MLP backward sets the stock peak): swiglu's backward,
+    scratch included, lowers the measured peak, and the planner follows it."""
+    pytest.importorskip("fusedops.integrations.transformers")
+    cfg = dict(CFG, vocab_size=256, intermediate_size=8 * CFG["intermediate_size"])
+    _, stock, stock_est = _measure(cfg=cfg)
+    assert max(stock_est.candidates, key=lambda k: stock_est.candidates[k]["total"]) == \
+        "backward, last layer's MLP"
+    _, fused, est = _measure(fused=True, cfg=cfg)
+    assert fused.peak_bytes < stock.peak_bytes
+    assert fused.peak_bytes == pytest.approx(est.peak_bytes, rel=0.05)
+
+
 def test_cli_on_the_cpu(tmp_path):
     from fusedops.memory.__main__ import main
 

@@ -165,3 +165,49 @@ def test_reference_slices_match_one_pass(monkeypatch):
     ref.swiglu_bwd(dh, gate, up, dg, du)
     torch.testing.assert_close(du, want[1])
     torch.testing.assert_close(dg, want[2])
+
+
+BACKENDS = sorted({b for b, _, _ in CASES})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["same", "split", "overlap"])
+def test_inplace_backward_with_shared_memory(backend, layout):
+    """gate and up from one buffer: one tensor, the two halves of a fused projection (disjoint
+    views, written in place) or overlapping views (the backward then allocates): the gradient
+    reaching the buffer matches the oracle's."""
+    device = "cuda" if HAS_GPU else "cpu"
+    n = 256
+    g = torch.Generator().manual_seed(19)
+    base = torch.randn(2 * n, generator=g).to(device).requires_grad_()
+    dh = torch.randn(n, generator=g).to(device)
+    lo, hi = {"same": (0, 0), "split": (0, n), "overlap": (0, n // 4)}[layout]
+    buf = base * 1
+    h = swiglu(buf[lo:lo + n], buf[hi:hi + n], inplace_backward=True, backend=backend)
+    (got,) = torch.autograd.grad(h, base, dh)
+    x = base.detach().double()
+    _, du, dg = _oracle(x[lo:lo + n], x[hi:hi + n], dh)
+    want = torch.zeros_like(x)
+    want[lo:lo + n] += dg
+    want[hi:hi + n] += du
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_backward_leaves_inputs_without_grad(backend):
+    """An input that needs no gradient (the caller's data, a frozen activation) keeps its value."""
+    device = "cuda" if HAS_GPU else "cpu"
+    gate, up, dh = _inputs((129,), torch.float32, device, seed=23)
+    w = up.clone().requires_grad_()
+    kept = gate.clone()
+    h = swiglu(gate, w * 1, inplace_backward=True, backend=backend)
+    (du,) = torch.autograd.grad(h, w, dh)
+    assert torch.equal(gate, kept)
+    torch.testing.assert_close(du.double(), _oracle(gate, up, dh)[1], rtol=1e-5, atol=1e-6)
+
+
+def test_inplace_backward_refuses_views_of_leaves():
+    p = torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(ValueError, match="view of a leaf"):
+        swiglu(p[0], p[1], inplace_backward=True)
+    swiglu(p[0], p[1]).sum().backward()  # allowed without the in-place backward

@@ -162,8 +162,10 @@ def dq_mode(backend, head_dim):
     return mode
 
 
-def _backward(ctx, dout, _dlse, bwd=attention_bwd):
-    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+def _backward(ctx, dout, _dlse, bwd=attention_bwd, saved=None):
+    # saved: ctx.saved_tensors already unpacked by the caller (non-reentrant activation
+    # checkpointing allows one unpack per backward)
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors if saved is None else saved
     deterministic = dq_mode(ctx.backend, q.shape[-1]) == "separate"
     dq, dk, dv = bwd(q, k, v, out, lse, dout, cu_q, cu_k, *ctx.args, deterministic, ctx.backend)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
@@ -192,8 +194,9 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        grads = _backward(ctx, dout, dlse, bwd=_bwd_impl)
-        return refuse_double_backward(DOUBLE_BACKWARD, (*ctx.saved_tensors[:3], dout), grads)
+        saved = ctx.saved_tensors
+        grads = _backward(ctx, dout, dlse, bwd=_bwd_impl, saved=saved)
+        return refuse_double_backward(DOUBLE_BACKWARD, (*saved[:3], dout), grads)
 
 
 def forward(*inputs) -> tuple[Tensor, Tensor]:

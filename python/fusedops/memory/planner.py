@@ -71,7 +71,8 @@ Parameters, gradients, optimizer state (P = number of parameters):
 The backward of one MLP holds the gradients of its gate, SiLU and up outputs and the incoming
 d_hidden (``3*e*I + e*h`` per token) once down_proj's saved input is freed; with fused_mlp the
 product's incoming gradient and d_hidden (``e*I + e*h``: swiglu writes d_gate and d_up over gate
-and up).
+and up; on the CPU its torch backend adds three float32 slices of min(tokens*I, 2^22) elements,
+six for half-precision inputs).
 
 The peak is the largest of these moments of a steady-state step (optimizer state allocated,
 gradients freed before the forward): the loss's forward; the loss's backward; the last decoder
@@ -387,6 +388,9 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
     # the MLP's backward: the gradients of gate, SiLU and up outputs and the incoming d_hidden,
     # once down_proj's saved input is freed (fused: the product's gradient and d_hidden)
     mlp_bwd_tmp = (1 if fused_mlp else 3) * e * i_ * n + e * h * n
+    if fused_mlp and device == "cpu":  # the torch backend's float32 (float64) slices
+        c = 8 if e == 8 else 4
+        mlp_bwd_tmp += (3 if e == c else 6) * c * min(i_ * n, 1 << 22)
     mlp_grads = (3 * h * i_ + h) * e // g_div
 
     # --- logits / loss -------------------------------------------------------------------------

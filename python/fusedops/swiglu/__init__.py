@@ -47,18 +47,32 @@ class _SwiGLU(torch.autograd.Function):
             raise RuntimeError(_SECOND_BACKWARD)
         gate, up = ctx.saved_tensors
         dh = dh.contiguous()
-        if ctx.inplace:
-            d_gate, d_up = gate, up
-        else:
-            d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
+        # Only an input whose gradient is asked for is written over: one that needs none may be
+        # the caller's own tensor (data, a frozen activation).
+        over_gate = ctx.inplace and ctx.needs_input_grad[0]
+        over_up = ctx.inplace and ctx.needs_input_grad[1]
+        d_gate = gate if over_gate else torch.empty_like(gate)
+        d_up = up if over_up else torch.empty_like(up)
         with torch.no_grad():
             _impl(ctx.backend).swiglu_bwd(dh, gate, up, d_gate, d_up)
-        if ctx.inplace:
-            ctx.done = True
-            torch.autograd.graph.increment_version(gate)
-            torch.autograd.graph.increment_version(up)
+        for written, t in ((over_gate, gate), (over_up, up)):
+            if written:
+                ctx.done = True
+                torch.autograd.graph.increment_version(t)
         grads = refuse_double_backward(_DOUBLE_BACKWARD, (gate, up, dh), (d_gate, d_up))
+        grads = tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:2]))
         return (*grads, None, None)
+
+
+def _overlap(a: Tensor, b: Tensor) -> bool:
+    """Whether two contiguous tensors share memory (one tensor, or views of one buffer whose
+    ranges meet). Under torch.compile only identity is visible."""
+    if a is b:
+        return True
+    if torch.compiler.is_compiling() or not a.numel() or not b.numel():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False,
@@ -71,7 +85,11 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False,
 
     inplace_backward: the backward writes d_gate over gate and d_up over up (no allocation).
     Use it only where nothing reads gate or up after the backward (the MLP's projections'
-    outputs); a second backward through the same graph then raises.
+    outputs); a second backward through the same graph then raises. Only an input whose
+    gradient is needed is written over; where gate and up share memory (one tensor, or
+    overlapping views of one buffer) the backward allocates its gradients instead, since
+    writing one would overwrite the other before it is read. A leaf that requires grad, or a
+    view of one, is refused (its gradient would overwrite its value).
 
     backend: None / "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch"; or the
     FUSEDOPS_BACKEND environment variable.
@@ -92,9 +110,14 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False,
         raise ValueError(f"gate is on {gate.device} but up is on {up.device}")
     if inplace_backward:
         for name, t in (("gate", gate), ("up", up)):
-            if t.is_leaf and t.requires_grad:
+            base = t if t._base is None else t._base
+            if t.requires_grad and base.is_leaf:
+                what = "a leaf tensor" if base is t else "a view of a leaf tensor"
                 raise ValueError(f"inplace_backward=True would write the gradient over {name}, "
-                                 "a leaf tensor that requires grad; use inplace_backward=False")
+                                 f"{what} that requires grad; use inplace_backward=False")
     width = gate.shape[-1] if gate.dim() else 1
     name = dispatch.select(OP, gate, width, backend)
-    return _SwiGLU.apply(gate.contiguous(), up.contiguous(), name, inplace_backward)
+    gate, up = gate.contiguous(), up.contiguous()
+    if inplace_backward and _overlap(gate, up):
+        inplace_backward = False
+    return _SwiGLU.apply(gate, up, name, inplace_backward)

@@ -3,7 +3,8 @@
 Forward h = silu(g) * u; backward, for the incoming dh: du = dh * silu(g) and
 dg = dh * u * s * (1 + g * (1 - s)) with s = sigmoid(g). Half-precision inputs are computed in
 float32 and rounded once (PyTorch's own silu(g) * u rounds twice). Work goes in slices of 2^22
-elements, so the float32 temporaries stay small next to the inputs.
+elements, so the float32 temporaries stay small next to the inputs: the backward holds three
+float32 slices, six for half-precision inputs (their upcasts).
 """
 
 from __future__ import annotations
@@ -35,8 +36,14 @@ def swiglu_bwd(dh: Tensor, gate: Tensor, up: Tensor, d_gate: Tensor, d_up: Tenso
     flats = [t.view(-1) for t in (dh, gate, up, d_gate, d_up)]
     for i in range(0, flats[0].numel(), _SLICE):
         d, g, u = (f[i:i + _SLICE].to(cdt) for f in flats[:3])
+        # three slice-sized temporaries (besides the upcasts of half-precision inputs):
+        # s (1 + g (1 - s)) = s + silu (1 - s)
         s = torch.sigmoid(g)
-        du = d * g * s
-        dg = d * u * s * (1.0 + g * (1.0 - s))
+        silu = g * s
+        dg = silu * s
+        dg.neg_().add_(silu).add_(s)
+        del s
+        dg.mul_(d).mul_(u)
+        du = silu.mul_(d)
         flats[3][i:i + _SLICE] = dg
         flats[4][i:i + _SLICE] = du
