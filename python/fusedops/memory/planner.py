@@ -50,7 +50,8 @@ Logits/loss scratch:
   computed in the forward and counted as a gradient from there.
 * with tied embeddings the LM head's weight gradient (stock: from lm_head's backward; fused:
   d_weight) waits in autograd's input buffer for the embedding's until the end of the backward
-  pass and is counted where it was allocated, in logits/loss scratch, as the report does.
+  pass. Stock: counted where it was allocated, in logits/loss scratch, as the report does; fused:
+  in gradients from the forward on (the report finds d_weight's block becoming the .grad).
 
 Parameters, gradients, optimizer state (P = number of parameters):
 
@@ -395,12 +396,15 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
 
     # --- logits / loss -------------------------------------------------------------------------
     # With tied embeddings the LM head's weight gradient waits in autograd's input buffer for the
-    # embedding's until the end of the backward pass: counted where it is allocated (loss).
-    head_in_loss = head_grad if m.tied else 0
+    # embedding's until the end of the backward pass. Stock: counted where it is allocated
+    # (loss). Fused: the report finds d_weight's block as the parameter's .grad from the forward
+    # on (it becomes the .grad), so it is a gradient there.
+    head_in_loss = head_grad if m.tied and not fused_loss else 0
+    head_waits = head_grad if m.tied and fused_loss else 0  # counted in gradients
     head_as_grad = head_grad - head_in_loss
     if fused_loss:
         chunk = _fused_scratch(n, h, v, e, memory_budget_mib, device)
-        kept = e * h * n + 64 * n + head_in_loss  # d_hidden, per-token arrays, d_weight
+        kept = e * h * n + 64 * n  # d_hidden, per-token arrays (d_weight: gradients)
         loss_fwd = chunk + kept
         loss_bwd = kept
         grad_in_fwd = head_as_grad  # d_weight is computed in the forward
@@ -434,11 +438,12 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
             activations=acts_bwd - after_mlp,
             attention=attn_all + recomputed_attn + attn_bwd_tmp * n),
         "backward, first layer": moment(
-            gradients=grads_total - head_grad, logits_loss=head_in_loss,
+            gradients=grads_total - head_grad + head_waits, logits_loss=head_in_loss,
             activations=(per_layer - e * i_) * n + rope +
             (e * h * n if activation_checkpointing else 0),
             attention=attn_saved * n, other=mlp_bwd_tmp),
-        "backward, embedding": moment(gradients=grads_total, logits_loss=head_in_loss),
+        "backward, embedding": moment(gradients=grads_total + head_waits,
+                                      logits_loss=head_in_loss),
         "optimizer step": moment(gradients=grads_total, other=opt_tmp),
     }
     if attn_fwd_tmp:  # eager attention's forward transient in the last layer
