@@ -60,7 +60,8 @@ class _SwiGLU(torch.autograd.Function):
                 ctx.done = True
                 torch.autograd.graph.increment_version(t)
         grads = refuse_double_backward(_DOUBLE_BACKWARD, (gate, up, dh), (d_gate, d_up))
-        grads = tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:2]))
+        needs = ctx.needs_input_grad[:2]
+        grads = tuple(g if need else None for g, need in zip(grads, needs, strict=True))
         return (*grads, None, None)
 
 
