@@ -295,8 +295,8 @@ def test_dz_gemm(case, layout, accumulate, dtype):
     else:
         out.fill_(float("nan"))
     dbias = torch.full((vocab,), float("nan"), device="cuda") if layout == 3 else None
-    args = (bv, t, lse, w, eps, zl, cap)
-    gemm_sm90.dz_gemm(z, b, out, layout, accumulate, *args, dbias=dbias)
+    args = (bv, t, lse, w, eps, zl, cap)  # the emulation's order (dz_gemm: bias, lse, w, target)
+    gemm_sm90.dz_gemm(z, b, out, layout, accumulate, bv, lse, w, t, eps, zl, cap, dbias=dbias)
     torch.cuda.synchronize()
     what = f"{name} layout {layout} acc={accumulate} {dtype}"
     assert bool((big[:rows, h:] == guard).all()) and bool((big[rows:] == guard).all()), \
@@ -316,7 +316,7 @@ def test_dz_gemm_matches_row_kernel_pass(softcap, eps, zl):
                                                     softcap=softcap, eps=eps, zl=zl,
                                                     dtype=torch.bfloat16, device="cuda")
     out = torch.empty(tokens, h, device="cuda", dtype=torch.bfloat16)
-    gemm_sm90.dz_gemm(z, b, out, 2, False, bv, t, lse, w, eps, zl, cap)
+    gemm_sm90.dz_gemm(z, b, out, 2, False, bv, lse, w, t, eps, zl, cap)
     dz = z.clone()
     torch.ops.fusedops.ce_rows_cuda(dz, bv, t, 0, vocab, w, lse, lse, lse, lse, lse, eps, zl,
                                     cap, chunked.MODE_DZ, 90)
@@ -362,7 +362,7 @@ def _bad_dz_args():
          r"lse must be .* got shape \(63\)"),
         ("w dtype", lambda: base(w=torch.zeros(tokens, device="cuda").half()), TypeError, "w "),
         ("target int32", lambda: base(target=torch.zeros(tokens, dtype=torch.int32,
-                                                         device="cuda")), TypeError, "int64"),
+                                                         device="cuda")), TypeError, "target must be Long"),
         ("bias alignment", lambda: base(bias=torch.zeros(vocab + 1, device="cuda")[1:]),
          ValueError, "8-byte aligned"),
         ("eps", lambda: base(eps=1.5), ValueError, r"eps .* got 1\.5"),

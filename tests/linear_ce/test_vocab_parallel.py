@@ -375,8 +375,15 @@ def _tol(dname, device="cpu", case=None):
 
 
 def _reference(dname, case, device="cpu", backend="torch"):
+    """One process on the full weight. For GPU ranks: the float64 torch oracle of the same
+    rounded inputs (a GPU reference would mix in its own path's rounding, e.g. TF32 dots in
+    Triton's float32 recompute kernels for return_lse)."""
     opts = CASES["everything"] if case == "dtensor" else CASES[case]
     dtype = DTYPES[dname] if dname in DTYPES else getattr(torch, dname)
+    if device != "cpu":
+        up = lambda a: None if a is None else a.double()  # noqa: E731
+        x, w, b, t, g_loss, g_lse = _full_inputs(opts, dtype, "cpu")
+        return _run(up(x), up(w), up(b), t, up(g_loss), up(g_lse), opts, "torch")
     x, w, b, t, g_loss, g_lse = _full_inputs(opts, dtype, device)
     return _run(x, w, b, t, g_loss, g_lse, opts, backend)
 
