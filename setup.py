@@ -11,7 +11,7 @@ import glob
 import os
 import sys
 
-from setuptools import setup
+from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCHS = "8.0;9.0a"
@@ -83,8 +83,7 @@ def cuda_extension():
 ext_modules, cmdclass = cuda_extension()
 
 setup(
-    packages=["fusedops", "fusedops.linear_ce", "fusedops.attention", "fusedops.memory",
-              "fusedops.integrations", "fusedops.integrations.transformers"],
+    packages=find_packages("python"),  # every package under python/fusedops
     package_dir={"fusedops": "python/fusedops"},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
