@@ -22,7 +22,9 @@ if HAS_TRITON and INTERPRET and not HAS_GPU:
 if HAS_GPU:
     CASES += [("torch", "cuda", (torch.float32, torch.bfloat16)),
               ("triton", "cuda", (torch.float32, torch.float16, torch.bfloat16))]
-PARAMS = [pytest.param(b, d, dt, id=f"{b}-{d}-{str(dt)[6:]}") for b, d, dts in CASES for dt in dts]
+PARAMS = [pytest.param(b, d, dt, id=f"{b}-{d}-{str(dt)[6:]}",
+                       marks=[pytest.mark.gpu] if d == "cuda" else [])
+          for b, d, dts in CASES for dt in dts]
 SHAPES = [(97,), (3, 1025), (2, 5, 123)]
 
 
