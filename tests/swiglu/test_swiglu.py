@@ -59,7 +59,7 @@ def _err(x, want):
 @pytest.mark.parametrize("backend,device,dtype", PARAMS)
 def test_matches_float64_oracle(backend, device, dtype, inplace, shape):
     if device == "cuda":
-        shape = tuple(s * 64 for s in shape)
+        shape = shape[:-1] + (shape[-1] * 64,)  # a wider last dimension on the GPU
     gate, up, dh = _inputs(shape, dtype, device, seed=len(shape) + 7 * inplace)
     want = _oracle(gate, up, dh)
     eager = _eager(gate, up, dh)
