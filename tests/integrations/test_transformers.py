@@ -36,7 +36,7 @@ def _run(model, inputs, labels, **kw):
 
 def _compare(family, kind, dtype, tol, num_items=False):
     ref, cand = model_pair(family, dtype)
-    fo_hf.apply_fusedops(cand)
+    fo_hf.apply_fusedops(cand, mlp=True)
     assert cand.config._attn_implementation == "fusedops"
     ref.train()
     cand.train()
@@ -171,9 +171,9 @@ def test_idempotent_and_flags():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mlp_runs_swiglu(family, monkeypatch):
-    """mlp=True (the default) routes every SiLU MLP's product through fusedops.swiglu with the
-    in-place backward in training (not Gemma-2's tanh-GELU MLP); the gradients then match stock
-    (the parity tests above run with it); mlp=False leaves the MLPs alone."""
+    """mlp=True routes every SiLU MLP's product through fusedops.swiglu with the in-place
+    backward in training (not Gemma-2's tanh-GELU MLP); the gradients then match stock (the
+    parity tests above run with it); the default, mlp=False, leaves the MLPs alone."""
     from fusedops.integrations.transformers import mlp as fo_mlp
 
     calls, original = [], fo_mlp.swiglu
@@ -184,7 +184,7 @@ def test_mlp_runs_swiglu(family, monkeypatch):
 
     monkeypatch.setattr(fo_mlp, "swiglu", counted)
     ref, cand = model_pair(family, torch.float64)
-    fo_hf.apply_fusedops(cand)
+    fo_hf.apply_fusedops(cand, mlp=True)
     silu = family != "gemma2"
     n_layers = cand.config.num_hidden_layers
     patched = sum(getattr(m, "_fusedops_mlp", False) for m in cand.modules())
@@ -199,7 +199,7 @@ def test_mlp_runs_swiglu(family, monkeypatch):
         cand(**inputs, use_cache=False)
     assert calls == ([False] * n_layers if silu else [])
     _, plain = model_pair(family, torch.float64)
-    fo_hf.apply_fusedops(plain, mlp=False)
+    fo_hf.apply_fusedops(plain)
     assert not any(getattr(m, "_fusedops_mlp", False) for m in plain.modules())
     with pytest.raises(TypeError, match="mlp"):
         fo_hf.apply_fusedops(plain, mlp="yes")
@@ -211,7 +211,7 @@ def test_gradient_checkpointing(family, reentrant):
     """gradient_checkpointing_enable (both kinds): the recomputed layers run fusedops attention
     and swiglu's in-place backward; the gradients still match stock."""
     ref, cand = model_pair(family, torch.float64)
-    fo_hf.apply_fusedops(cand)
+    fo_hf.apply_fusedops(cand, mlp=True)
     for m in (ref, cand):
         m.train()
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})

@@ -27,7 +27,7 @@ def _measure(dtype="float32", attn="sdpa", checkpointing=False, fused=False, cfg
         model.gradient_checkpointing_enable()
     if fused:
         from fusedops.integrations.transformers import apply_fusedops
-        model = apply_fusedops(model)
+        model = apply_fusedops(model, mlp=True)
     ids = torch.randint(0, cfg["vocab_size"], (B, S), generator=torch.Generator().manual_seed(0))
     report = profile_step(model, {"input_ids": ids, "labels": ids})
     est = plan(cfg, batch=B, seq=S, dtype=dtype, mixed_precision=False, device="cpu",

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         if args.checkpointing:
             model.gradient_checkpointing_enable()
         if fused:
-            model = apply_fusedops(model, memory_budget_mib=args.memory_budget)
+            model = apply_fusedops(model, mlp=True, memory_budget_mib=args.memory_budget)
         try:
             report = profile_step(model, batch, warmup=args.warmup, label=name)
         except torch.cuda.OutOfMemoryError as exc:
