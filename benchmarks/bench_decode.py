@@ -9,6 +9,7 @@ op "attention_decode", method, B, ctx, paged, gbps (bytes of K and V read per se
 1 GiB, bytes read plus bytes written per second / 1e9, measured in the same run).
 
     python benchmarks/bench_decode.py [--batches 1,8,64] [--contexts 1024,...,131072]
+    python benchmarks/bench_decode.py --methods triton --num-splits 8,16,32,64,128  # split sweep
 
 Each call is captured in a CUDA graph and the replays are timed (a decode step is launched that
 way; eager timing would measure Python, not the kernels); a method that cannot be captured is
@@ -31,10 +32,10 @@ HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
 
 
-def fused(backend):
+def fused(backend, num_splits=None):
     def fn(q, kc, vc, lens, pt):
         return attention_with_kvcache(q, kc, vc, lens, page_table=pt, backend=backend,
-                                      check=False)
+                                      check=False, num_splits=num_splits)
     return fn
 
 
@@ -153,6 +154,9 @@ def main():
                     help="the torch reference runs only where B * ctx is at most this")
     ap.add_argument("--rep-ms", type=int, default=50)
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--num-splits", default="",
+                    help="comma list: also time Triton with each fixed split count (methods "
+                         "triton-sN, rows with num_splits), to tune the heuristic")
     add_out_arg(ap)
     args = ap.parse_args()
     meta = run_meta()
@@ -166,6 +170,10 @@ def main():
             fns[m] = makers[m]()
         except Exception as exc:  # noqa: BLE001 - FlashAttention-4 absent, CUDA not enabled
             print(f"{m}: skipped ({type(exc).__name__}: {str(exc)[:200]})")
+    splits = {}
+    for n in filter(None, args.num_splits.split(",")):
+        fns[f"triton-s{int(n)}"] = fused("triton", int(n))
+        splits[f"triton-s{int(n)}"] = int(n)
     if args.check:
         check(fns, args.page_size)
     copy = copy_gbps(args.rep_ms)
@@ -193,7 +201,7 @@ def main():
                                D=D, Sq=1, dtype="bfloat16", ms=round(ms, 5),
                                gbps=round(kv_bytes / ms / 1e6, 1), copy_gbps=round(copy, 1),
                                frac_of_copy=round(kv_bytes / ms / 1e6 / copy, 3),
-                               graph=captured, **meta)
+                               graph=captured, num_splits=splits.get(name), **meta)
                     rows.append(row)
                     append_rows("attention_decode", [row], args.out)
                 del inputs
