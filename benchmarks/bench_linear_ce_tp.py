@@ -47,6 +47,17 @@ SHAPES = {  # name: (N tokens, H, V, softcap)
 }
 
 
+def _inputs(shape: str, device, dtype):
+    """(N, H, V, softcap, hidden, full weight, target) of a named shape, seeded: every rank and
+    the one-GPU reference draw the same."""
+    n, h, v, softcap = SHAPES[shape]
+    g = torch.Generator(device=device).manual_seed(0)
+    x = (torch.randn(n, h, generator=g, device=device) * 0.5).to(dtype)
+    w = (torch.randn(v, h, generator=g, device=device) * 0.02).to(dtype)
+    t = torch.randint(0, v, (n,), generator=g, device=device)
+    return n, h, v, softcap, x, w, t
+
+
 def _rel(a, b):
     a, b = a.float(), b.float()
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
@@ -67,11 +78,7 @@ def _worker(rank, world, init_file, args):
     rows = []
     try:
         for shape in args.shapes.split(","):
-            n, h, v, softcap = SHAPES[shape]
-            g = torch.Generator(device=device).manual_seed(0)
-            x = (torch.randn(n, h, generator=g, device=device) * 0.5).to(dtype)
-            w = (torch.randn(v, h, generator=g, device=device) * 0.02).to(dtype)
-            t = torch.randint(0, v, (n,), generator=g, device=device)
+            n, h, v, softcap, x, w, t = _inputs(shape, device, dtype)
             start = sum(c.numel() for c in torch.arange(v).chunk(world)[:rank])
             size = torch.arange(v).chunk(world)[rank].numel()
             w_shard = w[start:start + size].clone()
@@ -179,11 +186,7 @@ def simulate(args):
             rows = []
             world = args.world
             for shape in args.shapes.split(","):
-                n, h, v, softcap = SHAPES[shape]
-                g = torch.Generator(device=device).manual_seed(0)
-                x = (torch.randn(n, h, generator=g, device=device) * 0.5).to(dtype)
-                w = (torch.randn(v, h, generator=g, device=device) * 0.02).to(dtype)
-                t = torch.randint(0, v, (n,), generator=g, device=device)
+                n, h, v, softcap, x, w, t = _inputs(shape, device, dtype)
                 shard = w[:torch.arange(v).chunk(world)[0].numel()].clone()
                 kw = dict(softcap=softcap, check_targets=False)
                 group = dist.group.WORLD

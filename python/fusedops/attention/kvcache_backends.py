@@ -6,6 +6,7 @@ import os
 
 import torch
 
+from fusedops.attention.backends import _triton_limits  # the same head-dim limit
 from fusedops.dispatch import Backend, InputSig, OpBackends, register
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -29,12 +30,6 @@ def _cuda_limits(sig: InputSig) -> str | None:
     if sig.inner_dim not in CUDA_HEAD_DIMS:
         return (f"head dim {sig.inner_dim}: the CUDA decode kernel is built for 64 and 128 "
                 "(Triton runs the others)")
-    return None
-
-
-def _triton_limits(sig: InputSig) -> str | None:
-    if sig.inner_dim > 256:
-        return f"head dim {sig.inner_dim} is above 256"
     return None
 
 

@@ -82,6 +82,22 @@ def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, soft
                          f"{memory_budget_mib}")
 
 
+def _flat_inputs(hidden, weight, bias, target):
+    """(lead_shape, hidden as contiguous (N, H), weight, bias, target as contiguous (N,)), the
+    weight and bias made contiguous; a float32 hidden under CUDA autocast in autocast's dtype."""
+    if hidden.is_cuda and hidden.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
+        hidden = hidden.to(torch.get_autocast_dtype("cuda"))
+    h2 = hidden.reshape(-1, hidden.shape[-1])
+    if not h2.is_contiguous():
+        h2 = h2.contiguous()
+    w = weight if weight.is_contiguous() else weight.contiguous()
+    b = bias if (bias is None or bias.is_contiguous()) else bias.contiguous()
+    t1 = target.reshape(-1)
+    if not t1.is_contiguous():
+        t1 = t1.contiguous()
+    return hidden.shape[:-1], h2, w, b, t1
+
+
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: Tensor | None = None,
                          *, ignore_index: int = -100, reduction: str = "mean",
                          label_smoothing: float = 0.0, softcap: float | None = None,
@@ -143,19 +159,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
             vocab_start=vocab_start, check_replicated=check_replicated)
     _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
                   memory_budget_mib, ignore_index, return_lse, check_targets)
-    if hidden.is_cuda and hidden.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
-        hidden = hidden.to(torch.get_autocast_dtype("cuda"))
-    hidden_size = hidden.shape[-1]
+    lead_shape, h2, w, b, t1 = _flat_inputs(hidden, weight, bias, target)
+    hidden_size = h2.shape[1]
     vocab_size = weight.shape[0]
-    lead_shape = hidden.shape[:-1]
-    h2 = hidden.reshape(-1, hidden_size)
-    if not h2.is_contiguous():
-        h2 = h2.contiguous()
-    w = weight if weight.is_contiguous() else weight.contiguous()
-    b = bias if (bias is None or bias.is_contiguous()) else bias.contiguous()
-    t1 = target.reshape(-1)
-    if not t1.is_contiguous():
-        t1 = t1.contiguous()
     name = dispatch.select("linear_ce", h2, hidden_size, backend)
     if check_targets is None:
         check_targets = os.environ.get("FUSEDOPS_CHECK_TARGETS", "1") != "0"

@@ -163,6 +163,18 @@ def _rows_torch(z, bias, target, col0: int, vocab: int, w, lse, m, s, zt, zsum,
             z[r0:r1] = dz.to(z.dtype)
 
 
+def compute_dtype(hidden: Tensor) -> torch.dtype:
+    """The per-token statistics' dtype: float64 for float64 hidden, else float32."""
+    return torch.float64 if hidden.dtype == torch.float64 else torch.float32
+
+
+def gemm_operands(hidden: Tensor, weight: Tensor, bias: Tensor | None, cdt: torch.dtype):
+    """The weight in hidden's dtype for the GEMMs (mixed precision: a float32 weight is cast)
+    and the bias in the statistics' dtype, or None."""
+    w_mm = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
+    return w_mm, None if bias is None else bias.to(cdt)
+
+
 def _rows(backend: str, *args):
     if backend == "triton":
         from fusedops.linear_ce import triton as tk
@@ -243,9 +255,8 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     n_tokens, hidden_size = hidden.shape
     vocab = weight.shape[0]
     dev = hidden.device
-    cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    w_mm = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
-    b_in = None if bias is None else bias.to(cdt)
+    cdt = compute_dtype(hidden)
+    w_mm, b_in = gemm_operands(hidden, weight, bias, cdt)
     need_grads = need_dh or need_dw or need_db
     d_hidden = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
     d_weight = torch.empty_like(weight) if need_dw else hidden.new_empty(0)

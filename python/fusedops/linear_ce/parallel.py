@@ -172,9 +172,8 @@ class _ShardLoss(torch.autograd.Function):
         n_tokens, hidden_size = hidden.shape
         rows = weight.shape[0]
         dev = hidden.device
-        cdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        w_mm = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
-        b_in = None if bias is None else bias.to(cdt)
+        cdt = chunked.compute_dtype(hidden)
+        w_mm, b_in = chunked.gemm_operands(hidden, weight, bias, cdt)
         lse = torch.empty(n_tokens, dtype=cdt, device=dev)
         zt = torch.zeros(n_tokens, dtype=cdt, device=dev)
         zsum = torch.zeros(n_tokens, dtype=cdt, device=dev)
@@ -242,8 +241,7 @@ def _shard_grads(hidden, weight, bias, target, lse, w_tok, vocab, eps, zl, cap, 
     rows = weight.shape[0]
     dev = hidden.device
     cdt = lse.dtype
-    w_mm = weight if weight.dtype == hidden.dtype else weight.to(hidden.dtype)
-    b_in = None if bias is None else bias.to(cdt)
+    w_mm, b_in = chunked.gemm_operands(hidden, weight, bias, cdt)
     d_hidden = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
     d_weight = torch.zeros_like(weight) if need_dw else hidden.new_empty(0)
     d_bias32 = torch.zeros(rows, dtype=cdt, device=dev) if need_db else None
@@ -301,7 +299,7 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     """The vocab-parallel form of fusedops.linear_cross_entropy (see its docstring)."""
     import torch.distributed as dist
 
-    from fusedops.linear_ce import _check_inputs
+    from fusedops.linear_ce import _check_inputs, _flat_inputs
 
     if not dist.is_available():
         raise RuntimeError("process_group / vocab_start need torch.distributed, which this "
@@ -376,18 +374,8 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     vocab_start = _check_layout(rows_meta, rank)
     vocab_size = sum(row[1] for row in rows_meta)
 
-    if hidden.is_cuda and hidden.dtype == torch.float32 and torch.is_autocast_enabled("cuda"):
-        hidden = hidden.to(torch.get_autocast_dtype("cuda"))
-    hidden_size = hidden.shape[-1]
-    lead_shape = hidden.shape[:-1]
-    h2 = hidden.reshape(-1, hidden_size)
-    if not h2.is_contiguous():
-        h2 = h2.contiguous()
-    w = weight if weight.is_contiguous() else weight.contiguous()
-    b = bias if (bias is None or bias.is_contiguous()) else bias.contiguous()
-    t1 = target.reshape(-1)
-    if not t1.is_contiguous():
-        t1 = t1.contiguous()
+    lead_shape, h2, w, b, t1 = _flat_inputs(hidden, weight, bias, target)
+    hidden_size = h2.shape[1]
     if check_replicated and h2.shape[0] > 0:
         fp = _fingerprint(h2, t1).to(comm_dev)
         both = torch.cat([fp, -fp])
