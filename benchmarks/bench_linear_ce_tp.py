@@ -244,7 +244,7 @@ def main():
             sys.exit("--simulate needs a CUDA GPU (with --dry it runs the tiny shape on the CPU)")
         simulate(args)
         return
-    elif torch.cuda.device_count() < args.world:
+    elif not args.dry and torch.cuda.device_count() < args.world:
         sys.exit(f"needs {args.world} GPUs, found {torch.cuda.device_count()}; --simulate "
                  "measures one rank's shard on one GPU")
     import torch.multiprocessing as mp
