@@ -10,6 +10,7 @@ op "attention_decode", method, B, ctx, paged, gbps (bytes of K and V read per se
 
     python benchmarks/bench_decode.py [--batches 1,8,64] [--contexts 1024,...,131072]
     python benchmarks/bench_decode.py --methods triton --num-splits 8,16,32,64,128  # split sweep
+    python benchmarks/bench_decode.py --methods triton --configs 64x4x3,128x8x2 --num-splits 16,64
 
 Each call is captured in a CUDA graph and the replays are timed (a decode step is launched that
 way; eager timing would measure Python, not the kernels); a method that cannot be captured is
@@ -36,6 +37,22 @@ def fused(backend, num_splits=None):
     def fn(q, kc, vc, lens, pt):
         return attention_with_kvcache(q, kc, vc, lens, page_table=pt, backend=backend,
                                       check=False, num_splits=num_splits)
+    return fn
+
+
+def fused_config(config, num_splits=None):
+    """Triton with the kernel configuration (BLOCK_N, warps, stages) replaced for the call, to
+    tune kvcache_triton._config (--configs)."""
+    from fusedops.attention import kvcache_triton
+    inner = fused("triton", num_splits)
+
+    def fn(*args):
+        saved = kvcache_triton._config
+        kvcache_triton._config = lambda head_dim, dtype: config
+        try:
+            return inner(*args)
+        finally:
+            kvcache_triton._config = saved
     return fn
 
 
@@ -157,6 +174,10 @@ def main():
     ap.add_argument("--num-splits", default="",
                     help="comma list: also time Triton with each fixed split count (methods "
                          "triton-sN, rows with num_splits), to tune the heuristic")
+    ap.add_argument("--configs", default="",
+                    help="comma list of BLOCK_NxWARPSxSTAGES: also time Triton with each kernel "
+                         "configuration (methods triton-cBxWxS[-sN], at the heuristic's split "
+                         "count and at each --num-splits; rows with config)")
     add_out_arg(ap)
     args = ap.parse_args()
     meta = run_meta()
@@ -170,10 +191,20 @@ def main():
             fns[m] = makers[m]()
         except Exception as exc:  # noqa: BLE001 - FlashAttention-4 absent, CUDA not enabled
             print(f"{m}: skipped ({type(exc).__name__}: {str(exc)[:200]})")
-    splits = {}
-    for n in filter(None, args.num_splits.split(",")):
-        fns[f"triton-s{int(n)}"] = fused("triton", int(n))
-        splits[f"triton-s{int(n)}"] = int(n)
+    splits, configs = {}, {}
+    counts = [int(n) for n in filter(None, args.num_splits.split(","))]
+    for n in counts:
+        fns[f"triton-s{n}"] = fused("triton", n)
+        splits[f"triton-s{n}"] = n
+    for c in filter(None, args.configs.split(",")):
+        config = tuple(int(x) for x in c.split("x"))
+        if len(config) != 3:
+            raise SystemExit(f"--configs: {c!r} is not BLOCK_NxWARPSxSTAGES")
+        for n in [None, *counts]:
+            name = f"triton-c{c}" + (f"-s{n}" if n else "")
+            fns[name], configs[name] = fused_config(config, n), c
+            if n:
+                splits[name] = n
     if args.check:
         check(fns, args.page_size)
     copy = copy_gbps(args.rep_ms)
@@ -201,7 +232,8 @@ def main():
                                D=D, Sq=1, dtype="bfloat16", ms=round(ms, 5),
                                gbps=round(kv_bytes / ms / 1e6, 1), copy_gbps=round(copy, 1),
                                frac_of_copy=round(kv_bytes / ms / 1e6 / copy, 3),
-                               graph=captured, num_splits=splits.get(name), **meta)
+                               graph=captured, num_splits=splits.get(name),
+                               config=configs.get(name), **meta)
                     rows.append(row)
                     append_rows("attention_decode", [row], args.out)
                 del inputs
