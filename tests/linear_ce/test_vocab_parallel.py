@@ -21,6 +21,7 @@ import traceback
 import pytest
 import torch
 
+import lce_oracle as O
 from fusedops.linear_ce import linear_cross_entropy
 
 N_LEAD = (2, 9)  # 18 tokens
@@ -531,6 +532,31 @@ def test_gloo_shards_on_one_gpu(tmp_path):
     for dname in _gpu_dtypes():
         for case in CASES:
             _compare(per_rank, dname, case, "cuda:0", None)
+
+
+@pytest.mark.parametrize("backend,device", O.backend_params(O.available_backends()))
+def test_statistics_of_targets_outside_the_shard(backend, device):
+    """The statistics op on shard-relative targets: those of other shards (negative, or at and
+    past V, including the padding columns of the last vocab tile) have a target logit of 0 and
+    leave lse and the logit sum as they are."""
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(11)
+    n, h, v = 48, 32, 77
+    x = torch.randn(n, h, generator=g).to(device, dtype)
+    w = (torch.randn(v, h, generator=g) * 0.5).to(device, dtype)
+    b = torch.randn(v, generator=g).to(device, dtype)
+    inside = torch.randint(0, v, (n,), generator=g)
+    outside = torch.cat([torch.arange(v, v + 40), -torch.arange(1, 9)])[:n]
+    t = torch.where(torch.arange(n) % 2 == 0, inside, outside).to(device)
+    lse, zt, zs = torch.ops.fusedops.linear_ce_fwd(x, w, b, t, -100, 0.0, False, backend)
+    z = (x.double() @ w.double().T + b.double()).cpu()
+    t_cpu = t.cpu()
+    hit = (t_cpu >= 0) & (t_cpu < v)
+    want_zt = torch.where(hit, z.gather(1, t_cpu.clamp(0, v - 1)[:, None])[:, 0], 0.0)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(zt.double().cpu(), want_zt, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse.double().cpu(), torch.logsumexp(z, 1), rtol=tol, atol=tol)
+    torch.testing.assert_close(zs.double().cpu(), z.sum(1), rtol=tol, atol=tol * v)
 
 
 def test_nccl_group_needs_cuda_tensors():

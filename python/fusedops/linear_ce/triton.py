@@ -94,7 +94,10 @@ def _fwd_kernel(X, W, B, T, PART, N, V, H, softcap, tiles_per_split,
             tl.exp2((z - m_new[:, None]) * LOG2E), 1)
         m_i = m_new
         zs += tl.sum(tl.where(col_mask[None, :], z, 0.0), 1)
-        zt += tl.sum(tl.where(cols.to(tl.int64)[None, :] == tgt[:, None], z, 0.0), 1)
+        # A target past V (a vocab shard's relative target of a later shard) may equal a padding
+        # column of the last tile, whose z is -inf: only real columns match.
+        hit = (cols.to(tl.int64)[None, :] == tgt[:, None]) & col_mask[None, :]
+        zt += tl.sum(tl.where(hit, z, 0.0), 1)
     base = PART + pid_s * 4 * N
     tl.store(base + rows, m_i, mask=row_mask)
     tl.store(base + N + rows, s_i, mask=row_mask)
