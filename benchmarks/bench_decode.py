@@ -12,10 +12,15 @@ op "attention_decode", method, B, ctx, paged, gbps (bytes of K and V read per se
     python benchmarks/bench_decode.py --methods triton --num-splits 8,16,32,64,128  # split sweep
     python benchmarks/bench_decode.py --methods triton --configs 64x4x3,128x8x2 --num-splits 16,64
 
-Each call is captured in a CUDA graph and the replays are timed (a decode step is launched that
+The calls are captured in a CUDA graph and the replays are timed (a decode step is launched that
 way; eager timing would measure Python, not the kernels); a method that cannot be captured is
-timed eagerly and its row says graph=false. triton.testing.do_bench clears the L2 cache before
-each call. --check compares every method with the float64 reference on a small case first.
+timed eagerly and its row says graph=false. As in a model's decode step, one graph holds one
+call per layer, each layer with its own cache (--layers; by default enough layers for about
+1 GiB of K/V), so that a small cache's time is not the fixed cost of a replay and its events
+(graph_floor_ms in each row: an empty graph's replay); rows give the time per call and
+"layers". triton.testing.do_bench clears the L2 cache before each replay, and the layers'
+caches together exceed the L2. --check compares every method with the float64 reference on a
+small case first.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ def fused_config(config, num_splits=None):
 
     def fn(*args):
         saved = kvcache_triton._config
-        kvcache_triton._config = lambda head_dim, dtype: config
+        kvcache_triton._config = lambda *args: config
         try:
             return inner(*args)
         finally:
@@ -94,26 +99,47 @@ def copy_gbps(rep_ms: int) -> float:
     return 2 * 2**30 / ms / 1e6
 
 
-def graph_timed(fn, args, rep_ms: int):
-    """(median ms, captured) of fn(*args), by CUDA-graph replay when it can be captured."""
+def graph_timed(fn, layers, rep_ms: int):
+    """(median ms per call, captured) of fn on each layer's inputs in turn, by the replay of one
+    CUDA graph holding every layer's call (a model's decode step: one call per layer, each on
+    its own cache), when it can be captured."""
+    def step():
+        for args in layers:
+            fn(*args)
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(2):  # compile / autotune outside the capture
-            fn(*args)
+            fn(*layers[0])
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            fn(*args)
+            step()
         torch.cuda.synchronize()
-        return time_ms(graph.replay, rep_ms), True
+        return time_ms(graph.replay, rep_ms) / len(layers), True
     except Exception as exc:  # noqa: BLE001 - report and time eagerly
         print(f"  not capturable ({type(exc).__name__}: {str(exc)[:120]}); timed eagerly",
               file=sys.stderr)
         torch.cuda.synchronize()
-        return time_ms(lambda: fn(*args), rep_ms), False
+        return time_ms(step, rep_ms) / len(layers), False
+
+
+def graph_floor_ms(rep_ms: int) -> float:
+    """Time of one replay of a graph holding a single 4-byte memset: the fixed cost of the
+    timing itself."""
+    x = torch.zeros(1, device="cuda")
+    return graph_timed(lambda t: t.zero_(), [(x,)], rep_ms)[0]
+
+
+def layer_count(kv_bytes: int, fixed: int) -> int:
+    """Layers per timed graph: --layers, or (0) enough distinct caches for about 1 GiB of K/V
+    per replay, 1 to 16."""
+    if fixed:
+        return fixed
+    return max(1, min(16, -(-(1 << 30) // kv_bytes)))
 
 
 def make_cache(b: int, ctx: int, paged: bool, page_size: int):
@@ -178,6 +204,9 @@ def main():
                     help="comma list of BLOCK_NxWARPSxSTAGES: also time Triton with each kernel "
                          "configuration (methods triton-cBxWxS[-sN], at the heuristic's split "
                          "count and at each --num-splits; rows with config)")
+    ap.add_argument("--layers", type=int, default=0,
+                    help="calls per timed graph, each on its own cache (0: enough for about "
+                         "1 GiB of K/V, 1 to 16; 1: one call per replay)")
     add_out_arg(ap)
     args = ap.parse_args()
     meta = run_meta()
@@ -208,20 +237,23 @@ def main():
     if args.check:
         check(fns, args.page_size)
     copy = copy_gbps(args.rep_ms)
-    print(f"device copy: {copy:.0f} GB/s", file=sys.stderr)
+    floor = graph_floor_ms(args.rep_ms)
+    print(f"device copy: {copy:.0f} GB/s; one replay of an empty graph: {floor * 1e3:.1f} us",
+          file=sys.stderr)
     rows = []
     for b in map(int, args.batches.split(",")):
         for ctx in map(int, args.contexts.split(",")):
             for paged in (False, True):
-                inputs = make_cache(b, ctx, paged, args.page_size)
-                kv_bytes = 2 * b * ctx * HKV * D * inputs[1].element_size()
+                kv_bytes = 2 * b * ctx * HKV * D * DTYPE.itemsize
+                n_layers = layer_count(kv_bytes, args.layers)
+                layers = [make_cache(b, ctx, paged, args.page_size) for _ in range(n_layers)]
                 for name, fn in fns.items():
                     if name == "sdpa" and paged:
                         continue
                     if name == "torch" and b * ctx > args.torch_max_keys:
                         continue
                     try:
-                        ms, captured = graph_timed(fn, inputs, args.rep_ms)
+                        ms, captured = graph_timed(fn, layers, args.rep_ms)
                     except Exception as exc:  # noqa: BLE001 - one method failing is a result
                         print(f"{name} B={b} ctx={ctx} paged={paged}: {type(exc).__name__}: "
                               f"{str(exc)[:200]}", file=sys.stderr)
@@ -233,10 +265,11 @@ def main():
                                gbps=round(kv_bytes / ms / 1e6, 1), copy_gbps=round(copy, 1),
                                frac_of_copy=round(kv_bytes / ms / 1e6 / copy, 3),
                                graph=captured, num_splits=splits.get(name),
-                               config=configs.get(name), **meta)
+                               config=configs.get(name), layers=n_layers,
+                               graph_floor_ms=round(floor, 5), **meta)
                     rows.append(row)
                     append_rows("attention_decode", [row], args.out)
-                del inputs
+                del layers
                 torch.cuda.empty_cache()
     print_table(rows, [("B", "B", "d"), ("ctx", "ctx", "d"), ("paged", "paged", ""),
                        ("method", "method", ""), ("ms", "ms", ".4f"), ("GB/s", "gbps", ".0f"),

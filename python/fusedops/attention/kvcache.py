@@ -185,19 +185,21 @@ def sm_count(device: torch.device) -> int:
 
 
 def num_splits_heuristic(batch: int, heads_kv: int, capacity: int, num_sms: int,
-                         block_n: int) -> int:
+                         block_n: int, paged: bool = False) -> int:
     """Splits per sequence from static sizes only (no lengths: they stay on the device).
 
-    Enough programs (batch * Hkv * splits) for about two per SM, but each split at least four key
-    blocks of the capacity, and at most 128: one split when batch * Hkv already fills the GPU.
-    Not tuned yet: on the H200 it gives 32 splits of 256 keys at batch 1, 8k keys, where the
-    Triton kernel reaches a quarter of the copy bandwidth (benchmarks/results/
-    attention_decode.jsonl).
+    Enough programs (batch * Hkv * splits; heads_kv counts every program row of a sequence) for
+    about two per SM on a contiguous cache and eight on a paged one (each key block waits on its
+    page-table read first, so more programs in flight hide that latency), each split at least
+    four key blocks of the capacity, at most 128; one split when batch * Hkv already fills the
+    GPU. From the H200 sweep of split counts (benchmarks/results/attention_decode.jsonl, rows
+    with num_splits): at batch 8 with 32k keys, paged, 17 splits reach 0.94 of the copy
+    bandwidth where 5 reached 0.83; contiguous, 5 splits 0.93 and 16 0.82.
     """
     work = batch * heads_kv
     if work >= num_sms:
         return 1
-    want = -(-2 * num_sms // work)
+    want = -(-(8 if paged else 2) * num_sms // work)
     most = max(1, -(-capacity // block_n) // 4)
     return max(1, min(want, most, 128))
 
@@ -230,7 +232,7 @@ def _run(q, k_cache, v_cache, seqlens_k, page_table, scale, causal, left, right,
         if num_splits is None:
             cap = reference.capacity(k_cache, page_table)
             num_splits = num_splits_heuristic(q.shape[0], k_cache.shape[2], cap,
-                                              sm_count(q.device), 64)
+                                              sm_count(q.device), 64, page_table is not None)
         return torch.ops.fusedops.attention_decode_cuda(
             q, k_cache, v_cache, seqlens_k, page_table, scale, causal, left, right, softcap,
             num_splits, dispatch.cuda_arch(OP, backend))
