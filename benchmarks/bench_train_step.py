@@ -18,8 +18,8 @@ tensors):
             with its other kernels off (rope, rms_norm, swiglu; --liger-all turns them on), so
             that it differs from sdpa by the loss alone; skipped when liger_kernel is missing
   liger-all the same with Liger's rope, rms_norm and swiglu kernels on too
-  fusedops  fusedops.integrations.transformers.apply_fusedops(mlp=True): attention, fused loss
-            and the swiglu MLP
+  fusedops  fusedops.integrations.transformers.apply_fusedops(), its defaults: attention, fused
+            loss and the swiglu MLP
   fusedops-loss  apply_fusedops(attention=False, mlp=False): SDPA attention, fused loss
   fusedops@N, fusedops-loss@N  the same with apply_fusedops(memory_budget_mib=N)
 

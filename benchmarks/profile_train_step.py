@@ -1,10 +1,11 @@
 """Where a training step's time goes: one AdamW step of the bench_train_step.py model per method,
-with fusedops' attention and loss switched on separately, and the heaviest CUDA kernels.
+with fusedops' attention, loss and MLP switched on separately, and the heaviest CUDA kernels.
 
     python benchmarks/profile_train_step.py [--model llama-1b] [--seq 8192] [--kernels 14]
 
-Methods: sdpa (stock), liger (its fused linear cross-entropy only), fusedops (both),
-fusedops-attention (attention only, stock loss), fusedops-loss (loss only, sdpa attention).
+Methods: sdpa (stock), liger (its fused linear cross-entropy only), fusedops (all three),
+fusedops-attention (attention only, stock loss), fusedops-loss (loss only, sdpa attention),
+fusedops-mlp (fusedops.swiglu only).
 Prints the median ms per step and the peak allocated memory of each and, for `--profile`
 methods, the CUDA kernels by total time over two steps (torch.profiler).
 """
@@ -26,7 +27,8 @@ def make(method, args):
         from fusedops.integrations.transformers import apply_fusedops
         cfg, model = build("sdpa", args, torch.device("cuda"), torch.bfloat16)
         part = method.split("-", 1)[1]
-        apply_fusedops(model, attention=part == "attention", linear_ce=part == "loss")
+        apply_fusedops(model, attention=part == "attention", linear_ce=part == "loss",
+                       mlp=part == "mlp")
         return cfg, model
     return build(method, args, torch.device("cuda"), torch.bfloat16)
 

@@ -173,7 +173,7 @@ def test_idempotent_and_flags():
 def test_mlp_runs_swiglu(family, monkeypatch):
     """mlp=True routes every SiLU MLP's product through fusedops.swiglu with the in-place
     backward in training (not Gemma-2's tanh-GELU MLP); the gradients then match stock (the
-    parity tests above run with it); the default, mlp=False, leaves the MLPs alone."""
+    parity tests above run with it); it is the default, and mlp=False leaves the MLPs alone."""
     from fusedops.integrations.transformers import mlp as fo_mlp
 
     calls, original = [], fo_mlp.swiglu
@@ -198,8 +198,11 @@ def test_mlp_runs_swiglu(family, monkeypatch):
         cand.eval()
         cand(**inputs, use_cache=False)
     assert calls == ([False] * n_layers if silu else [])
+    _, default = model_pair(family, torch.float64)
+    fo_hf.apply_fusedops(default)
+    assert sum(getattr(m, "_fusedops_mlp", False) for m in default.modules()) == patched
     _, plain = model_pair(family, torch.float64)
-    fo_hf.apply_fusedops(plain)
+    fo_hf.apply_fusedops(plain, mlp=False)
     assert not any(getattr(m, "_fusedops_mlp", False) for m in plain.modules())
     with pytest.raises(TypeError, match="mlp"):
         fo_hf.apply_fusedops(plain, mlp="yes")

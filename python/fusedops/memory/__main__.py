@@ -1,6 +1,6 @@
 """python -m fusedops.memory: the peak memory of one training step of a random-init Llama model,
 stock transformers (SDPA attention, lm_head + cross-entropy) against fusedops
-(apply_fusedops: fusedops attention and the fused linear cross-entropy), measured by
+(apply_fusedops: fusedops attention, the fused linear cross-entropy and SwiGLU), measured by
 profile_step and estimated by plan, side by side.
 
     python -m fusedops.memory                          # GPU: llama-1b, 1 x 8192 tokens, bf16
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         if args.checkpointing:
             model.gradient_checkpointing_enable()
         if fused:
-            model = apply_fusedops(model, mlp=True, memory_budget_mib=args.memory_budget)
+            model = apply_fusedops(model, memory_budget_mib=args.memory_budget)
         try:
             report = profile_step(model, batch, warmup=args.warmup, label=name)
         except torch.cuda.OutOfMemoryError as exc:

@@ -9,7 +9,7 @@ AttentionInterface and its mask function with AttentionMaskInterface, so any mod
 attention interface can be loaded with it. :func:`apply_fusedops` also switches a model (or every
 model later built from a class) to it and replaces its ``ForCausalLM.forward`` by one that
 computes the training loss with fusedops.linear_ce, never forming the (tokens x vocab) logits,
-and (mlp=True) its gated SiLU MLPs' product by fusedops.swiglu.
+and its gated SiLU MLPs' product by fusedops.swiglu.
 
 Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
 Gemma2ForCausalLM (and subclasses).
@@ -98,7 +98,7 @@ def _patch_class(cls: type) -> None:
 
 
 def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = True,
-                   memory_budget_mib: float | None = None, mlp: bool = False):
+                   memory_budget_mib: float | None = None, mlp: bool = True):
     """Uses fusedops in a transformers causal LM; returns what it was given.
 
     model_or_class: a built model (an instance of a supported ``*ForCausalLM``), patched in place;
@@ -114,11 +114,11 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
     labels, or in eval mode, logits are computed as usual). The LM head stays the model's own
     module, called for the loss, so FSDP2 and DeepSpeed ZeRO-3 gather its weight as before.
 
-    mlp=True (opt-in) computes the gated MLP's silu(gate) * up with fusedops.swiglu (models whose
-    MLP activation is SiLU: not Gemma-2's): it keeps gate and up but not silu(gate) for the
+    mlp=True computes the gated MLP's silu(gate) * up with fusedops.swiglu (models whose MLP
+    activation is SiLU: not Gemma-2's): it keeps gate and up but not silu(gate) for the
     backward, which recomputes it and writes the gradients over gate and up. Per decoder layer
     that is one [tokens, intermediate] tensor less kept and two less allocated in the MLP's
-    backward.
+    backward. mlp=False leaves the MLPs as they are.
 
     memory_budget_mib: the fused loss's scratch (linear_cross_entropy's memory_budget_mib; None:
     its default, 512 MiB or FUSEDOPS_LCE_MEMORY_MIB). Lower it when the loss's chunk sets the
