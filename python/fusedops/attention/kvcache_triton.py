@@ -140,41 +140,46 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
 @triton.jit
 def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, n_mb, stride_ob, stride_os,
                     stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_DC: tl.constexpr, STAGES: tl.constexpr):
+    # One program per (rows of a KV head's group, sequence, BLOCK_DC columns of the head dim).
+    # Every split's lse is read at once for the maximum and the normaliser, so the loop over
+    # the splits' partial outputs carries only the accumulator and its loads pipeline.
     kvh = tl.program_id(0) // n_mb
     mb = tl.program_id(0) % n_mb
     b = tl.program_id(1)
+    dc = tl.program_id(2)
     n_kv = tl.num_programs(0) // n_mb
     batch = tl.num_programs(1)
     m = GROUP * sq
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < m
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = dc * BLOCK_DC + tl.arange(0, BLOCK_DC)
     d_ok = offs_d < HEAD_DIM
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-    for split in range(0, n_splits):
+    offs_s = tl.arange(0, BLOCK_S)
+    all_base = ((offs_s[:, None] * batch + b).to(tl.int64) * n_kv + kvh) * m + rows[None, :]
+    lse_all = tl.load(LSE_P + all_base, mask=(offs_s[:, None] < n_splits) & row_ok[None, :],
+                      other=float("-inf"))
+    m_i = tl.max(lse_all, 0)
+    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)  # rows no split saw
+    l_i = tl.sum(tl.exp(lse_all - m_use[None, :]), 0)
+    acc = tl.zeros((BLOCK_M, BLOCK_DC), tl.float32)
+    for split in tl.range(0, n_splits, num_stages=STAGES):
         base = ((split * batch + b).to(tl.int64) * n_kv + kvh) * m + rows
-        lse_s = tl.load(LSE_P + base, mask=row_ok, other=float("-inf"))
+        w = tl.exp(tl.load(LSE_P + base, mask=row_ok, other=float("-inf")) - m_use)
         o_s = tl.load(OUT_P + base[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        m_new = tl.maximum(m_i, lse_s)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_use)
-        w = tl.exp(lse_s - m_use)
-        l_i = l_i * alpha + w
-        acc = acc * alpha[:, None] + o_s * w[:, None]
-        m_i = m_new
+        acc += o_s * w[:, None]
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
     o_ptrs = OUT + _row_offsets(rows, b, kvh, GROUP, stride_ob, stride_os, stride_oh)
     tl.store(o_ptrs[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
-    qi = rows // GROUP
-    h = kvh * GROUP + rows % GROUP
-    tl.store(LSE + (b.to(tl.int64) * n_kv * GROUP + h) * sq + qi, lse, mask=row_ok)
+    if dc == 0:
+        lse = tl.where(seen, m_i + tl.log(tl.where(seen, l_i, 1.0)), float("-inf"))
+        qi = rows // GROUP
+        h = kvh * GROUP + rows % GROUP
+        tl.store(LSE + (b.to(tl.int64) * n_kv * GROUP + h) * sq + qi, lse, mask=row_ok)
 
 
 # Rows of one program's query tile: 64 rows x 128 columns of float32 accumulator is 64
@@ -236,7 +241,10 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
         IEEE=q.dtype == torch.float32, PAGED=paged, FINAL=final, num_warps=warps,
         num_stages=stages, **meta)
     if not final:
-        _combine_kernel[(hkv * n_mb, batch)](out_p, lse_p, out, lse, num_splits, sq, n_mb,
-                                             out.stride(0), out.stride(1), out.stride(2),
-                                             num_warps=warps if not INTERPRET else 1, **meta)
+        block_dc = min(block_d, 32)
+        _combine_kernel[(hkv * n_mb, batch, block_d // block_dc)](
+            out_p, lse_p, out, lse, num_splits, sq, n_mb, out.stride(0), out.stride(1),
+            out.stride(2), BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            BLOCK_DC=block_dc, STAGES=1 if INTERPRET else 3, num_warps=1 if INTERPRET else 2,
+            **meta)
     return out, lse
