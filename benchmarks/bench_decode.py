@@ -81,12 +81,15 @@ def sdpa():
 
 def fa4():
     """FlashAttention-4's forward (flash-attn-4, CuTe DSL) with seqused_k, and page_table for a
-    paged cache; its own split heuristic (num_splits=0)."""
+    paged cache; its own split heuristic (num_splits=0), except on compute capability 9.x,
+    where its sm_90 forward has no split-KV path (one split)."""
     from flash_attn.cute import flash_attn_varlen_func
+
+    splits = 1 if torch.cuda.get_device_capability()[0] == 9 else 0
 
     def fn(q, kc, vc, lens, pt):
         out = flash_attn_varlen_func(q, kc, vc, seqused_k=lens, page_table=pt, causal=True,
-                                     num_splits=0)
+                                     num_splits=splits)
         return out[0] if isinstance(out, tuple) else out
     return fn
 

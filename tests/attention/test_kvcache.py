@@ -586,7 +586,7 @@ def test_num_splits_heuristic():
     assert num_splits_heuristic(8, 8, 8192, 132, 64) == 5
     assert num_splits_heuristic(64, 8, 131072, 132, 64) == 1
     assert num_splits_heuristic(1, 8, 256, 132, 64) == 1  # four blocks: one split
-    assert num_splits_heuristic(1, 1, 10**6, 132, 64) == 128
+    assert num_splits_heuristic(1, 1, 10**6, 132, 64) == 64
     # paged: about eight programs per SM
     assert num_splits_heuristic(8, 8, 32768, 132, 64, paged=True) == 17
     assert num_splits_heuristic(1, 8, 8192, 132, 64, paged=True) == 32

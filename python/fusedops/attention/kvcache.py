@@ -191,17 +191,18 @@ def num_splits_heuristic(batch: int, heads_kv: int, capacity: int, num_sms: int,
     Enough programs (batch * Hkv * splits; heads_kv counts every program row of a sequence) for
     about two per SM on a contiguous cache and eight on a paged one (each key block waits on its
     page-table read first, so more programs in flight hide that latency), each split at least
-    four key blocks of the capacity, at most 128; one split when batch * Hkv already fills the
-    GPU. From the H200 sweep of split counts (benchmarks/results/attention_decode.jsonl, rows
-    with num_splits): at batch 8 with 32k keys, paged, 17 splits reach 0.94 of the copy
-    bandwidth where 5 reached 0.83; contiguous, 5 splits 0.93 and 16 0.82.
+    four key blocks of the capacity, at most 64; one split when batch * Hkv already fills the
+    GPU. From the H200 sweeps of split counts (benchmarks/results/attention_decode.jsonl, rows
+    with num_splits): at batch 8 with 32k keys, paged, 16-17 splits reach 0.86-0.95 of the copy
+    bandwidth where 5 reached 0.83; contiguous, 5 splits 0.93 and 16 0.82; at batch 1, paged,
+    128 splits 0.40 and 64 0.59.
     """
     work = batch * heads_kv
     if work >= num_sms:
         return 1
     want = -(-(8 if paged else 2) * num_sms // work)
     most = max(1, -(-capacity // block_n) // 4)
-    return max(1, min(want, most, 128))
+    return max(1, min(want, most, 64))
 
 
 def _requested(backend: str | None) -> str:

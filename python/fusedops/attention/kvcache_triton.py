@@ -140,11 +140,12 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
 @triton.jit
 def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, n_mb, stride_ob, stride_os,
                     stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_DC: tl.constexpr, STAGES: tl.constexpr):
-    # One program per (rows of a KV head's group, sequence, BLOCK_DC columns of the head dim).
-    # Every split's lse is read at once for the maximum and the normaliser, so the loop over
-    # the splits' partial outputs carries only the accumulator and its loads pipeline.
+                    BLOCK_M: tl.constexpr, BLOCK_MC: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_DC: tl.constexpr):
+    # One program per (rows of a KV head's group, sequence, BLOCK_DC columns of the head dim);
+    # BLOCK_MC covers the real rows of its BLOCK_M. The splits are read BLOCK_S at a time as
+    # one [splits, rows, columns] tile, so a call costs a few dependent memory round trips
+    # rather than one per split.
     kvh = tl.program_id(0) // n_mb
     mb = tl.program_id(0) % n_mb
     b = tl.program_id(1)
@@ -152,24 +153,28 @@ def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, n_mb, stride_ob, strid
     n_kv = tl.num_programs(0) // n_mb
     batch = tl.num_programs(1)
     m = GROUP * sq
-    rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = mb * BLOCK_M + tl.arange(0, BLOCK_MC)
     row_ok = rows < m
     offs_d = dc * BLOCK_DC + tl.arange(0, BLOCK_DC)
     d_ok = offs_d < HEAD_DIM
-    offs_s = tl.arange(0, BLOCK_S)
-    all_base = ((offs_s[:, None] * batch + b).to(tl.int64) * n_kv + kvh) * m + rows[None, :]
-    lse_all = tl.load(LSE_P + all_base, mask=(offs_s[:, None] < n_splits) & row_ok[None, :],
-                      other=float("-inf"))
-    m_i = tl.max(lse_all, 0)
+    m_i = tl.full((BLOCK_MC,), float("-inf"), tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        base = ((offs_s[:, None] * batch + b).to(tl.int64) * n_kv + kvh) * m + rows[None, :]
+        ok = (offs_s[:, None] < n_splits) & row_ok[None, :]
+        m_i = tl.maximum(m_i, tl.max(tl.load(LSE_P + base, mask=ok, other=float("-inf")), 0))
     m_use = tl.where(m_i == float("-inf"), 0.0, m_i)  # rows no split saw
-    l_i = tl.sum(tl.exp(lse_all - m_use[None, :]), 0)
-    acc = tl.zeros((BLOCK_M, BLOCK_DC), tl.float32)
-    for split in tl.range(0, n_splits, num_stages=STAGES):
-        base = ((split * batch + b).to(tl.int64) * n_kv + kvh) * m + rows
-        w = tl.exp(tl.load(LSE_P + base, mask=row_ok, other=float("-inf")) - m_use)
-        o_s = tl.load(OUT_P + base[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += o_s * w[:, None]
+    l_i = tl.zeros((BLOCK_MC,), tl.float32)
+    acc = tl.zeros((BLOCK_MC, BLOCK_DC), tl.float32)
+    for s0 in range(0, n_splits, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        base = ((offs_s[:, None] * batch + b).to(tl.int64) * n_kv + kvh) * m + rows[None, :]
+        ok = (offs_s[:, None] < n_splits) & row_ok[None, :]
+        w = tl.exp(tl.load(LSE_P + base, mask=ok, other=float("-inf")) - m_use[None, :])
+        o = tl.load(OUT_P + base[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
+        l_i += tl.sum(w, 0)
+        acc += tl.sum(o * w[:, :, None], 0)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     o_ptrs = OUT + _row_offsets(rows, b, kvh, GROUP, stride_ob, stride_os, stride_oh)
@@ -242,9 +247,11 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
         num_stages=stages, **meta)
     if not final:
         block_dc = min(block_d, 32)
+        block_mc = min(block_m, max(2, triton.next_power_of_2(m)))
+        # about 4096 partial-output elements a load: 32 a thread at 4 warps
+        block_s = max(1, min(triton.next_power_of_2(num_splits), 4096 // (block_mc * block_dc)))
         _combine_kernel[(hkv * n_mb, batch, block_d // block_dc)](
             out_p, lse_p, out, lse, num_splits, sq, n_mb, out.stride(0), out.stride(1),
-            out.stride(2), BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-            BLOCK_DC=block_dc, STAGES=1 if INTERPRET else 3, num_warps=1 if INTERPRET else 2,
-            **meta)
+            out.stride(2), GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_MC=block_mc,
+            BLOCK_S=block_s, BLOCK_DC=block_dc, num_warps=1 if INTERPRET else 4)
     return out, lse
