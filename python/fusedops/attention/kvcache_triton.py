@@ -192,20 +192,22 @@ def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, n_mb, stride_ob, strid
 MAX_BLOCK_M = 16 if INTERPRET else 64
 
 
-def _config(head_dim: int, dtype: torch.dtype, paged: bool, fills_gpu: bool):
-    """(BLOCK_N, warps, stages). From the H200 sweep (benchmarks/results/attention_decode.jsonl,
-    rows with config; bf16, D=128, page 64): 64-key blocks, 4 warps and 2 stages on contiguous
-    caches (batch 64: 1.00-1.03 of the copy bandwidth, against 0.87-0.89 with 3 stages), and
-    128-key blocks with 8 warps on paged caches whose programs already fill the GPU without
-    splitting (batch 64: 0.96-0.98, against 0.76-0.77 with 64 keys); 32 keys above D=128 or in
-    float32, whose tiles are larger."""
+def _config(head_dim: int, dtype: torch.dtype, paged: bool, programs: int, sms: int):
+    """(BLOCK_N, warps, stages) for `programs` (split, KV head, row block, sequence) programs
+    before splitting. From the H200 sweeps (benchmarks/results/attention_decode.jsonl, rows with
+    config; bf16, D=128, page 64): 64-key blocks and 4 warps, with 2 stages once the programs
+    fill the GPU (batch 64: 1.00-1.03 of the copy bandwidth, against 0.87-0.89 with 3 stages)
+    and 3 when a sequence's few programs each stream a long split (batch 1, 32k keys: 0.78-0.81
+    against 0.71-0.73); 128-key blocks with 8 warps on paged caches whose programs fill the GPU
+    (batch 64: 0.96-0.98, against 0.76-0.77 with 64 keys); 32 keys above D=128 or in float32,
+    whose tiles are larger."""
     if INTERPRET:
         return 16, 1, 1
     if head_dim > 128 or dtype == torch.float32:
         return 32, 4, 2
-    if paged and fills_gpu:
-        return 128, 8, 2
-    return 64, 4, 2
+    if programs >= sms:
+        return (128, 8, 2) if paged else (64, 4, 2)
+    return 64, 4, 3 if 4 * programs <= sms else 2
 
 
 def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal: bool,
@@ -219,7 +221,7 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
     block_m = max(16, min(MAX_BLOCK_M, triton.next_power_of_2(m)))
     n_mb = triton.cdiv(m, block_m)
     sms = sm_count(q.device)
-    block_n, warps, stages = _config(head_dim, q.dtype, paged, batch * hkv * n_mb >= sms)
+    block_n, warps, stages = _config(head_dim, q.dtype, paged, batch * hkv * n_mb, sms)
     if num_splits is None:
         num_splits = num_splits_heuristic(batch, hkv * n_mb, cap, sms, block_n, paged)
     out = torch.empty_like(q) if q.is_contiguous() else torch.empty(
