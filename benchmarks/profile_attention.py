@@ -3,8 +3,9 @@
     python benchmarks/profile_attention.py --backend cuda-sm80 --dims 64,128 --length 4096
 
 With --ncu, one step (after warm-up) runs between cudaProfilerStart/Stop and nothing is timed
-here: run it under `ncu --profile-from-start off` (benchmarks/ncu_attention.sh). The backend
-sdpa_flash is PyTorch's SDPA with the flash kernel (FlashAttention-2), for comparison.
+here: run it under `ncu --profile-from-start off` (benchmarks/ncu_attention.sh). For comparison,
+--backend sdpa_flash (PyTorch's SDPA with FlashAttention-2), sdpa_cudnn (its cuDNN backend) or
+fa4 (FlashAttention-4, when flash-attn-4 is installed).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_attention import fused, sdpa
+from bench_attention import fa4, fused, sdpa
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -24,7 +25,12 @@ def main():
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--ncu", action="store_true", help="mark one step for ncu; no timing")
     args = ap.parse_args()
-    run_attention = sdpa("sdpa_flash") if args.backend == "sdpa_flash" else fused(args.backend)
+    if args.backend in ("sdpa_flash", "sdpa_cudnn"):
+        run_attention = sdpa(args.backend)
+    elif args.backend == "fa4":
+        run_attention = fa4()
+    else:
+        run_attention = fused(args.backend)
     for d in map(int, args.dims.split(",")):
         b, h, n = 16384 // args.length, 2048 // d, args.length
         q, k, v, do = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16)
