@@ -4,7 +4,7 @@
 # mix, shared-memory bank conflicts, all appended to $OUT/ncu_attention.txt. Run on the GPU
 # machine after the extension is installed.
 # Env: OUT (report folder), NCU_DIMS (default 64,128), NCU_BACKENDS (default
-# cuda-sm80,sdpa_flash), NCU_CAUSAL=1, NCU_SECTIONS (space-separated section names),
+# cuda-sm80,sdpa_flash; also cuda-sm90, triton, sdpa_cudnn, fa4), NCU_CAUSAL=1, NCU_SECTIONS (space-separated section names),
 # NCU_ARGS (more ncu options, e.g. --print-details all --kernel-name regex:bwd).
 set -uo pipefail
 OUT=${OUT:-/tmp/ncu_out}; mkdir -p "$OUT"
