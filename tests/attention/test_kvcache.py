@@ -193,6 +193,18 @@ CPU_CASES = {
     # 24 rows per KV head: two blocks of rows under the interpreter (16 rows a program)
     "rows-two-blocks": dict(lens=(0, 29, 11), sq=3, heads_q=16, heads_kv=2, head_dim=16,
                             capacity=32, n_new=2, page_size=8, window=(12, 0), num_splits=3),
+    # The combine's shapes: D=40 (two column programs, the second half masked), paged; D=24
+    # (columns past the head dim) with 20 splits (more than one tile of splits); D=80, two row
+    # blocks, a window and 11 splits; D=8 MQA, one row, 9 splits.
+    "combine-d40": dict(lens=(0, 45, 21), sq=1, heads_q=8, heads_kv=2, head_dim=40,
+                        capacity=48, page_size=16, num_splits=3),
+    "combine-d24-splits20": dict(lens=(300, 7), sq=2, heads_q=16, heads_kv=2, head_dim=24,
+                                 capacity=320, n_new=2, num_splits=20),
+    "combine-d80-window": dict(lens=(0, 150, 61), sq=3, heads_q=16, heads_kv=2, head_dim=80,
+                               capacity=176, n_new=2, page_size=16, window=(40, 0),
+                               num_splits=11),
+    "combine-d8-mqa": dict(lens=(1, 140), sq=1, heads_q=1, heads_kv=1, head_dim=8,
+                           capacity=144, num_splits=9),
 }
 
 # GPU cases at real sizes: bf16/fp16, D=128 and 64, 32 heads over 8 (GQA 4:1) and MQA, lengths
@@ -249,6 +261,25 @@ def _params():
 @pytest.mark.parametrize("backend,device,dtype,name,cases", _params())
 def test_parity(backend, device, dtype, name, cases):
     check(Case(**cases[name], dtype=dtype, device=device), backend)
+
+
+def test_rows_no_split_saw_in_every_column_program():
+    """Splits that all see nothing (length 0; the first query of a length-1 sequence with Sq=2):
+    zeros and lse -inf from every head-dim program of the combine (D=72: five), no NaN."""
+    if not (INTERPRET and HAS_TRITON and not HAS_GPU):
+        pytest.skip("the Triton backend runs on the CPU only under TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 2, 8, 72, generator=g)
+    kc, vc = torch.randn(2, 64, 2, 72, generator=g), torch.randn(2, 64, 2, 72, generator=g)
+    lens = torch.tensor([0, 1], dtype=torch.int32)
+    out, lse = attention_with_kvcache(q, kc, vc, lens, backend="triton", num_splits=4,
+                                      return_lse=True)
+    assert not out.isnan().any() and not lse.isnan().any()
+    assert torch.all(out[0] == 0) and torch.all(lse[0] == -math.inf)
+    assert torch.all(out[1, 0] == 0) and torch.all(lse[1, :, 0] == -math.inf)
+    ref, ref_lse = attention_with_kvcache(q, kc, vc, lens, backend="torch", return_lse=True)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
 
 
 def test_reference_matches_dense_attention_float64():

@@ -194,8 +194,8 @@ def num_splits_heuristic(batch: int, heads_kv: int, capacity: int, num_sms: int,
     four key blocks of the capacity, at most 64; one split when batch * Hkv already fills the
     GPU. From the H200 sweeps of split counts (benchmarks/results/attention_decode.jsonl, rows
     with num_splits): at batch 8 with 32k keys, paged, 16-17 splits reach 0.86-0.95 of the copy
-    bandwidth where 5 reached 0.83; contiguous, 5 splits 0.93 and 16 0.82; at batch 1, paged,
-    128 splits 0.40 and 64 0.59.
+    bandwidth where 5 reached 0.76; contiguous, 5 splits 0.93 and 16 0.88-0.93; at batch 1,
+    paged, 128 splits 0.40 and 64 0.59.
     """
     work = batch * heads_kv
     if work >= num_sms:

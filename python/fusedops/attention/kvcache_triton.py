@@ -197,17 +197,17 @@ def _config(head_dim: int, dtype: torch.dtype, paged: bool, programs: int, sms: 
     before splitting. From the H200 sweeps (benchmarks/results/attention_decode.jsonl, rows with
     config; bf16, D=128, page 64): 64-key blocks and 4 warps, with 2 stages once the programs
     fill the GPU (batch 64: 1.00-1.03 of the copy bandwidth, against 0.87-0.89 with 3 stages)
-    and 3 when a sequence's few programs each stream a long split (batch 1, 32k keys: 0.78-0.81
-    against 0.71-0.73); 128-key blocks with 8 warps on paged caches whose programs fill the GPU
-    (batch 64: 0.96-0.98, against 0.76-0.77 with 64 keys); 32 keys above D=128 or in float32,
-    whose tiles are larger."""
+    and 3 when a sequence's few programs each stream a long split (batch 1, 32k keys,
+    contiguous: 0.78-0.81 against 0.70-0.73; paged: no difference); 128-key blocks with 8 warps
+    on paged caches whose programs fill the GPU (batch 64: 0.96-0.98, against 0.76-0.77 with 64
+    keys); 32 keys above D=128 or in float32, whose tiles are larger."""
     if INTERPRET:
         return 16, 1, 1
     if head_dim > 128 or dtype == torch.float32:
         return 32, 4, 2
     if programs >= sms:
         return (128, 8, 2) if paged else (64, 4, 2)
-    return 64, 4, 3 if 4 * programs <= sms else 2
+    return 64, 4, (3 if 4 * programs <= sms else 2)
 
 
 def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal: bool,
