@@ -295,7 +295,7 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
     "fusedops" (tiled; on the CPU its torch backend's backward holds float32 blocks of
     nq x 256 x S per sequence, which the estimate adds).
     fused_mlp: the MLP's silu(gate) * up by fusedops.swiglu with its in-place backward
-    (apply_fusedops(mlp=True)).
+    (apply_fusedops's default, mlp=True).
     """
     dtype = str(dtype).removeprefix("torch.")
     if dtype not in _DTYPE_BYTES:
