@@ -182,6 +182,33 @@ __device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr, uint32_t lbo,
          (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32) | (uint64_t{1} << 62);
 }
 
+// The calling thread's warpgroup, read from lane 0 of its warp: the same value, but one the
+// compiler knows to be warp-uniform, so that what is computed from it (wgmma descriptors) stays
+// in uniform registers instead of being moved there (R2UR) at every wgmma.
+__device__ __forceinline__ int warpgroup_uniform() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+}
+
+// A descriptor as its two 32-bit words, so that moving it along a tile costs one add. The start
+// address field is (addr mod 2^18) / 16 and shared memory is below 2^18 bytes, so adding
+// bytes / 16 to the low word of the descriptor of an address inside a tile gives the descriptor
+// of an address bytes further on in the same tile, with no carry into the LBO field: the same
+// bits as make_desc_sw128(addr + bytes, lbo, sbo), without rebuilding (masking, shifting,
+// or-ing) every field for every wgmma.
+struct SmemDesc {
+  uint32_t lo, hi;
+  __device__ __forceinline__ SmemDesc operator+(uint32_t bytes) const {
+    return {lo + (bytes >> 4), hi};
+  }
+  __device__ __forceinline__ operator uint64_t() const {
+    return (static_cast<uint64_t>(hi) << 32) | lo;
+  }
+};
+__device__ __forceinline__ SmemDesc smem_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  const uint64_t d = make_desc_sw128(addr, lbo, sbo);
+  return {static_cast<uint32_t>(d), static_cast<uint32_t>(d >> 32)};
+}
+
 // wgmma.mma_async m64nNk16 with float32 accumulators for T = __nv_bfloat16 / __half. Per warp w
 // of the warpgroup, the accumulator d[N / 8][4] holds rows 16 w + (lane / 4) (+ 8 for e >= 2)
 // and column 8 i + 2 (lane % 4) + (e & 1) in d[i][e] -- the m16n8 layout of mma.sync, per

@@ -288,7 +288,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
   } else {
     // ---- consumers ----
     setmaxnreg_inc<C::kConsumerRegs>();
-    const int cw = wg - 1;  // consumer warpgroup: keys [64 cw, 64 cw + 64) of the block
+    const int cw = warpgroup_uniform() - 1;  // consumer warpgroup: keys [64 cw, 64 cw + 64)
     const int warp = (threadIdx.x / 32) % 4, g = lane >> 2, tq = lane & 3;
     const int kr0 = 64 * cw + 16 * warp + g;  // the lane's first key row in the block (+8)
     const int j0 = n0 + kr0;                  // ... as a key of the sequence
@@ -308,11 +308,22 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     // other lanes' reads before the producer's next copy into the stage.
     auto release = [&](uint32_t bar) { mbar_arrive(bar); };
 
+    // The wgmma descriptors of the tiles' stage 0 (SmemDesc: a step, stage or buffer further on
+    // is one add): K-major K and V (this warpgroup's 64 rows), Q and dO; MN-major Q and dO (the
+    // B of dK and dV), dS^T's column block dq_r and K's column block dq_c (dQ's A and B).
+    const SmemDesc dK_km = smem_desc_sw128(sK + cw * 64 * 128, 16, 1024);
+    const SmemDesc dV_km = smem_desc_sw128(sV + cw * 64 * 128, 16, 1024);
+    const SmemDesc dQ_km = smem_desc_sw128(sQ, 16, 1024);
+    const SmemDesc dDo_km = smem_desc_sw128(sDo, 16, 1024);
+    const SmemDesc dQ_mn = smem_desc_sw128(sQ, BM * 128, 1024);
+    const SmemDesc dDo_mn = smem_desc_sw128(sDo, BM * 128, 1024);
+    const SmemDesc dDs_mn = smem_desc_sw128(sDs + dq_r * BN * 128, BN * 128, 1024);
+    const SmemDesc dK_mn = smem_desc_sw128(sK + dq_c * BN * 128, BN * 128, 1024);
+
     if (n_it > 0) sm90::mbar_wait(bar_kv, 0);
     int h = hk * group, m = t_lo * BM;
     for (int it = 0; it < n_it; ++it) {
       const int s = it % S;
-      const uint32_t sQ_s = sQ + s * C::kQBytes, sDo_s = sDo + s * C::kQBytes;
       const uint32_t sDs_b = sDs + (it & 1) * C::kDsBytes;
       sm90::mbar_wait(bar_full(s), (it / S) & 1);
 
@@ -323,18 +334,17 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       wgmma_fence();
       // acc = A B^T over the head dim, A the warpgroup's 64 keys of sA (K or V), B the step's
       // queries of sB (Q or dO), both K-major.
-      auto keys_by_queries = [&](float (&acc)[BM / 8][4], uint32_t sA, uint32_t sB) {
+      auto keys_by_queries = [&](float (&acc)[BM / 8][4], SmemDesc da, SmemDesc db) {
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
-          const uint32_t off = (kk / 4) * BN * 128 + cw * 64 * 128 + (kk % 4) * 32;
+          const uint32_t off = (kk / 4) * BN * 128 + (kk % 4) * 32;
           const uint32_t offq = (kk / 4) * BM * 128 + (kk % 4) * 32;
-          Wgmma<T, BM>::ss(acc, make_desc_sw128(sA + off, 16, 1024),
-                           make_desc_sw128(sB + offq, 16, 1024), kk > 0 ? 1 : 0);
+          Wgmma<T, BM>::ss(acc, da + off, db + offq, kk > 0 ? 1 : 0);
         }
       };
-      keys_by_queries(st, sK, sQ_s);
+      keys_by_queries(st, dK_km, dQ_km + s * C::kQBytes);
       if constexpr (kOverlap) wgmma_commit();  // S^T and dP^T as two groups
-      keys_by_queries(dpt, sV, sDo_s);
+      keys_by_queries(dpt, dV_km, dDo_km + s * C::kQBytes);
       wgmma_commit();
 
       // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
@@ -405,7 +415,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BM / 16; ++kk)
-          Wgmma<T, D>::rs_mn(dv, pa[kk], make_desc_sw128(sDo_s + kk * 2048, BM * 128, 1024), 1);
+          Wgmma<T, D>::rs_mn(dv, pa[kk], dDo_mn + (s * C::kQBytes + kk * 2048), 1);
         wgmma_commit();
       };
       if (!kOverlap || score.capped()) {
@@ -448,15 +458,18 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       // dS^T into buffer it & 1: key row kr of the block at byte 128 kr of the column block of
       // its query c (BN rows x 128 bytes each), 16-byte chunk (c % 64) / 8 at chunk ^ (kr % 8)
       // (kr % 8 == g) -- the layout TMA writes, which the dQ wgmma reads as an MN-major A.
+      // The chunk bits (4-6) of ds_lane are g, so that XOR with (ni % 8) << 4 swizzles: one
+      // LOP3 per chunk, row kr0 + 8 an immediate 1024 further.
+      const uint32_t ds_lane = sDs_b + kr0 * 128 + (g << 4) + 4 * tq;
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const int ni = 2 * kk + half, kr = kr0 + 8 * r;
+            const int ni = 2 * kk + half;
             const uint32_t addr =
-                sDs_b + (ni / 8) * BN * 128 + kr * 128 + (((ni % 8) ^ g) << 4) + 4 * tq;
+                (ds_lane ^ ((ni % 8) << 4)) + (ni / 8) * BN * 128 + r * 8 * 128;
             st_shared_u32(addr, dsa[kk][2 * half + r]);
           }
       fence_proxy_async_smem();  // the stores, before the wgmmas (async proxy) read them
@@ -471,13 +484,12 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
-        WgmmaTT<T>::ss(dq, make_desc_sw128(sDs_b + dq_r * BN * 128 + kk * 2048, BN * 128, 1024),
-                       make_desc_sw128(sK + dq_c * BN * 128 + kk * 2048, BN * 128, 1024),
+        WgmmaTT<T>::ss(dq, dDs_mn + ((it & 1) * C::kDsBytes + kk * 2048), dK_mn + kk * 2048,
                        kk > 0 ? 1 : 0);
       wgmma_commit();
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<T, D>::rs_mn(dk, dsa[kk], make_desc_sw128(sQ_s + kk * 2048, BM * 128, 1024), 1);
+        Wgmma<T, D>::rs_mn(dk, dsa[kk], dQ_mn + (s * C::kQBytes + kk * 2048), 1);
       wgmma_commit();
 
       // kDet: wait for this piece's turn -- the offset of key block nb among the query block's
@@ -516,13 +528,23 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       reg_fence(dq);
       if constexpr (kDet && !kEarlyTurn) wait_turn();
       // dQ accumulation: the piece's rows 16 warp + g (+ 8), columns 8 n8 + 2 tq (+ 1).
+      // Row i + 8 is one 8-row tile further (dq_acc_index): hq D 8 floats on from row i. The
+      // deterministic mode computes the second row's address afresh (at D=64 the held pointer
+      // spilled there).
+      {
+        const int i = m + 64 * dq_r + 16 * warp + g;
+        auto row_at = [&](int r) {
+          return p.dq_acc + dq_acc_index<D>(sq.q_start + i + 8 * r, h, 64 * dq_c + 2 * tq, p.hq);
+        };
+        float* const dst = row_at(0);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int i = m + 64 * dq_r + 16 * warp + g + 8 * r;
-        if (i >= sq.lq) continue;
-        float* dst = p.dq_acc + dq_acc_index<D>(sq.q_start + i, h, 64 * dq_c + 2 * tq, p.hq);
+        for (int r = 0; r < 2; ++r) {
+          if (i + 8 * r >= sq.lq) continue;
+          float* const dst_r = kDet ? row_at(r) : dst + static_cast<int64_t>(r) * p.hq * D * 8;
 #pragma unroll
-        for (int n8 = 0; n8 < 8; ++n8) red_add2(dst + n8 * 64, dq[n8][2 * r], dq[n8][2 * r + 1]);
+          for (int n8 = 0; n8 < 8; ++n8)
+            red_add2(dst_r + n8 * 64, dq[n8][2 * r], dq[n8][2 * r + 1]);
+        }
       }
       // kDet: pass the turn on once every thread's reductions are performed at gpu scope.
       if constexpr (kDet) {
@@ -538,12 +560,15 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     }
 
     // ---- epilogue: dK (scaled) and dV of keys < lk, 4-byte stores from registers ----
-    T* dK = static_cast<T*>(p.dk) + sq.k_start * p.dk_row + static_cast<int64_t>(cta_hk()) * D;
-    T* dV = static_cast<T*>(p.dv) + sq.k_start * p.dv_row + static_cast<int64_t>(cta_hk()) * D;
+    // The sequence's bounds are read again (the loop's reductions are memory clobbers, so they
+    // are reloaded): held across the loop, the key offset took a stack slot.
+    const Seq se(p, cta_b());
+    T* dK = static_cast<T*>(p.dk) + se.k_start * p.dk_row + static_cast<int64_t>(cta_hk()) * D;
+    T* dV = static_cast<T*>(p.dv) + se.k_start * p.dv_row + static_cast<int64_t>(cta_hk()) * D;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int j = j0 + 8 * r;
-      if (j >= sq.lk) continue;
+      if (j >= se.lk) continue;
       T* dk_row = dK + static_cast<int64_t>(j) * p.dk_row + 2 * tq;
       T* dv_row = dV + static_cast<int64_t>(j) * p.dv_row + 2 * tq;
 #pragma unroll

@@ -234,7 +234,12 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
   } else {
     // ---- consumers ----
     setmaxnreg_inc<C::kConsumerRegs>();
-    const int cw = wg - 1;  // consumer warpgroup: query rows [64 cw, 64 cw + 64) of the block
+    const int cw = warpgroup_uniform() - 1;  // consumer warpgroup: query rows [64 cw, 64 cw + 64)
+    // The wgmma descriptors of stage 0 (SmemDesc: a k-step or stage further on is one add): Q
+    // (this warpgroup's 64 rows) and K K-major, V MN-major.
+    const SmemDesc dQ = smem_desc_sw128(sQ + cw * 64 * 128, 16, 1024);
+    const SmemDesc dK = smem_desc_sw128(sK, 16, 1024);
+    const SmemDesc dV = smem_desc_sw128(sV, BN * 128, 1024);
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int row0 = 64 * cw + 16 * warp;  // the warp's first row in the block
     const Score score(p);
@@ -273,11 +278,8 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
           const uint32_t blk = kk / 4, in_row = (kk % 4) * 32;
-          const uint64_t da =
-              make_desc_sw128(sQ + blk * BM * 128 + cw * 64 * 128 + in_row, 16, 1024);
-          const uint64_t db =
-              make_desc_sw128(sK + s * C::kKvBytes + blk * BN * 128 + in_row, 16, 1024);
-          Wgmma<T, BN>::ss(sacc, da, db, kk > 0 ? 1 : 0);
+          Wgmma<T, BN>::ss(sacc, dQ + (blk * BM * 128 + in_row),
+                           dK + (s * C::kKvBytes + blk * BN * 128 + in_row), kk > 0 ? 1 : 0);
         }
         wgmma_commit();
       };
@@ -290,8 +292,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-          const uint64_t db = make_desc_sw128(sV + s * C::kKvBytes + kk * 16 * 128, BN * 128, 1024);
-          Wgmma<T, D>::rs_mn(o, pa[kk], db, 1);
+          Wgmma<T, D>::rs_mn(o, pa[kk], dV + (s * C::kKvBytes + kk * 16 * 128), 1);
         }
         wgmma_commit();
       };

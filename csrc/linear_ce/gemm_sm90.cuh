@@ -435,7 +435,7 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
   } else {
     // ---- consumers ----
     setmaxnreg_inc<C::kConsumerRegs>();
-    const int cw = wg - 1;  // rows [64 cw, 64 cw + 64) of every tile
+    const int cw = warpgroup_uniform() - 1;  // rows [64 cw, 64 cw + 64) of every tile
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31;
     const SlabStager stager{base + C::kOutOff + 2 * cw * C::kOutBufBytes, 1 + cw,
                             threadIdx.x % 128 == 0};
@@ -448,15 +448,16 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
     //    k-step is 16 K-rows (2048 bytes).
     //  B K-major: 256 rows of 128 bytes. B N-major: four 64-wide column blocks of 64 K-rows,
     //    8 KB apart (the LBO).
+    // Built once (SmemDesc): a stage or k-step further on is one add.
+    const SmemDesc da0 = kATrans ? smem_desc_sw128(sA + cw * 64 * 128, 64 * 128, 1024)
+                                 : smem_desc_sw128(sA + cw * 64 * 128, 16, 1024);
+    const SmemDesc db0 =
+        kBTrans ? smem_desc_sw128(sB, 64 * 128, 1024) : smem_desc_sw128(sB, 16, 1024);
     auto desc_a = [&](int s, int kk) {
-      const uint32_t a = sA + s * C::kABytes + cw * 64 * 128;
-      return kATrans ? make_desc_sw128(a + kk * 2048, 64 * 128, 1024)
-                     : make_desc_sw128(a + kk * 32, 16, 1024);
+      return da0 + (s * C::kABytes + kk * (kATrans ? 2048 : 32));
     };
     auto desc_b = [&](int s, int kk) {
-      const uint32_t b = sB + s * C::kBBytes;
-      return kBTrans ? make_desc_sw128(b + kk * 2048, 64 * 128, 1024)
-                     : make_desc_sw128(b + kk * 32, 16, 1024);
+      return db0 + (s * C::kBBytes + kk * (kBTrans ? 2048 : 32));
     };
     auto release = [&](int s) {
       __syncwarp();
