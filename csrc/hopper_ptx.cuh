@@ -87,15 +87,6 @@ template <int N>
 __device__ __forceinline__ void tma_store_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
 }
-// Adds `bytes` (a multiple of 16) of float32 from shared memory at `src` to global memory at
-// `dst` (both 16-byte aligned), element by element and atomically per element, as one
-// asynchronous bulk operation of the calling thread's bulk group: tma_store_commit, then
-// tma_store_wait_read before `src` is written again and tma_store_wait before the thread exits.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-               ::"l"(reinterpret_cast<uint64_t>(dst)), "r"(src), "r"(bytes)
-               : "memory");
-}
 // 2-D versions for plain row-major matrices (coordinates innermost first, in elements): the
 // GEMM operands and outputs. Same completion rules as the 3-D ones.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const void* tmap, uint32_t bar, int c0,

@@ -320,12 +320,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     const SmemDesc dDs_mn = smem_desc_sw128(sDs + dq_r * BN * 128, BN * 128, 1024);
     const SmemDesc dK_mn = smem_desc_sw128(sK + dq_c * BN * 128, BN * 128, 1024);
 
-    // dQ_part goes out by bulk reductions from shared memory (this warpgroup's staging buffer)
-    // where the sequence's rows start on an 8-row tile of dq_acc, by red.global from registers
-    // otherwise and in the deterministic mode (whose order the counters fix per thread).
-    const bool bulk_dq = !kDet && sq.q_start % 8 == 0;
-    const uint32_t sDq = base + C::kDqOff + cw * C::kDqPieceBytes;
-
     if (n_it > 0) sm90::mbar_wait(bar_kv, 0);
     int h = hk * group, m = t_lo * BM;
     for (int it = 0; it < n_it; ++it) {
@@ -479,9 +473,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
             st_shared_u32(addr, dsa[kk][2 * half + r]);
           }
       fence_proxy_async_smem();  // the stores, before the wgmmas (async proxy) read them
-      // The bulk dQ reductions of the last step have read this warpgroup's staging buffer
-      // before anyone passes the barrier (and writes it again below).
-      if (bulk_dq && threadIdx.x % 128 == 0) tma_store_wait_read<0>();
       named_bar_sync<256>(1);    // both consumer warpgroups' halves of dS^T are written
 
       // dQ_part = dS K: BN / 16 k-steps of 16 keys; A = dS^T's column block dq_r, B = K's
@@ -537,37 +528,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       reg_fence(dq);
       if constexpr (kDet && !kEarlyTurn) wait_turn();
       // dQ accumulation: the piece's rows 16 warp + g (+ 8), columns 8 n8 + 2 tq (+ 1).
-      if (bulk_dq) {
-        // Staged as the accumulator's tiles (dq_acc_index): row 16 warp + g + 8 r of the piece
-        // is row g of 8-row run 2 warp + r, column 8 n8 + 2 tq of its column block n8; a
-        // warp's float2 stores cover 256 contiguous bytes. Then one thread adds each run of 8
-        // rows x 64 columns (2 KiB, contiguous in dq_acc) that holds a query < lq by one bulk
-        // reduction. Rows >= lq in the last run hold exact zeros (P = dS = 0 there), so adding
-        // them to the next sequence's rows (or the padding) changes nothing.
-        const uint32_t stage = sDq + (2 * warp) * 2048 + g * 32 + tq * 8;
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int n8 = 0; n8 < 8; ++n8)
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(stage + r * 2048 + n8 * 256),
-                         "f"(dq[n8][2 * r]), "f"(dq[n8][2 * r + 1])
-                         : "memory");
-        fence_proxy_async_smem();
-        if (cw == 0)
-          named_bar_sync<128>(2);
-        else
-          named_bar_sync<128>(3);
-        if (threadIdx.x % 128 == 0) {
-          const int i0 = m + 64 * dq_r;
-          float* const dst = p.dq_acc + dq_acc_index<D>(sq.q_start + i0, h, 64 * dq_c, p.hq);
-#pragma unroll
-          for (int rt = 0; rt < 8; ++rt)
-            if (i0 + 8 * rt < sq.lq)
-              bulk_reduce_add_f32(dst + static_cast<int64_t>(rt) * p.hq * D * 8,
-                                  sDq + rt * 2048, 2048);
-          tma_store_commit();
-        }
-      } else
       // Row i + 8 is one 8-row tile further (dq_acc_index): hq D 8 floats on from row i. The
       // deterministic mode computes the second row's address afresh (at D=64 the held pointer
       // spilled there).
@@ -598,9 +558,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       release(bar_empty(s));  // Q, dO and the stats of stage s are no longer read
       next_step<BM>(h, m, t_lo, n_tiles);
     }
-
-    // The bulk reductions are complete before the thread that issued them exits.
-    if (bulk_dq && threadIdx.x % 128 == 0) tma_store_wait<0>();
 
     // ---- epilogue: dK (scaled) and dV of keys < lk, 4-byte stores from registers ----
     // The sequence's bounds are read again (the loop's reductions are memory clobbers, so they

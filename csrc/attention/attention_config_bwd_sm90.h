@@ -47,12 +47,8 @@ struct TilesBwdSm90 {
   static constexpr int kQOff = kVOff + kKvBytes;
   static constexpr int kDoOff = kQOff + kStages * kQBytes;
   static constexpr int kDsOff = kDoOff + kStages * kQBytes;
-  // dQ_part staged for its bulk reduction, per consumer warpgroup: the 64 x 64 piece as 8 runs
-  // of 8 rows x 64 columns in dq_acc_index order (2 KiB each), float32.
-  static constexpr int kDqPieceBytes = 64 * 64 * 4;
-  static constexpr int kDqOff = kDsOff + 2 * kDsBytes;
   // Row statistics per stage: lse2 and delta (BM floats each, bwd_prep_kernel_sm90's layout).
-  static constexpr int kStatsOff = kDqOff + kConsumerWarpgroups * kDqPieceBytes;
+  static constexpr int kStatsOff = kDsOff + 2 * kDsBytes;
   static constexpr int kBarOff = kStatsOff + kStages * 2 * kBlockM * 4;
   // Barriers: K/V full; per stage Q/dO full, Q/dO empty.
   static constexpr int kNumBars = 1 + 2 * kStages;
