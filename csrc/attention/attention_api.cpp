@@ -168,11 +168,6 @@ std::tuple<Tensor, Tensor> attention_fwd_cuda(const Tensor& q, const Tensor& k, 
   p.out = out.data_ptr();
   p.o_row = out.stride(0);
   p.lse = lse.data_ptr<float>();
-  Tensor tile_counter;
-  if (arch == 90 && attention_fwd_sm90_dynamic(p)) {
-    tile_counter = at::zeros({1}, q.options().dtype(at::kInt));
-    p.tile_counter = tile_counter.data_ptr<int>();
-  }
   check_launch(fam.fwd(p), "attention forward");
   return {out, lse};
 }

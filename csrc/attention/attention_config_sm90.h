@@ -81,20 +81,19 @@ struct TilesSm90 {
   static constexpr int kQOff = 0;
   static constexpr int kKOff = kQOff + kQBytes;
   static constexpr int kVOff = kKOff + kStages * kKvBytes;
-  // Barriers: Q full, Q empty; per stage K full, K empty, V full, V empty; the dynamic tile
-  // order's two slots, full and empty each (then the slots, 16 bytes each).
-  static constexpr int kNumBars = 2 + 4 * kStages + 4;
+  // Barriers: Q full, Q empty; per stage K full, K empty, V full, V empty.
+  static constexpr int kNumBars = 2 + 4 * kStages;
   // The epilogue's staging buffer of O (BM x D, the layout of Q), when it fits next to the
   // pipeline: the Q rows are then free for the next work tile's Q as soon as the last Q K^T has
   // completed (D=128: 32 + 128 + 32 KiB; D=64: 16 + 96 + 16 KiB). Without it (kSeparateO
   // false) O is staged in the Q rows, and Q is released only after the TMA store has read
   // them (attention_fwd_kernel_sm90.cuh).
   static constexpr bool kSeparateO =
-      kVOff + kStages * kKvBytes + kQBytes + kNumBars * 8 + 32 + 1024 <= 227 * 1024;
+      kVOff + kStages * kKvBytes + kQBytes + kNumBars * 8 + 1024 <= 227 * 1024;
   static constexpr int kOOff = kVOff + kStages * kKvBytes;  // used only when kSeparateO
   static constexpr int kBarOff = kOOff + (kSeparateO ? kQBytes : 0);
   // + 1024: the dynamic shared memory base is rounded up to 1024 bytes in the kernel.
-  static constexpr size_t kSmem = kBarOff + kNumBars * 8 + 32 + 1024;
+  static constexpr size_t kSmem = kBarOff + kNumBars * 8 + 1024;
   static_assert(kQBytes % 1024 == 0 && kKvBytes % 1024 == 0);
   static_assert(kSmem <= 227 * 1024, "exceeds Hopper's shared memory per block");
 };

@@ -11,9 +11,7 @@
 // Roles (warp specialisation, FlashAttention-3's scheme): warpgroup 0 is the producer, one of
 // its threads issuing every TMA load -- per work tile its Q, then the K and V tiles of the
 // tile's key range into kStages stages, each stage guarded by a "full" barrier (TMA transaction
-// bytes) and an "empty" barrier (one arrival per consumer warp); Q has its own pair. In
-// persistent tables another of its threads, the scheduler, hands every role the CTA's next work
-// tile through a ring of two shared-memory slots (TileOrderSm90, the comment block below).
+// bytes) and an "empty" barrier (one arrival per consumer warp); Q has its own pair.
 // Warpgroups 1 .. kWarpgroups (2, or 3 at D=64: TilesSm90) each own 64 query rows: S = Q K^T
 // by wgmma from shared memory (both K-major), the softmax in registers, P converted to
 // bf16/fp16 in registers and O += P V by wgmma with A from registers and V MN-major in shared
@@ -49,14 +47,12 @@ namespace fusedops {
 namespace attn {
 
 // The work tiles of a call -- (q-block, head, sequence) triples, n_mb x hq x batch of them --
-// and the order in which the CTAs take them. CTA c starts with tile c of the launch's range;
-// then, statically, tiles c + gridDim.x, c + 2 gridDim.x, ... (a round-robin: no state, for
-// tiles of equal length), or dynamically (`counter` set) the next index an atomic counter hands
-// out, so that a CTA that finished early takes the next tile: where tiles differ in length (a
-// causal mask, a window, sequences of different lengths) the static round-robin over this order
-// left the busiest CTA about 17% above the mean at D=128, L=4096, causal (a model of the
-// assignment; the greedy order leaves 4%). The host allocates the counter zeroed per call (a
-// memset in a CUDA graph), so replays and concurrent streams never share one.
+// and the order in which the CTAs take them: CTA c runs tiles c, c + gridDim.x, c + 2 gridDim.x,
+// ... of the launch's range (a static round-robin). Static rather than an atomic tile counter: every role of a CTA
+// computes the same sequence from blockIdx.x alone (no shared-memory handoff, no barrier for
+// it), and there is no global counter to reset per call, so a CUDA graph replays it as is. With
+// the longest tiles first, each round of gridDim.x tiles holds tiles of about the same length,
+// so the CTAs' totals differ by about one short tile.
 // Order: the (sequence, head) pairs, head fastest (the query heads of one KV head adjacent, so
 // that they run at the same time and share its K/V tiles in L2), are cut into sections of `sec`
 // pairs; inside a section the q-blocks go one block index at a time over all its pairs, blocks
@@ -76,25 +72,16 @@ struct TileOrderSm90 {
   int hq;
   int sec;         // pairs per section, >= 1, sec * n_mb < 2^31
   int reverse;     // 1: block n_mb - 1 first
-  // Dynamic order (persistent tables only): null, the static round-robin above; else a zeroed
-  // int32 that the CTAs' producers count their tiles on (the kernel below).
-  int* counter;
-  // decode with 32-bit divisions, for n_work <= 2^31 - 1 (every persistent launch).
-  __host__ __device__ void decode32(int ti, int& b, int& h, int& mb) const {
-    const int per = sec * n_mb, s = ti / per, r = ti - s * per;
-    const int bh0 = s * sec, left = static_cast<int>(n_bh) - bh0;
-    const int w = left < sec ? left : sec;  // the last section is shorter
-    const int k = r / w;
-    const int bh = bh0 + (r - k * w);
-    b = bh / hq;
-    h = bh - b * hq;
-    mb = reverse ? n_mb - 1 - k : k;
-  }
   __host__ __device__ void decode(int64_t t, int& b, int& h, int& mb) const {
     int k;
     if (n_work <= 0x7fffffff) {  // the usual case: 32-bit divisions (uniform over the grid)
-      decode32(static_cast<int>(t), b, h, mb);
-      return;
+      const int ti = static_cast<int>(t), per = sec * n_mb, s = ti / per, r = ti - s * per;
+      const int bh0 = s * sec, left = static_cast<int>(n_bh) - bh0;
+      const int w = left < sec ? left : sec;  // the last section is shorter
+      k = r / w;
+      const int bh = bh0 + (r - k * w);
+      b = bh / hq;
+      h = bh - b * hq;
     } else {
       const int64_t per = static_cast<int64_t>(sec) * n_mb, s = t / per;
       const int r = static_cast<int>(t - s * per);
@@ -132,13 +119,6 @@ struct TileOrderSm90 {
 //   store has read them. Either way each consumer warp is accounted for exactly once per use,
 //   and the producer cannot complete the next phase of full before the consumers have waited
 //   for the current one (it needs their empty arrivals first).
-// - The tile ring (persistent tables): the scheduler thread (thread 32) writes work tile u of the
-//   CTA, decoded, into slot u & 1 once that slot's empty barrier (count 4 NW + 1: the load
-//   thread and lane 0 of every consumer warp, after reading it) completed its use for tile
-//   u - 2 (parity ((u >> 1) & 1) ^ 1, fresh barriers pass the first two), then arrives on the
-//   slot's full barrier, which the readers wait for at parity (u >> 1) & 1. After the CTA's
-//   last tile it writes a stop, which ends every role's loop. Tables without the loop run their
-//   one tile without the ring.
 // - The producer thread exits after its last tile's loads; the TMA transactions still complete
 //   on the full barriers the consumers wait for. The last releases of the empty barriers are
 //   never waited for (harmless).
@@ -178,12 +158,9 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
   auto bar_kempty = [&](int s) { return bars + 8u * (2 + S + s); };
   auto bar_vfull = [&](int s) { return bars + 8u * (2 + 2 * S + s); };
   auto bar_vempty = [&](int s) { return bars + 8u * (2 + 3 * S + s); };
-  // The dynamic order's ring of two tile slots after the barriers, each the decoded tile (b,
-  // h, m0, stop: four int32) that the scheduler thread wrote: full (its arrival) and empty (the
-  // load thread and lane 0 of every consumer warp) per slot.
-  auto bar_tfull = [&](uint32_t u) { return bars + 8u * (2 + 4 * S + (u & 1)); };
-  auto bar_tempty = [&](uint32_t u) { return bars + 8u * (4 + 4 * S + (u & 1)); };
-  const uint32_t slots = bars + 8u * C::kNumBars;
+  // The CTA's work tiles: t_begin + blockIdx.x, then every gridDim.x-th (persistent tables), or
+  // that one tile alone (the others: no back edge, straight-line code as registers demand).
+  auto next_tile = [&](int64_t t) { return C::kPersistent ? t + gridDim.x : order.t_end; };
 
   // Work tile t: sequence b, head h, first query m0 (TileOrderSm90); the key tiles
   // [t_lo, t_lo + n_tiles) its queries [m0, min(m0 + BM, lq)) can see.
@@ -196,28 +173,6 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     sq.key_tiles_of<BN>(m0, BM, p, t_lo, t_hi);
     return t_hi - t_lo;
   };
-  // Work tile u of this CTA, for the load thread (warp_reads false) and the consumer warps
-  // (every lane reads the slot before lane 0 frees it): false past the CTA's last one.
-  // Persistent tables read it from slot u & 1, where the scheduler thread put it; the others
-  // run the one tile t_begin + blockIdx.x.
-  auto take_tile = [&](int u, bool warp_reads, int& b, int& h, int& m0) -> bool {
-    if constexpr (C::kPersistent) {
-      mbar_wait(bar_tfull(u), (u >> 1) & 1);
-      int stop;
-      asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(b), "=r"(h), "=r"(m0), "=r"(stop)
-                   : "r"(slots + 16u * (u & 1))
-                   : "memory");
-      if (warp_reads) __syncwarp();
-      if (!warp_reads || (threadIdx.x & 31) == 0) mbar_arrive(bar_tempty(u));
-      return stop == 0;
-    } else {
-      const int64_t t = order.t_begin + blockIdx.x;
-      if (u > 0 || t >= order.t_end) return false;
-      tile_at(t, b, h, m0);
-      return true;
-    }
-  };
 
   if (threadIdx.x == 0) {
     mbar_init(bar_qfull, 1);
@@ -227,10 +182,6 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       mbar_init(bar_vfull(s), 1);
       mbar_init(bar_kempty(s), 4 * C::kConsumerWarpgroups);
       mbar_init(bar_vempty(s), 4 * C::kConsumerWarpgroups);
-    }
-    for (uint32_t u = 0; u < 2; ++u) {
-      mbar_init(bar_tfull(u), 1);
-      mbar_init(bar_tempty(u), 4 * C::kConsumerWarpgroups + 1);
     }
     mbar_init_fence();
   }
@@ -244,22 +195,17 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       tma_prefetch_desc(&tm_q);
       tma_prefetch_desc(&tm_k);
       tma_prefetch_desc(&tm_v);
-      // The running key-tile index of the comment block above as its stage and phase (carried,
-      // not divided out: the load thread has 24 registers), and the running Q index.
-      uint32_t ks = 0, kph = 0, q_use = 0;
-      auto load_tile = [&](int b, int h, int m0) {
-        int t_lo;
+      uint32_t kv = 0, q_use = 0;  // running key-tile and Q indices (the comment block above)
+      for (int64_t t = order.t_begin + blockIdx.x; t < order.t_end; t = next_tile(t)) {
+        int b, h, m0, t_lo;
+        tile_at(t, b, h, m0);
         const Seq sq(p, b);
-        if (m0 >= sq.lq) return;
+        if (m0 >= sq.lq) continue;
         const int n_tiles = key_tiles(sq, m0, t_lo);
-        if (n_tiles == 0) return;
+        if (n_tiles == 0) continue;
         const int hk = h / (p.hq / p.hkv);
-        // Not unrolled: the load thread has 24 registers, and unrolled copies' precomputed
-        // barrier addresses and phases spilled.
-#pragma unroll 1
         for (int i = 0; i < n_tiles; ++i) {
-          const uint32_t s = ks, ph = kph;
-          if (++ks == S) ks = 0, kph ^= 1;
+          const uint32_t it = kv + i, s = it % S, ph = (it / S) & 1;
           const int row = sq.k_start + (t_lo + i) * BN;
           mbar_wait(bar_kempty(s), ph ^ 1);
           mbar_arrive_expect_tx(bar_kfull(s), C::kKvBytes);
@@ -281,36 +227,8 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
             tma_load_3d(sV + s * C::kKvBytes + c * BN * 128, &tm_v, bar_vfull(s), 64 * c, hk,
                         row);
         }
+        kv += n_tiles;
         ++q_use;
-      };
-      for (int u = 0;; ++u) {
-        int b, h, m0;
-        if (!take_tile(u, false, b, h, m0)) break;
-        load_tile(b, h, m0);
-      }
-    } else if (C::kPersistent && threadIdx.x == 32) {
-      // The scheduler thread of persistent tables: the CTA's first tile is t_begin +
-      // blockIdx.x, the next ones every gridDim.x-th (the static order) or what the counter
-      // hands out (the dynamic order: each of the launch's later tiles exactly once), then one
-      // past the end, which stops every role. Tile u goes into slot u & 1, decoded, once the
-      // load thread and the consumers have read that slot's tile u - 2; so the next index (the
-      // atomic's round trip) is fetched up to two tiles ahead.
-      const bool dyn = order.counter != nullptr;
-      int64_t t = order.t_begin + blockIdx.x;
-      for (uint32_t u = 0;; ++u) {
-        int b = 0, h = 0, m0 = 0;
-        const int stop = t >= order.t_end;
-        if (!stop) {
-          order.decode32(static_cast<int>(t), b, h, m0);  // persistent: n_work < 2^31
-          m0 *= BM;
-        }
-        mbar_wait(bar_tempty(u), ((u >> 1) & 1) ^ 1);
-        asm volatile("st.shared.v4.s32 [%0], {%1, %2, %3, %4};\n" ::"r"(slots + 16u * (u & 1)),
-                     "r"(b), "r"(h), "r"(m0), "r"(stop)
-                     : "memory");
-        mbar_arrive(bar_tfull(u));  // release: the slot's stores before the phase completes
-        if (stop) break;
-        t = dyn ? order.t_begin + gridDim.x + atomicAdd(order.counter, 1) : t + gridDim.x;
       }
     }
   } else {
@@ -326,9 +244,10 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     const int row0 = 64 * cw + 16 * warp;  // the warp's first row in the block
     const Score score(p);
     uint32_t kv = 0, q_use = 0;  // as the producer's
-    for (int u = 0;; ++u) {
+
+    for (int64_t t = order.t_begin + blockIdx.x; t < order.t_end; t = next_tile(t)) {
       int b, h, m0, t_lo;
-      if (!take_tile(u, true, b, h, m0)) break;
+      tile_at(t, b, h, m0);
       const Seq sq(p, b);
       if (m0 >= sq.lq) continue;  // uniform over the CTA
       const int n_tiles = key_tiles(sq, m0, t_lo);

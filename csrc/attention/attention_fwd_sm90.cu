@@ -4,23 +4,10 @@
 // attention_api.cpp launches it only on compute capability 9.0). The backward of the sm90 family
 // is its own at D=64/128 (attention_bwd_sm90.cu; same AttnParams, same lse layout); at D=256,
 // where no CUDA backward is built, the Python op runs Triton's, which reads the same lse.
-#include <cstdlib>
-#include <cstring>
-
 #include "../static_switch.h"
 #include "attention_launch_sm90.cuh"
 
 namespace fusedops {
-
-bool attention_fwd_sm90_dynamic(const AttnParams& p) {
-  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_TILE_ORDER");
-  if (s != nullptr && std::strcmp(s, "static") == 0) return false;
-  if (s != nullptr && std::strcmp(s, "dynamic") == 0) return attn::sm90_fwd_persistent(p);
-  const int64_t b = p.batch;
-  const bool uneven =
-      p.left >= 0 || p.right >= 0 || p.total_q != b * p.max_q || p.total_k != b * p.max_k;
-  return uneven && attn::sm90_fwd_persistent(p);
-}
 
 cudaError_t attention_fwd_sm90(AttnParams& p) {
   return FP16_BF16_SWITCH(p.is_bf16, [&] {

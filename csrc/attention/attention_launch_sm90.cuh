@@ -135,7 +135,6 @@ inline TileOrderSm90 sm90_tile_order(const AttnParams& p, int block_m, int l2_by
   }
   sec = std::max<int64_t>(1, std::min<int64_t>(sec, (int64_t{1} << 30) / std::max(1, o.n_mb)));
   o.sec = static_cast<int>(sec);
-  o.counter = nullptr;
   return o;
 }
 
@@ -185,19 +184,13 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
   DeviceSm90 dev;
   cudaError_t err = device_sm90(dev);
   if (err != cudaSuccess) return err;
-  TileOrderSm90 order = sm90_tile_order(p, C::kBlockM, dev.l2_bytes);
+  const TileOrderSm90 order = sm90_tile_order(p, C::kBlockM, dev.l2_bytes);
   // Persistent: one CTA per SM (the shared memory allows no second), unless the override caps
   // or disables it or the tile table has no loop (kPersistent); else one CTA per tile, in
   // launches of at most 2^31 - 1 CTAs.
-  // (Persistent launches have fewer than 2^31 work tiles: the scheduler thread decodes them
-  // with 32-bit divisions.)
-  const int64_t cap =
-      C::kPersistent && order.n_work <= 0x7fffffff ? sm90_persistent_ctas(p, dev.sms) : 0;
+  const int64_t cap = C::kPersistent ? sm90_persistent_ctas(p, dev.sms) : 0;
   const int64_t max_grid = cap > 0 ? std::min<int64_t>(cap, 0x7fffffff) : int64_t{0x7fffffff};
   const int64_t per_launch = cap > 0 ? order.n_work : max_grid;
-  // The dynamic tile order where the caller allocated its counter (attention_fwd_sm90_dynamic)
-  // and the launch is persistent with more tiles than CTAs.
-  if (cap > 0 && order.n_work > cap) order.counter = p.tile_counter;
   CUtensorMap tm_q, tm_k, tm_v, tm_o;
   // With no keys at all (total_k == 0) no CTA reads K or V; the maps then describe one row of q
   // so that they stay valid.
@@ -250,20 +243,6 @@ cudaError_t run_fwd_sm90(const AttnParams& p) {
   if constexpr (D == 64)
     if (sm90_warpgroups(p) == 3) return launch_fwd_sm90<T, D, 128, 3>(p);
   return launch_fwd_sm90<T, D, sm90_block_n(D)>(p);
-}
-
-// Whether run_fwd_sm90 launches persistent for these parameters: the tile table it picks has
-// the loop (TilesSm90::kPersistent) and sm90_persistent_ctas allows it.
-inline bool sm90_fwd_persistent(const AttnParams& p) {
-  bool table = false;
-  if (p.head_dim == 64)
-    table = sm90_warpgroups(p) == 3 ? TilesSm90<64, 128, 3>::kPersistent
-                                    : TilesSm90<64, 128>::kPersistent;
-  else if (p.head_dim == 128)
-    table = sm90_block_n_176(p) ? TilesSm90<128, 176>::kPersistent : TilesSm90<128>::kPersistent;
-  else if (p.head_dim == 256)
-    table = TilesSm90<256>::kPersistent;
-  return table && sm90_persistent_ctas(p, 1) > 0;  // (and fewer than 2^31 tiles: launch_fwd_sm90)
 }
 
 }  // namespace attn

@@ -28,9 +28,6 @@ struct AttnParams {
   // launcher).
   int* dq_sem = nullptr;
   bool dq_desc = false;
-  // The sm90 forward's dynamic tile order (sm90_dynamic_tiles below): one int32, zeroed; null:
-  // the static round-robin.
-  int* tile_counter = nullptr;
   const int* cu_q = nullptr;
   const int* cu_k = nullptr;
   // Row strides (elements) of each tensor; the head stride is head_dim everywhere.
@@ -59,11 +56,6 @@ cudaError_t attention_bwd_sm80(AttnParams& p);
 cudaError_t attention_bwd_sm90(AttnParams& p);
 // False under FUSEDOPS_ATTN_SM90_BWD=sm80 (read at every call).
 bool attention_bwd_sm90_enabled();
-// Whether the sm90 forward of these parameters wants p.tile_counter (the dynamic tile order,
-// attention_fwd_kernel_sm90.cuh): where its work tiles differ in length -- a causal mask or
-// window, or sequences of different lengths. FUSEDOPS_ATTN_SM90_TILE_ORDER=static|dynamic
-// overrides it, for measurement (read at every call). Only persistent launches use it.
-bool attention_fwd_sm90_dynamic(const AttnParams& p);
 // Counters the sm90 backward's deterministic mode needs in p.dq_sem: one ticket (padded to 32)
 // and one per (query head, 64-row block of the padded statistics layout, consumer warpgroup).
 inline int64_t dq_sem_count_sm90(int64_t total_q, int64_t hq, int64_t batch) {

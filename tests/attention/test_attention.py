@@ -133,12 +133,6 @@ SM90_PERSIST_ENVS = {
                               FUSEDOPS_ATTN_SM90_SCHEDULE="overlap",
                               FUSEDOPS_ATTN_SM90_EPILOGUE="regs"),
     "nonpersistent": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="0"),
-    # the tile orders forced: the static round-robin on masked and varlen calls too, the
-    # dynamic counter on dense ones too
-    "3cta-static-order": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
-                              FUSEDOPS_ATTN_SM90_TILE_ORDER="static"),
-    "3cta-dynamic-order": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
-                               FUSEDOPS_ATTN_SM90_TILE_ORDER="dynamic"),
     "3cta-pingpong-poly": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
                                FUSEDOPS_ATTN_SM90_SCHEDULE="pingpong",
                                FUSEDOPS_ATTN_SM90_EXP2="poly"),

@@ -3,16 +3,14 @@ interleavings (CPU only; the kernel itself needs a Hopper GPU).
 
 One CTA's actors follow csrc/attention/attention_fwd_kernel_sm90.cuh step by step: the producer
 thread, the consumer warpgroups (two, or three for the 192-query tiles; each as one actor: its
-warps' releases arrive as a count of 4), with ring=True (persistent tables) the scheduler thread
-that hands each work tile to the others through a ring of two shared-memory slots, and an
-asynchronous engine that completes TMA loads and TMA-store reads at random moments.
+warps' releases arrive as a count of 4), and an asynchronous engine that completes TMA loads and
+TMA-store reads at random moments.
 Over random work-tile sequences (skipped tiles, tiles without keys, 1..7 key tiles, slabs stored
 by TMA or from registers) and every schedule, stage count and staging buffer it checks: no
 deadlock; every wgmma reads a buffer holding the tile it expects, fully loaded; no TMA load into
 a buffer that is being read; no staging write into rows a store is still reading; every
 ping-pong named-barrier generation completed by one waiting and one arriving warpgroup (the turns
-go round the warpgroups in a cycle, 0, 1, .., NW - 1, 0, ..); every role reads each tile from its
-slot before the scheduler overwrites it, and reads the stop after the last one. Three consumer warpgroups run one
+go round the warpgroups in a cycle, 0, 1, .., NW - 1, 0, ..). Three consumer warpgroups run one
 work tile per CTA in the kernel (TilesSm90::kPersistent is false there); the model runs them over
 sequences of tiles as well, a stronger check of the same protocol. A change
 to the kernel's barriers, counts or release points must be made here too; the mutation tests
@@ -95,28 +93,9 @@ class Buf:
         self.readers -= 1
 
 
-def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, ring=True):
+def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2):
     rng = random.Random(seed)
     warps = 4 * nw  # lane 0 of every consumer warp arrives on the empty barriers
-    # The tile ring: slot u & 1 holds work tile u (its index here; len(tiles): stop); empty takes
-    # the load thread and lane 0 of every consumer warp ("ring_count": without the load thread).
-    tfull = [MBar(f"tfull{u}", 1) for u in range(2)]
-    tempty = [MBar(f"tempty{u}", warps + (0 if bug == "ring_count" else 1)) for u in range(2)]
-    slot = [None, None]
-
-    def scheduler():
-        for u in range(len(tiles) + 1):
-            yield lambda u=u: tempty[u & 1].done(((u >> 1) & 1) ^ 1)
-            slot[u & 1] = u
-            tfull[u & 1].arrive()
-
-    def take(u, n_arrive):  # one role reads work tile u from its slot, then frees the slot
-        if not ring:
-            return
-        yield lambda: tfull[u & 1].done((u >> 1) & 1)
-        if slot[u & 1] != u:
-            raise Fail(f"slot {u & 1} holds tile {slot[u & 1]}, want {u}")
-        tempty[u & 1].arrive(n_arrive)
     qfull, qempty = MBar("qfull", 1), MBar("qempty", warps)
     kfull = [MBar(f"kfull{s}", 1) for s in range(S)]
     kempty = [MBar(f"kempty{s}", warps) for s in range(S)]
@@ -142,7 +121,6 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, ring=True):
     def producer():
         kv = q_use = 0
         for t, (skip, n, _) in enumerate(tiles):
-            yield from take(t, 1)
             if skip or (n == 0 and bug != "load_empty_tiles"):
                 continue
             for i in range(max(n, 1)):
@@ -160,7 +138,6 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, ring=True):
                 tma_load([sV[s]], (t, i), vfull[s])
             kv += n
             q_use += 1
-        yield from take(len(tiles), 1)
 
     def consumer(cw):
         kv = q_use = 0
@@ -168,7 +145,6 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, ring=True):
         store_reading = []  # this WG's TMA stores still reading their staging rows: [flag]
         pp = schedule == 2
         for t, (skip, n, slabs) in enumerate(tiles):
-            yield from take(t, 4)
             if skip:
                 continue
             tma_slab = epilogue != 0 and slabs[cw] and n > 0
@@ -282,12 +258,9 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, ring=True):
                     qempty.arrive(4)
             kv += n
             q_use += n > 0
-        yield from take(len(tiles), 4)
         yield lambda: not any(f[0] for f in store_reading)
 
     actors = {"producer": producer(), **{f"wg{w}": consumer(w) for w in range(nw)}}
-    if ring:
-        actors["scheduler"] = scheduler()
     conds = {k: (lambda: True) for k in actors}
     steps = 0
     while actors or events:
@@ -346,7 +319,7 @@ def test_sync_model_three_warpgroups(schedule, o_in_q, epilogue, max_tiles):
     rng = random.Random(7000 + 100 * schedule + 10 * o_in_q + epilogue + max_tiles)
     for _ in range(150 if max_tiles > 1 else 60):
         run(random_tiles(rng, nw=3, max_tiles=max_tiles), 3, schedule, o_in_q, epilogue,
-            rng.randrange(1 << 30), nw=3, ring=max_tiles > 1)
+            rng.randrange(1 << 30), nw=3)
 
 
 @pytest.mark.parametrize("bug,config", [
@@ -354,7 +327,6 @@ def test_sync_model_three_warpgroups(schedule, o_in_q, epilogue, max_tiles):
     ("unbalanced_turns", (2, 2, False, 1)),  # warpgroup 1 hands over its last turn too
     ("load_empty_tiles", (2, 1, False, 1)),  # the producer loads for a tile without keys
     ("no_store_wait", (2, 1, False, 1)),     # O buffer rewritten while a store reads it
-    ("ring_count", (2, 1, False, 1)),        # a tile slot freed before the load thread read it
 ])
 def test_sync_model_catches_known_mistakes(bug, config):
     rng = random.Random(5)
