@@ -182,15 +182,15 @@ FUSEDOPS_WGMMA_TT(__nv_bfloat16, "bf16")
 FUSEDOPS_WGMMA_TT(__half, "f16")
 #undef FUSEDOPS_WGMMA_TT
 
-template <typename T, int D, bool kOverlap, bool kDet = false, int kS = 2>
-__global__ void __launch_bounds__(TilesBwdSm90<D, kS>::kThreads, 1)
+template <typename T, int D, bool kOverlap, bool kDet = false>
+__global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     bwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v,
                     const __grid_constant__ CUtensorMap tm_do) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fusedops::sm90;
-  using C = TilesBwdSm90<D, kS>;
+  using C = TilesBwdSm90<D>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, S = C::kStages;
   constexpr int kBlocks = D / 64;  // 64-element (128-byte) column blocks of a Q/K/V/dO row
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -267,10 +267,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kS>::kThreads, 1)
       const float* lse2_g = p.delta + stats_start_sm90<BM>(sq.q_start, b);
       const int64_t delta_off = static_cast<int64_t>(p.hq) * stats_rows;
       int h = hk * group, m = t_lo * BM;
-      // The stage and its phase carried rather than divided out of it (24 registers here).
-      int s = 0, ph = 0;
-      for (int it = 0; it < n_it; ++it, s = s + 1 == S ? 0 : s + 1, ph ^= s == 0) {
-        sm90::mbar_wait(bar_empty(s), ph ^ 1);
+      for (int it = 0; it < n_it; ++it) {
+        const int s = it % S;
+        sm90::mbar_wait(bar_empty(s), ((it / S) & 1) ^ 1);
         mbar_arrive_expect_tx(bar_full(s), 2 * C::kQBytes + 2 * BM * 4);
         const int row = sq.q_start + m;
 #pragma unroll

@@ -29,13 +29,6 @@ inline bool sm90_bwd_overlap() {
   return s != nullptr && std::strcmp(s, "overlap") == 0;
 }
 
-// Q/dO stages of the default schedule's kernel: 2 unless FUSEDOPS_ATTN_SM90_BWD_STAGES=3 (for
-// measurement; the overlapped and deterministic kernels keep 2). Read at every call.
-inline int sm90_bwd_stages() {
-  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_STAGES");
-  return s != nullptr && std::strcmp(s, "3") == 0 ? 3 : 2;
-}
-
 // The deterministic mode's order of dQ reductions (attention_bwd_kernel_sm90.cuh): key blocks
 // descending where queries see keys up to a bound (causal or a right window: the key block
 // nearest the diagonal reaches a query block first, so its turn comes first and nobody waits in
@@ -75,15 +68,13 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
         !make_tensor_map(&tm_v, p.v, kBf16, D, p.hkv, p.total_k, p.v_row, C::kBlockN) ||
         !make_tensor_map(&tm_do, p.dout, kBf16, D, p.hq, p.total_q, p.do_row, C::kBlockM))
       return cudaErrorInvalidValue;  // the driver refused a tensor map
-    const bool three = p.dq_sem == nullptr && !sm90_bwd_overlap() && sm90_bwd_stages() == 3;
     auto kernel = p.dq_sem != nullptr ? bwd_kernel_sm90<T, D, false, true>
                   : sm90_bwd_overlap() ? bwd_kernel_sm90<T, D, true, false>
-                  : three              ? bwd_kernel_sm90<T, D, false, false, 3>
                                        : bwd_kernel_sm90<T, D, false, false>;
-    const int smem = static_cast<int>(three ? TilesBwdSm90<D, 3>::kSmem : C::kSmem);
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(C::kSmem));
     if (err != cudaSuccess) return err;
-    kernel<<<grid, C::kThreads, smem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do);
+    kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
