@@ -162,6 +162,13 @@ __device__ __forceinline__ void reg_fence(float (&d)[N][M]) {
     for (int j = 0; j < M; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
 }
 
+// The calling thread's warpgroup, read from lane 0 of its warp: the same value, but one the
+// compiler knows to be warp-uniform, so that what is computed from it (wgmma descriptors) stays
+// in uniform registers instead of being moved there (R2UR) at every wgmma.
+__device__ __forceinline__ int warpgroup_uniform() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
+}
+
 // Shared-memory matrix descriptor (PTX ISA, "matrix descriptor" of wgmma), 128-byte swizzle:
 //   bits  0-13 start address >> 4, bits 16-29 leading-dimension byte offset (LBO) >> 4,
 //   bits 32-45 stride-dimension byte offset (SBO) >> 4, bits 49-51 base offset (0: every
@@ -176,24 +183,11 @@ __device__ __forceinline__ void reg_fence(float (&d)[N][M]) {
 //  MN-major operand (rows = K, N contiguous; V as the B of P V): an atom is 8 K-rows x 64 N
 //    elements; SBO = 1024 (the next 8 K-rows), LBO = the byte distance between 64-wide N column
 //    blocks.
-__device__ __forceinline__ uint64_t make_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
-         (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
-         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32) | (uint64_t{1} << 62);
-}
-
-// The calling thread's warpgroup, read from lane 0 of its warp: the same value, but one the
-// compiler knows to be warp-uniform, so that what is computed from it (wgmma descriptors) stays
-// in uniform registers instead of being moved there (R2UR) at every wgmma.
-__device__ __forceinline__ int warpgroup_uniform() {
-  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
-}
-
 // A descriptor as its two 32-bit words, so that moving it along a tile costs one add. The start
 // address field is (addr mod 2^18) / 16 and shared memory is below 2^18 bytes, so adding
 // bytes / 16 to the low word of the descriptor of an address inside a tile gives the descriptor
 // of an address bytes further on in the same tile, with no carry into the LBO field: the same
-// bits as make_desc_sw128(addr + bytes, lbo, sbo), without rebuilding (masking, shifting,
+// bits as smem_desc_sw128(addr + bytes, lbo, sbo), without rebuilding (masking, shifting,
 // or-ing) every field for every wgmma.
 struct SmemDesc {
   uint32_t lo, hi;
@@ -204,9 +198,10 @@ struct SmemDesc {
     return (static_cast<uint64_t>(hi) << 32) | lo;
   }
 };
+// The descriptor of the address `addr` with these LBO and SBO (the fields above).
 __device__ __forceinline__ SmemDesc smem_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  const uint64_t d = make_desc_sw128(addr, lbo, sbo);
-  return {static_cast<uint32_t>(d), static_cast<uint32_t>(d >> 32)};
+  return {((addr & 0x3FFFF) >> 4) | (((lbo >> 4) & 0x3FFF) << 16),
+          ((sbo >> 4) & 0x3FFF) | (1u << 30)};
 }
 
 // wgmma.mma_async m64nNk16 with float32 accumulators for T = __nv_bfloat16 / __half. Per warp w
@@ -289,7 +284,7 @@ FUSEDOPS_WGMMA_BF16_F16(256, 128, 129, 130, 131, 132, 133)
 // ss with either operand MN-major: D (+)= A B, A (64 x 16) K-major (kTransA = 0: 64 rows of
 // 16 K-elements) or M-major (kTransA = 1: 16 K-rows of 64 M-elements, one 128-byte column
 // block), B K-major (kTransB = 0: N rows of 16 K-elements) or N-major (kTransB = 1: 16 K-rows of
-// N elements in 64-wide column blocks LBO bytes apart). The descriptors as make_desc_sw128 says;
+// N elements in 64-wide column blocks LBO bytes apart). The descriptors as smem_desc_sw128 says;
 // the accumulator layout as Wgmma. Wgmma<T, N>::ss is WgmmaSs<T, N>::run<0, 0>.
 template <typename T, int N>
 struct WgmmaSs;

@@ -449,10 +449,8 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
     //  B K-major: 256 rows of 128 bytes. B N-major: four 64-wide column blocks of 64 K-rows,
     //    8 KB apart (the LBO).
     // Built once (SmemDesc): a stage or k-step further on is one add.
-    const SmemDesc da0 = kATrans ? smem_desc_sw128(sA + cw * 64 * 128, 64 * 128, 1024)
-                                 : smem_desc_sw128(sA + cw * 64 * 128, 16, 1024);
-    const SmemDesc db0 =
-        kBTrans ? smem_desc_sw128(sB, 64 * 128, 1024) : smem_desc_sw128(sB, 16, 1024);
+    const SmemDesc da0 = smem_desc_sw128(sA + cw * 64 * 128, kATrans ? 64 * 128 : 16, 1024);
+    const SmemDesc db0 = smem_desc_sw128(sB, kBTrans ? 64 * 128 : 16, 1024);
     auto desc_a = [&](int s, int kk) {
       return da0 + (s * C::kABytes + kk * (kATrans ? 2048 : 32));
     };
