@@ -61,13 +61,12 @@ def fused_config(config, num_splits=None):
     return fn
 
 
-def cuda(name):
-    """The CUDA kernel (cuda-sm90: its sm_90a build on a 9.0 GPU; cuda-sm80 the same source),
-    offered only with FUSEDOPS_ATTN_DECODE_CUDA=1 (opt-in: slower than Triton)."""
+def cuda(name, num_splits=None):
+    """The CUDA kernel (cuda-sm90: its sm_90a build on a 9.0 GPU; cuda-sm80 the same source)."""
     from fusedops.attention.kvcache_backends import CUDA_ENABLED
     if not CUDA_ENABLED:
-        raise ImportError("FUSEDOPS_ATTN_DECODE_CUDA=1 is not set")
-    return fused(name)
+        raise ImportError("the CUDA decode kernel is disabled (FUSEDOPS_ATTN_DECODE_CUDA=0)")
+    return fused(name, num_splits)
 
 
 def sdpa():
@@ -203,6 +202,9 @@ def main():
     ap.add_argument("--num-splits", default="",
                     help="comma list: also time Triton with each fixed split count (methods "
                          "triton-sN, rows with num_splits), to tune the heuristic")
+    ap.add_argument("--cuda-splits", default="",
+                    help="comma list: also time the CUDA kernel (cuda-sm90) with each fixed "
+                         "split count (methods cuda-sm90-sN)")
     ap.add_argument("--configs", default="",
                     help="comma list of BLOCK_NxWARPSxSTAGES: also time Triton with each kernel "
                          "configuration (methods triton-cBxWxS[-sN], at the heuristic's split "
@@ -228,6 +230,13 @@ def main():
     for n in counts:
         fns[f"triton-s{n}"] = fused("triton", n)
         splits[f"triton-s{n}"] = n
+    for n in [int(n) for n in filter(None, args.cuda_splits.split(","))]:
+        try:
+            fns[f"cuda-sm90-s{n}"] = cuda("cuda-sm90", n)
+        except ImportError as exc:
+            print(f"cuda-sm90-s{n}: skipped ({exc})")
+            break
+        splits[f"cuda-sm90-s{n}"] = n
     for c in filter(None, args.configs.split(",")):
         config = tuple(int(x) for x in c.split("x"))
         if len(config) != 3:

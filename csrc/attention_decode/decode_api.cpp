@@ -7,9 +7,13 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
+#include <utility>
+#include <vector>
 
 #include "../torch_utils.h"
 #include "decode_params.h"
@@ -34,6 +38,25 @@ void check_cache(const Tensor& t, const char* name, const Tensor& q) {
                     "elements (16-byte rows)");
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
                     " must be 16-byte aligned");
+}
+
+// The kernel's split counters (one int per sequence and KV head): one zeroed buffer per (device,
+// stream), which every call on that stream reuses (calls on one stream run one after another, and
+// the kernel's last CTA of each (sequence, KV head) resets its counter), so that a call costs no
+// memset. A buffer that has to grow is replaced but never freed: a captured CUDA graph may hold
+// its address.
+Tensor split_counters(const Tensor& like, cudaStream_t stream, int64_t n) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, cudaStream_t>, Tensor> current;
+  static std::vector<Tensor> retired;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(static_cast<int>(like.get_device()), stream);
+  auto it = current.find(key);
+  if (it != current.end() && it->second.numel() >= n) return it->second;
+  if (it != current.end()) retired.push_back(it->second);
+  Tensor t = at::zeros({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));
+  current[key] = t;
+  return t;
 }
 
 std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& k_cache,
@@ -88,14 +111,16 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& 
                     "the cache capacity must be at most 2^31 - 2^15 keys per sequence, got ",
                     std::to_string(capacity));
   const at::cuda::OptionalCUDAGuard guard(q.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   Tensor out = at::empty(q.sizes(), q.options());
   Tensor lse = at::empty({batch, hq, sq}, q.options().dtype(at::kFloat));
   if (batch == 0 || sq == 0) return {out, lse};
   const int64_t m = (hq / hkv) * sq;
-  Tensor out_p, lse_p;
+  Tensor out_p, lse_p, counters;
   if (num_splits > 1) {
     out_p = at::empty({num_splits, batch, hkv, m, d}, q.options().dtype(at::kFloat));
     lse_p = at::empty({num_splits, batch, hkv, m}, q.options().dtype(at::kFloat));
+    counters = split_counters(q, stream, batch * hkv);
   }
   DecodeParams p{};
   p.q = q.data_ptr();
@@ -105,6 +130,7 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& 
   p.lse = lse.data_ptr<float>();
   p.out_partial = num_splits > 1 ? out_p.data_ptr<float>() : nullptr;
   p.lse_partial = num_splits > 1 ? lse_p.data_ptr<float>() : nullptr;
+  p.counters = num_splits > 1 ? reinterpret_cast<unsigned int*>(counters.data_ptr<int>()) : nullptr;
   p.seqlens_k = seqlens_k.data_ptr<int>();
   p.page_table = paged ? page_table->data_ptr<int>() : nullptr;
   p.q_stride_b = q.stride(0);
@@ -130,6 +156,9 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& 
   p.page_size = static_cast<int>(k_cache.size(1));
   p.num_pages = static_cast<int>(k_cache.size(0));
   p.num_splits = static_cast<int>(num_splits);
+  p.page_shift = -1;
+  for (int sh = 0; sh < 31; ++sh)
+    if ((int64_t(1) << sh) == k_cache.size(1)) p.page_shift = sh;
   // Scores in log2 units: without softcap scale * log2(e) at once; with it the kernel applies
   // softcap * tanh(s * scale / softcap) * log2(e).
   p.softcap = static_cast<float>(softcap);
@@ -137,7 +166,7 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& 
   p.left = static_cast<int>(left);
   p.right = causal ? 0 : static_cast<int>(right);
   p.is_bf16 = q.scalar_type() == at::kBFloat16;
-  check_launch(decode_fwd_sm80(p, at::cuda::getCurrentCUDAStream()), "attention decode");
+  check_launch(decode_fwd_sm80(p, stream), "attention decode");
   return {out, lse};
 }
 

@@ -1,15 +1,22 @@
-// Split-KV decode attention for the sm80 family (cp.async double buffering, SIMT dot products;
+// Split-KV decode attention for the sm80 family (cp.async multistage loads, mma.sync m16n8k16;
 // also runs on Hopper). Device code only; the launch is decode_sm80.cu's.
 //
-// One CTA of 4 warps per (split, KV head, sequence). Its rows are the GQA group of the KV head for
-// every query: row r = query r / G of head kvh * G + r % G, M = G * Sq <= kMaxRows. Key tiles of
-// 64 keys (K and V, rows padded by 16 bytes so that the 16-byte reads of 8 consecutive rows hit
-// distinct banks) come in by cp.async, two stages. Warp w owns keys [16w, 16w + 16) of a tile:
-// lane l takes key 16w + l % 16 and half l / 16 of the head dim for QK^T (one shuffle adds the
-// halves), then the warp runs its own online softmax per row and accumulates P V with lane l
-// owning D / 32 consecutive output columns. The four warps are merged through shared memory at the
-// end, like splits. The split's key range is computed from seqlens_k on the device (no host
-// synchronisation); page numbers and lengths are clamped into range so bad values cannot fault.
+// One CTA of 4 warps per (split, KV head, sequence). Its query tile is the GQA group of the KV
+// head for every query: row r = query r / G of head kvh * G + r % G, M = G * Sq <= 16 rows (the
+// mma's 16; rows past M are zeros and never written). Key tiles of 64 keys (K and V, rows padded
+// by 16 bytes so that ldmatrix's eight 16-byte row reads hit distinct banks) come in by cp.async,
+// kStages deep, zero-filled past the split's end. Warp w owns keys [16w, 16w + 16) of each tile:
+// S = Q K^T by mma (Q's fragments stay in registers), its own online softmax (exp2, the scale
+// folded in), and O += P V with P from registers and V through ldmatrix.trans. The four warps
+// are merged through shared memory at the end. The split's key range is computed from
+// seqlens_k on the device (no host synchronisation); page numbers and lengths are clamped into
+// range so bad values cannot fault.
+//
+// With more than one split, each CTA writes its normalised partial output and lse to float32
+// workspaces, then counts itself done on its (sequence, KV head)'s counter; the CTA that counts
+// last merges the splits (weights exp(lse_s - max)) and resets the counter to zero for the next
+// call (the binding keeps one zeroed counter buffer per stream). No second kernel, so no second
+// launch and no tail between them.
 // Constraints (checked by decode_api.cpp): fp16/bf16, head dim 64 or 128, M <= 16, last dims
 // contiguous, k/v rows 16-byte aligned.
 #pragma once
@@ -27,79 +34,31 @@ namespace decode {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = 4;
-constexpr int kBlockN = 64;  // keys per tile
-constexpr int kKeysPerWarp = kBlockN / kWarps;
-constexpr int kStages = 2;
-constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kRows = 16;    // query rows of the mma tile
+constexpr int kBlockN = 64;  // keys per tile, 16 per warp
+constexpr int kStages = 3;   // two CTAs of 106 KiB fit one SM at head dim 128
 
 template <int kHeadDim>
 struct Smem {
-  static constexpr int kRow = kHeadDim + 8;  // elements per padded K/V row (and Q row)
+  static constexpr int kRow = kHeadDim + 8;  // elements per padded K/V/Q row
   static constexpr int kTile = kBlockN * kRow;
+  static constexpr int kQ = kRows * kRow;
+  static constexpr size_t bytes(size_t elem) { return (size_t(kQ) + kStages * 2 * kTile) * elem; }
 };
 
-template <typename T>
-__device__ __forceinline__ float to_f(T x);
-template <>
-__device__ __forceinline__ float to_f<__half>(__half x) { return __half2float(x); }
-template <>
-__device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <typename T>
-__device__ __forceinline__ T from_f(float x);
-template <>
-__device__ __forceinline__ __half from_f<__half>(float x) { return __float2half_rn(x); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-// Eight 16-bit values of a 16-byte word as floats (bit operations: no local-memory copies).
-__device__ __forceinline__ void unpack8(const uint4& w, float (&f)[8], __nv_bfloat16) {
-  const uint32_t x[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(x[i] << 16);
-    f[2 * i + 1] = __uint_as_float(x[i] & 0xffff0000u);
-  }
-}
-__device__ __forceinline__ void unpack8(const uint4& w, float (&f)[8], __half) {
-  const uint32_t x[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __half2float(__ushort_as_half(static_cast<unsigned short>(x[i] & 0xffffu)));
-    f[2 * i + 1] = __half2float(__ushort_as_half(static_cast<unsigned short>(x[i] >> 16)));
-  }
-}
-
-// kCols (2 or 4) consecutive 16-bit values from shared memory as floats, in one 4- or 8-byte read.
-template <int kCols, typename T>
-__device__ __forceinline__ void unpack_cols(const T* src, float (&f)[kCols], T tag) {
-  static_assert(kCols == 2 || kCols == 4, "2 or 4 columns per lane");
-  uint4 w{0u, 0u, 0u, 0u};
-  if constexpr (kCols == 4) {
-    const uint2 x = *reinterpret_cast<const uint2*>(src);
-    w.x = x.x;
-    w.y = x.y;
-  } else {
-    w.x = *reinterpret_cast<const uint32_t*>(src);
-  }
-  float all[8];
-  unpack8(w, all, tag);
-#pragma unroll
-  for (int c = 0; c < kCols; ++c) f[c] = all[c];
-}
-
-// Offset (elements) of logical key `key` of sequence b in a cache (through the page table).
-__device__ __forceinline__ int64_t key_offset(const DecodeParams& p, int b, int key,
-                                              int64_t stride_b, int64_t stride_s) {
+// Element offset of logical key `key` of sequence b in a cache (through the page table), for the
+// K (which = 0) and V strides.
+struct KeyAddr {
+  int64_t k, v;
+};
+__device__ __forceinline__ KeyAddr key_addr(const DecodeParams& p, int b, int key) {
+  int64_t page = b, slot = key;
   if (p.page_table != nullptr) {
-    int page = __ldg(p.page_table + b * p.pt_stride + key / p.page_size);
-    page = min(max(page, 0), p.num_pages - 1);
-    return page * stride_b + static_cast<int64_t>(key % p.page_size) * stride_s;
+    const int pi = p.page_shift >= 0 ? key >> p.page_shift : key / p.page_size;
+    slot = p.page_shift >= 0 ? key & (p.page_size - 1) : key - pi * p.page_size;
+    page = min(max(__ldg(p.page_table + b * p.pt_stride + pi), 0), p.num_pages - 1);
   }
-  return b * stride_b + static_cast<int64_t>(key) * stride_s;
+  return {page * p.k_stride_b + slot * p.k_stride_s, page * p.v_stride_b + slot * p.v_stride_s};
 }
 
 // cp.async of key tile [key0, key0 + 64) of K and V into one stage; keys >= hi are zero-filled.
@@ -107,50 +66,54 @@ template <typename T, int kHeadDim>
 __device__ __forceinline__ void load_tile(const DecodeParams& p, int b, int kvh, int key0, int hi,
                                           T* k_tile, T* v_tile) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+  constexpr int kRowStep = kThreads / kChunks;
   const T* kbase = static_cast<const T*>(p.k) + kvh * p.k_stride_h;
   const T* vbase = static_cast<const T*>(p.v) + kvh * p.v_stride_h;
+  const int chunk = threadIdx.x % kChunks;
 #pragma unroll
-  for (int i = threadIdx.x; i < kBlockN * kChunks; i += kThreads) {
-    const int row = i / kChunks, chunk = i % kChunks;
+  for (int row = threadIdx.x / kChunks; row < kBlockN; row += kRowStep) {
     const int key = key0 + row;
     const bool valid = key < hi;
-    const int safe = valid ? key : 0;
-    const T* ksrc = kbase + key_offset(p, b, safe, p.k_stride_b, p.k_stride_s) + chunk * 8;
-    const T* vsrc = vbase + key_offset(p, b, safe, p.v_stride_b, p.v_stride_s) + chunk * 8;
+    const KeyAddr a = key_addr(p, b, valid ? key : 0);
     const int dst = row * Smem<kHeadDim>::kRow + chunk * 8;
-    sm80::cp_async_16(sm80::smem_u32(k_tile + dst), ksrc, valid);
-    sm80::cp_async_16(sm80::smem_u32(v_tile + dst), vsrc, valid);
+    sm80::cp_async_16(sm80::smem_u32(k_tile + dst), kbase + a.k + chunk * 8, valid);
+    sm80::cp_async_16(sm80::smem_u32(v_tile + dst), vbase + a.v + chunk * 8, valid);
   }
 }
 
-template <typename T, int kHeadDim, int kMaxRows>
-__global__ void __launch_bounds__(kThreads, 1)
-    decode_partial_kernel(const DecodeParams p) {
+// Output row r of (sequence b, KV head kvh): query r / G of head kvh * G + r % G.
+__device__ __forceinline__ int64_t out_offset(const DecodeParams& p, int b, int kvh, int r) {
+  const int qi = r / p.group, h = kvh * p.group + r % p.group;
+  return b * p.o_stride_b + qi * p.o_stride_s + h * p.o_stride_h;
+}
+__device__ __forceinline__ int64_t lse_offset(const DecodeParams& p, int b, int kvh, int r) {
+  const int qi = r / p.group, h = kvh * p.group + r % p.group;
+  return (static_cast<int64_t>(b) * p.hq + h) * p.sq + qi;
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* dst, float4 v) {
+  uint2 w;
+  w.x = dev::pack2<T>(v.x, v.y);
+  w.y = dev::pack2<T>(v.z, v.w);
+  *reinterpret_cast<uint2*>(dst) = w;
+}
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams p) {
   using S = Smem<kHeadDim>;
-  constexpr int kHalf = kHeadDim / 2;
-  constexpr int kCols = kHeadDim / 32;  // output columns per lane
+  constexpr int kKSteps = kHeadDim / 16;  // k-steps of S = Q K^T
+  constexpr int kNB = kHeadDim / 8;       // n-blocks of O
+  constexpr int kC4 = kHeadDim / 4;       // float4 columns of an output row
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* q_smem = reinterpret_cast<T*>(smem_raw);  // [kMaxRows][kRow], second half shifted by 8
-  T* kv_smem = q_smem + kMaxRows * S::kRow;     // [kStages][2][kTile]
+  T* q_smem = reinterpret_cast<T*>(smem_raw);  // [kRows][kRow]
+  T* kv_smem = q_smem + S::kQ;                 // [kStages][K, V][kTile]
 
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int m_rows = p.group * p.sq;
 
-  // Q tile, zero rows past M; columns of the second half start 8 elements later (their 16-byte
-  // reads by lanes 16-31 then fall on other banks than the first half's).
-  for (int i = threadIdx.x; i < kMaxRows * kHeadDim; i += kThreads) {
-    const int r = i / kHeadDim, d = i % kHeadDim;
-    T val = from_f<T>(0.f);
-    if (r < m_rows) {
-      const int qi = r / p.group, h = kvh * p.group + r % p.group;
-      val = static_cast<const T*>(p.q)[b * p.q_stride_b + qi * p.q_stride_s + h * p.q_stride_h +
-                                       d];
-    }
-    q_smem[r * S::kRow + d + (d >= kHalf ? 8 : 0)] = val;
-  }
-
-  const int lk = min(max(p.seqlens_k[b], 0), p.capacity);
+  const int lk = min(max(__ldg(p.seqlens_k + b), 0), p.capacity);
   const int off = lk - p.sq;  // query i sits at position i + off
   int lo = 0;
   if (p.left >= 0) lo = (max(0, off - p.left) / kBlockN) * kBlockN;
@@ -161,163 +124,226 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int s_hi = min(lk, s_lo + chunk);
   const int n_tiles = s_hi > s_lo ? (s_hi - s_lo + kBlockN - 1) / kBlockN : 0;
 
-  float m_i[kMaxRows], l_i[kMaxRows], acc[kMaxRows][kCols];
+  // The first kStages - 1 tiles in flight before anything else.
 #pragma unroll
-  for (int r = 0; r < kMaxRows; ++r) {
-    m_i[r] = -INFINITY;
-    l_i[r] = 0.f;
-#pragma unroll
-    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.f;
-  }
-
-  if (n_tiles > 0) load_tile<T, kHeadDim>(p, b, kvh, s_lo, s_hi, kv_smem, kv_smem + S::kTile);
-  sm80::cp_async_commit();
-  const int key_local = warp * kKeysPerWarp + lane % 16;
-  const int half = lane / 16;
-  for (int t = 0; t < n_tiles; ++t) {
-    if (t + 1 < n_tiles) {
-      T* next = kv_smem + ((t + 1) % kStages) * 2 * S::kTile;
-      load_tile<T, kHeadDim>(p, b, kvh, s_lo + (t + 1) * kBlockN, s_hi, next, next + S::kTile);
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < n_tiles) {
+      T* st = kv_smem + s * 2 * S::kTile;
+      load_tile<T, kHeadDim>(p, b, kvh, s_lo + s * kBlockN, s_hi, st, st + S::kTile);
     }
     sm80::cp_async_commit();
-    sm80::cp_async_wait<1>();
-    __syncthreads();
+  }
+
+  // Q tile, rows past M zero.
+  for (int i = tid; i < kRows * (kHeadDim / 8); i += kThreads) {
+    const int r = i / (kHeadDim / 8), c = i % (kHeadDim / 8);
+    uint4 val{0u, 0u, 0u, 0u};
+    if (r < m_rows) {
+      const int qi = r / p.group, h = kvh * p.group + r % p.group;
+      val = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + b * p.q_stride_b +
+                                                 qi * p.q_stride_s + h * p.q_stride_h) + c);
+    }
+    *reinterpret_cast<uint4*>(q_smem + r * S::kRow + c * 8) = val;
+  }
+  __syncthreads();
+  // A fragments of Q: matrix lane / 8 = (rows 0-7 | 8-15) x (columns 0-7 | 8-15) of a k-step.
+  uint32_t qa[kKSteps][4];
+  {
+    const int mi = lane / 8;
+    const T* base = q_smem + ((mi % 2) * 8 + lane % 8) * S::kRow + (mi / 2) * 8;
+#pragma unroll
+    for (int kk = 0; kk < kKSteps; ++kk) sm80::ldmatrix_x4(qa[kk], sm80::smem_u32(base + kk * 16));
+  }
+
+  // Per thread: rows g = lane / 4 and g + 8 of the tile, keys / columns 2 * (lane % 4) + {0, 1}.
+  const int g = lane / 4, t4 = lane % 4;
+  float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
+  float o[kNB][4];
+#pragma unroll
+  for (int nb = 0; nb < kNB; ++nb)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[nb][e] = 0.f;
+  const int pos[2] = {g < m_rows ? g / p.group + off : 0,
+                      g + 8 < m_rows ? (g + 8) / p.group + off : 0};
+  const bool windowed = p.left >= 0 || p.right >= 0;
+  // ldmatrix row addresses of this lane: K (non-transposed: keys x columns, matrix lane / 8 =
+  // (keys 0-7 | 8-15) x (columns 0-7 | 8-15)), V (transposed: matrix lane / 8 = (keys 0-7 |
+  // 8-15) x (columns 0-7 | 8-15) of a 16-column pair of n-blocks).
+  const int mi = lane / 8;
+  const int k_ld = (warp * 16 + (mi / 2) * 8 + lane % 8) * S::kRow + (mi % 2) * 8;
+  const int v_ld = (warp * 16 + (mi % 2) * 8 + lane % 8) * S::kRow + (mi / 2) * 8;
+
+  for (int t = 0; t < n_tiles; ++t) {
+    sm80::cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile t has landed; every warp is done with tile t - 1's stage
+    if (t + kStages - 1 < n_tiles) {
+      T* st = kv_smem + ((t + kStages - 1) % kStages) * 2 * S::kTile;
+      load_tile<T, kHeadDim>(p, b, kvh, s_lo + (t + kStages - 1) * kBlockN, s_hi, st,
+                             st + S::kTile);
+    }
+    sm80::cp_async_commit();
     const T* k_tile = kv_smem + (t % kStages) * 2 * S::kTile;
     const T* v_tile = k_tile + S::kTile;
 
-    // s[r] = q_r . k_key over this lane's half of the head dim.
-    float s[kMaxRows];
+    float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
-    for (int r = 0; r < kMaxRows; ++r) s[r] = 0.f;
-    const T* krow = k_tile + key_local * S::kRow + half * kHalf;
-#pragma unroll
-    for (int d = 0; d < kHalf; d += 8) {
-      float kf[8], qf[8];
-      unpack8(*reinterpret_cast<const uint4*>(krow + d), kf, T());
-#pragma unroll
-      for (int r = 0; r < kMaxRows; ++r) {
-        unpack8(*reinterpret_cast<const uint4*>(q_smem + r * S::kRow + half * (kHalf + 8) + d),
-                qf, T());
-#pragma unroll
-        for (int e = 0; e < 8; ++e) s[r] = fmaf(qf[e], kf[e], s[r]);
-      }
+    for (int kk = 0; kk < kKSteps; ++kk) {
+      uint32_t kf[4];
+      sm80::ldmatrix_x4(kf, sm80::smem_u32(k_tile + k_ld + kk * 16));
+      sm80::mma_16816<T>(s[0], qa[kk], kf[0], kf[1]);
+      sm80::mma_16816<T>(s[1], qa[kk], kf[2], kf[3]);
     }
-    const int key = s_lo + t * kBlockN + key_local;
+    const int key_base = s_lo + t * kBlockN + warp * 16 + 2 * t4;
+    const bool mask = windowed || s_lo + (t + 1) * kBlockN > s_hi;
 #pragma unroll
-    for (int r = 0; r < kMaxRows; ++r) {
-      float x = s[r] + __shfl_xor_sync(0xffffffffu, s[r], 16);
-      if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.scale_log2 / p.softcap) * kLog2e;
-      else x *= p.scale_log2;
-      const int pos = r / p.group + off;
-      bool ok = r < m_rows && key < s_hi;
-      if (p.right >= 0) ok = ok && key <= pos + p.right;
-      if (p.left >= 0) ok = ok && key >= pos - p.left;
-      x = ok ? x : -INFINITY;
-      // online softmax of this warp's 16 keys (lanes 16-31 hold the same values as 0-15)
-      float mx = x;
+    for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int o = 8; o >= 1; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      const float m_new = fmaxf(m_i[r], mx);
+      for (int e = 0; e < 4; ++e) {
+        float x = s[j][e];
+        if (p.softcap > 0.f) x = p.softcap * tanhf(x * p.scale_log2 / p.softcap) * dev::kLog2e;
+        else x *= p.scale_log2;
+        if (mask) {
+          const int key = key_base + 8 * j + (e & 1), ps = pos[e / 2];
+          bool ok = key < s_hi;
+          if (p.right >= 0) ok = ok && key <= ps + p.right;
+          if (p.left >= 0) ok = ok && key >= ps - p.left;
+          x = ok ? x : -INFINITY;
+        }
+        s[j][e] = x;
+      }
+    float alpha[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // row g (h = 0) and g + 8 (h = 1): elements 2h, 2h + 1
+      float mx = fmaxf(fmaxf(s[0][2 * h], s[0][2 * h + 1]), fmaxf(s[1][2 * h], s[1][2 * h + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = fmaxf(m_i[h], mx);
       const float m_use = m_new == -INFINITY ? 0.f : m_new;
-      const float pr = exp2f(x - m_use);
-      const float alpha = exp2f(m_i[r] - m_use);
-      float sum = pr;
+      alpha[h] = dev::ex2(m_i[h] - m_use);
+      m_i[h] = m_new;
+      float sum = 0.f;
 #pragma unroll
-      for (int o = 8; o >= 1; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      l_i[r] = l_i[r] * alpha + sum;
-      m_i[r] = m_new;
+      for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int c = 0; c < kCols; ++c) acc[r][c] *= alpha;
-      s[r] = pr;
+        for (int e = 2 * h; e < 2 * h + 2; ++e) {
+          s[j][e] = dev::ex2(s[j][e] - m_use);
+          sum += s[j][e];
+        }
+      l_i[h] = l_i[h] * alpha[h] + sum;  // this thread's keys only; the quad is summed at the end
     }
-    // acc[r][c] += sum over this warp's keys j of p[r][j] * v[j][lane * kCols + c]
-#pragma unroll 4
-    for (int j = 0; j < kKeysPerWarp; ++j) {
-      const T* vrow = v_tile + (warp * kKeysPerWarp + j) * S::kRow + lane * kCols;
-      float vf[kCols];
-      unpack_cols<kCols>(vrow, vf, T());
 #pragma unroll
-      for (int r = 0; r < kMaxRows; ++r) {
-        const float pj = __shfl_sync(0xffffffffu, s[r], j);
-#pragma unroll
-        for (int c = 0; c < kCols; ++c) acc[r][c] = fmaf(pj, vf[c], acc[r][c]);
-      }
+    for (int nb = 0; nb < kNB; ++nb) {
+      o[nb][0] *= alpha[0];
+      o[nb][1] *= alpha[0];
+      o[nb][2] *= alpha[1];
+      o[nb][3] *= alpha[1];
     }
-    __syncthreads();  // the stage is refilled by the next iteration's load
+    // P as the A operand (16 rows x 16 keys): the S accumulators' layout, packed to 16 bits.
+    const uint32_t pa[4] = {dev::pack2<T>(s[0][0], s[0][1]), dev::pack2<T>(s[0][2], s[0][3]),
+                            dev::pack2<T>(s[1][0], s[1][1]), dev::pack2<T>(s[1][2], s[1][3])};
+#pragma unroll
+    for (int n2 = 0; n2 < kNB / 2; ++n2) {
+      uint32_t vf[4];
+      sm80::ldmatrix_x4_trans(vf, sm80::smem_u32(v_tile + v_ld + n2 * 16));
+      sm80::mma_16816<T>(o[2 * n2], pa, vf[0], vf[1]);
+      sm80::mma_16816<T>(o[2 * n2 + 1], pa, vf[2], vf[3]);
+    }
   }
   sm80::cp_async_wait<0>();
-  __syncthreads();
+  __syncthreads();  // every warp is done with the tiles: their space holds the merge
 
-  // Merge the four warps (each like a split) through shared memory, reusing the tiles.
-  float* o_red = reinterpret_cast<float*>(kv_smem);       // [kWarps][kMaxRows][kHeadDim]
-  float* m_red = o_red + kWarps * kMaxRows * kHeadDim;    // [kWarps][kMaxRows]
-  float* l_red = m_red + kWarps * kMaxRows;
+  // Merge the four warps (each like a split) through shared memory.
+  float* o_red = reinterpret_cast<float*>(kv_smem);  // [kWarps][kRows][kHeadDim]
+  float* m_red = o_red + kWarps * kRows * kHeadDim;  // [kWarps][kRows]
+  float* l_red = m_red + kWarps * kRows;
 #pragma unroll
-  for (int r = 0; r < kMaxRows; ++r) {
+  for (int h = 0; h < 2; ++h) {
+    l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 1);
+    l_i[h] += __shfl_xor_sync(0xffffffffu, l_i[h], 2);
+    const int r = g + 8 * h;
 #pragma unroll
-    for (int c = 0; c < kCols; ++c)
-      o_red[(warp * kMaxRows + r) * kHeadDim + lane * kCols + c] = acc[r][c];
-    if (lane == 0) {
-      m_red[warp * kMaxRows + r] = m_i[r];
-      l_red[warp * kMaxRows + r] = l_i[r];
+    for (int nb = 0; nb < kNB; ++nb)
+      *reinterpret_cast<float2*>(o_red + (warp * kRows + r) * kHeadDim + nb * 8 + 2 * t4) =
+          make_float2(o[nb][2 * h], o[nb][2 * h + 1]);
+    if (t4 == 0) {
+      m_red[warp * kRows + r] = m_i[h];
+      l_red[warp * kRows + r] = l_i[h];
     }
   }
   __syncthreads();
-  const bool final_out = p.num_splits == 1;
-  for (int i = threadIdx.x; i < m_rows * kHeadDim; i += kThreads) {
-    const int r = i / kHeadDim, d = i % kHeadDim;
+  const bool single = p.num_splits == 1;
+  const int64_t part_row0 = ((static_cast<int64_t>(split) * p.batch + b) * p.hkv + kvh) * m_rows;
+  for (int i = tid; i < m_rows * kC4; i += kThreads) {
+    const int r = i / kC4, c = (i % kC4) * 4;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_red[w * kMaxRows + r]);
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, m_red[w * kRows + r]);
     const float m_use = mx == -INFINITY ? 0.f : mx;
-    float l = 0.f, o = 0.f;
+    float l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      const float wt = exp2f(m_red[w * kMaxRows + r] - m_use);
-      l += l_red[w * kMaxRows + r] * wt;
-      o += o_red[(w * kMaxRows + r) * kHeadDim + d] * wt;
+      const float wt = dev::ex2(m_red[w * kRows + r] - m_use);
+      l += l_red[w * kRows + r] * wt;
+      const float4 x = *reinterpret_cast<const float4*>(o_red + (w * kRows + r) * kHeadDim + c);
+      acc.x += x.x * wt;
+      acc.y += x.y * wt;
+      acc.z += x.z * wt;
+      acc.w += x.w * wt;
     }
-    const float out = l > 0.f ? o / l : 0.f;
-    const float lse = l > 0.f ? (m_use + log2f(l)) / kLog2e : -INFINITY;
-    const int qi = r / p.group, h = kvh * p.group + r % p.group;
-    if (final_out) {
-      static_cast<T*>(p.out)[b * p.o_stride_b + qi * p.o_stride_s + h * p.o_stride_h + d] =
-          from_f<T>(out);
-      if (d == 0) p.lse[(static_cast<int64_t>(b) * p.hq + h) * p.sq + qi] = lse;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    acc = make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    const float lse = l > 0.f ? (m_use + __log2f(l)) / dev::kLog2e : -INFINITY;
+    if (single) {
+      store4(static_cast<T*>(p.out) + out_offset(p, b, kvh, r) + c, acc);
+      if (c == 0) p.lse[lse_offset(p, b, kvh, r)] = lse;
     } else {
-      const int64_t row = ((static_cast<int64_t>(split) * p.batch + b) * p.hkv + kvh) * m_rows + r;
-      p.out_partial[row * kHeadDim + d] = out;
-      if (d == 0) p.lse_partial[row] = lse;
+      *reinterpret_cast<float4*>(p.out_partial + (part_row0 + r) * kHeadDim + c) = acc;
+      if (c == 0) p.lse_partial[part_row0 + r] = lse;
     }
   }
-}
+  if (single) return;
 
-// out = sum_s exp(lse_s - lse) out_s; one CTA per (KV head, sequence).
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kThreads) decode_combine_kernel(const DecodeParams p) {
-  const int kvh = blockIdx.x, b = blockIdx.y;
-  const int m_rows = p.group * p.sq;
-  for (int i = threadIdx.x; i < m_rows * kHeadDim; i += kThreads) {
-    const int r = i / kHeadDim, d = i % kHeadDim;
+  // Count this split done; the last one of (b, kvh) merges them all.
+  __shared__ int last;
+  __threadfence();  // this CTA's partial is visible before its count
+  __syncthreads();
+  unsigned int* counter = p.counters + static_cast<int64_t>(b) * p.hkv + kvh;
+  if (tid == 0) last = atomicAdd(counter, 1u) == static_cast<unsigned>(p.num_splits - 1);
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other splits' partials, counted before ours, are visible now
+  // The splits' lse (natural log) into shared memory (the merge buffers are free again), then per
+  // (row, 4 columns) the weighted sum over the splits, loads issued 8 splits at a time.
+  float* lse_s = reinterpret_cast<float*>(kv_smem);  // [num_splits][m_rows]
+  const int64_t stride = static_cast<int64_t>(p.batch) * p.hkv * m_rows;  // one split's rows
+  const int64_t row0 = (static_cast<int64_t>(b) * p.hkv + kvh) * m_rows;
+  for (int i = tid; i < p.num_splits * m_rows; i += kThreads)
+    lse_s[i] = __ldcg(p.lse_partial + (i / m_rows) * stride + row0 + i % m_rows);
+  __syncthreads();
+  if (tid == 0) *counter = 0u;  // every split has counted: ready for the next call
+  for (int i = tid; i < m_rows * kC4; i += kThreads) {
+    const int r = i / kC4, c = (i % kC4) * 4;
     float mx = -INFINITY;
-    for (int s = 0; s < p.num_splits; ++s) {
-      const int64_t row = ((static_cast<int64_t>(s) * p.batch + b) * p.hkv + kvh) * m_rows + r;
-      mx = fmaxf(mx, p.lse_partial[row]);
-    }
+    for (int s = 0; s < p.num_splits; ++s) mx = fmaxf(mx, lse_s[s * m_rows + r]);
     const float m_use = mx == -INFINITY ? 0.f : mx;
-    float l = 0.f, o = 0.f;
+    float l = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float* src = p.out_partial + (row0 + r) * kHeadDim + c;
+#pragma unroll 8
     for (int s = 0; s < p.num_splits; ++s) {
-      const int64_t row = ((static_cast<int64_t>(s) * p.batch + b) * p.hkv + kvh) * m_rows + r;
-      const float wt = __expf(p.lse_partial[row] - m_use);
+      const float wt = __expf(lse_s[s * m_rows + r] - m_use);
+      const float4 x = __ldcg(reinterpret_cast<const float4*>(src + s * stride * kHeadDim));
       l += wt;
-      o += wt * p.out_partial[row * kHeadDim + d];
+      acc.x += x.x * wt;
+      acc.y += x.y * wt;
+      acc.z += x.z * wt;
+      acc.w += x.w * wt;
     }
-    const int qi = r / p.group, h = kvh * p.group + r % p.group;
-    static_cast<T*>(p.out)[b * p.o_stride_b + qi * p.o_stride_s + h * p.o_stride_h + d] =
-        from_f<T>(l > 0.f ? o / l : 0.f);
-    if (d == 0)
-      p.lse[(static_cast<int64_t>(b) * p.hq + h) * p.sq + qi] =
-          l > 0.f ? m_use + __logf(l) : -INFINITY;
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    store4(static_cast<T*>(p.out) + out_offset(p, b, kvh, r) + c,
+           make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+    if (c == 0) p.lse[lse_offset(p, b, kvh, r)] = l > 0.f ? m_use + __logf(l) : -INFINITY;
   }
 }
 

@@ -16,6 +16,7 @@ struct DecodeParams {
   float* lse;             // (B, Hq, Sq), natural log
   float* out_partial;     // (num_splits, B, Hkv, M, D) when num_splits > 1
   float* lse_partial;     // (num_splits, B, Hkv, M)
+  unsigned int* counters; // (B * Hkv,) zeros: splits done per (sequence, KV head), reset after use
   const int* seqlens_k;   // (B,): keys of each sequence after the append
   const int* page_table;  // (B, max_pages) or nullptr (contiguous cache)
   int64_t q_stride_b, q_stride_s, q_stride_h;
@@ -25,6 +26,7 @@ struct DecodeParams {
   int64_t pt_stride;
   int batch, sq, hq, hkv, group, head_dim;
   int capacity, page_size, num_pages, num_splits;
+  int page_shift;    // log2(page_size) when a power of two, else -1
   float scale_log2;  // softmax scale * log2(e) (no softcap) or softmax scale (softcap)
   float softcap;     // 0: none
   int left, right;   // window; -1 = unlimited (right = 0 when causal)

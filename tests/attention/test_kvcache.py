@@ -782,6 +782,34 @@ def test_cuda_sm90_runs_the_sm80_kernel_on_hopper():
     check(c, "cuda-sm90")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["contig-sq3", "paged16", "window-softcap", "mqa-d64"])
+def test_cuda_split_merge_at_every_split_count(name):
+    """The CUDA kernel merges its splits itself (the last split of each sequence and KV head to
+    finish merges them and resets its counter for the next call): from 1 to 256 splits (more
+    splits than tiles: empty ones) each agrees with the oracle, a repeat gives the same bits,
+    and calls alternating split counts and streams (one counter buffer per stream) stay right."""
+    if not (_ext.available() and CUDA_DECODE):
+        pytest.skip("needs fusedops._C and the CUDA decode kernel enabled")
+    outs = {}
+    for splits in (1, 2, 7, 33, 256):
+        c = Case(**{**GPU_CASES[name], "num_splits": splits}, dtype=torch.bfloat16, device="cuda")
+        check(c, "cuda-sm80")
+        inp = make_inputs(c)
+        first = call(attention_with_kvcache, inp, c, c.dtype, backend="cuda-sm80")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            other = call(attention_with_kvcache, inp, c, c.dtype, backend="cuda-sm80")
+        torch.cuda.current_stream().wait_stream(side)
+        again = call(attention_with_kvcache, inp, c, c.dtype, backend="cuda-sm80")
+        for got in (other, again):
+            assert torch.equal(got["out"], first["out"]) and torch.equal(got["lse"], first["lse"])
+        outs[splits] = first["out"].float()
+    for splits, out in outs.items():  # the split count changes rounding only
+        torch.testing.assert_close(out, outs[1], rtol=2e-2, atol=2e-2, msg=f"{splits} splits")
+
+
 @pytest.mark.skipif(not (HAS_TRITON and (INTERPRET or HAS_GPU)), reason="needs Triton")
 def test_batches_past_the_grid_limit_are_refused_by_the_kernels():
     """The GPU kernels have one grid z index per sequence (at most 65535); torch takes any."""

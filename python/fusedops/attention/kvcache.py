@@ -205,6 +205,17 @@ def num_splits_heuristic(batch: int, heads_kv: int, capacity: int, num_sms: int,
     return max(1, min(want, most, 64))
 
 
+def cuda_num_splits(batch: int, heads_kv: int, capacity: int, num_sms: int) -> int:
+    """Splits per sequence for the CUDA kernel, from static sizes only: two CTAs fit an SM
+    (106 KiB of shared memory each at head dim 128), so about one wave of 2 * num_sms CTAs
+    (batch * Hkv * splits), each split at least two 64-key tiles of the capacity, at most 128;
+    one split when batch * Hkv already fills the SMs."""
+    work = batch * heads_kv
+    if work >= num_sms:
+        return 1
+    return max(1, min(2 * num_sms // work, -(-capacity // 64) // 2, 128))
+
+
 def _requested(backend: str | None) -> str:
     request = backend if backend is not None else os.environ.get("FUSEDOPS_BACKEND", "auto")
     return request.lower() if isinstance(request, str) else request
@@ -232,8 +243,7 @@ def _run(q, k_cache, v_cache, seqlens_k, page_table, scale, causal, left, right,
     if backend in _backends.CUDA_NAMES:
         if num_splits is None:
             cap = reference.capacity(k_cache, page_table)
-            num_splits = num_splits_heuristic(q.shape[0], k_cache.shape[2], cap,
-                                              sm_count(q.device), 64, page_table is not None)
+            num_splits = cuda_num_splits(q.shape[0], k_cache.shape[2], cap, sm_count(q.device))
         return torch.ops.fusedops.attention_decode_cuda(
             q, k_cache, v_cache, seqlens_k, page_table, scale, causal, left, right, softcap,
             num_splits, dispatch.cuda_arch(OP, backend))
