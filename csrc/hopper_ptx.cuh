@@ -54,16 +54,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 }
 
 // ---- TMA -----------------------------------------------------------------------------------
-// A contiguous copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) from global to
-// shared memory by the copy engine, completing `bytes` of the transaction count on `bar` (plain
-// sm_90: no tensor map, any source address).
-__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes,
-                                          uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar)
-      : "memory");
-}
 // A 3-D tile (coordinates innermost first, in elements) from the tensor map at `tmap` (a
 // __grid_constant__ kernel parameter) into shared memory at `dst`; completes `bytes` of the
 // transaction count on `bar`. Elements outside the tensor are zero-filled (and still counted).

@@ -16,7 +16,6 @@
 #include <vector>
 
 #include "../torch_utils.h"
-#include "build_info.h"
 #include "decode_params.h"
 
 namespace fusedops {
@@ -66,8 +65,8 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& 
                                                  double scale, bool causal, int64_t left,
                                                  int64_t right, double softcap,
                                                  int64_t num_splits, int64_t arch) {
-  // arch 80 (cuda-sm80) and 90 (cuda-sm90) run one kernel design: 80 loads K/V by cp.async
-  // (sm_80 and later), 90 by the copy engine's bulk copies (sm_90 and later).
+  // arch 80 (cuda-sm80) and 90 (cuda-sm90) run one kernel: its sm_80 or sm_90a build, whichever
+  // the device loads (decode is bandwidth-bound; cp.async suits both families).
   check_arch(arch);
   TORCH_CHECK_VALUE(q.is_cuda(), "q must be a CUDA tensor");
   TORCH_CHECK_TYPE(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
@@ -167,19 +166,6 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& 
   p.left = static_cast<int>(left);
   p.right = causal ? 0 : static_cast<int>(right);
   p.is_bf16 = q.scalar_type() == at::kBFloat16;
-  p.bulk_loads = arch == 90;
-  if (p.bulk_loads) {  // its sm_90a build, which only a 9.0 device loads
-    TORCH_CHECK_VALUE(std::string(FUSEDOPS_BUILT_ARCHS).find("9.0a") != std::string::npos,
-                      "the sm90 decode kernel is not built (built archs ", FUSEDOPS_BUILT_ARCHS,
-                      "; rebuild with FUSEDOPS_CUDA_ARCHS including 9.0a)");
-    int major = 0, minor = 0;
-    check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
-                                        q.get_device()), "attention decode (device query)");
-    check_launch(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor,
-                                        q.get_device()), "attention decode (device query)");
-    TORCH_CHECK_VALUE(major == 9 && minor == 0, "arch 90 (the sm90 decode kernel) needs compute "
-                      "capability 9.0");
-  }
   check_launch(decode_fwd_sm80(p, stream), "attention decode");
   return {out, lse};
 }

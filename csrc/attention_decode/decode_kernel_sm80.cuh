@@ -26,7 +26,6 @@
 
 #include <cstdint>
 
-#include "../hopper_ptx.cuh"
 #include "../mma_sm80.cuh"
 #include "decode_params.h"
 
@@ -62,10 +61,7 @@ __device__ __forceinline__ KeyAddr key_addr(const DecodeParams& p, int b, int ke
   return {page * p.k_stride_b + slot * p.k_stride_s, page * p.v_stride_b + slot * p.v_stride_s};
 }
 
-// Key tile [key0, key0 + 64) of K and V into one stage. cp.async (every thread, 16 bytes a copy;
-// keys >= hi are zero-filled) or, on Hopper, one copy-engine bulk copy per key row issued by warp 0
-// and counted on the stage's mbarrier (keys >= hi copy key hi - 1 instead: finite values that the
-// mask gives weight 0; the bulk copy has no zero fill).
+// cp.async of key tile [key0, key0 + 64) of K and V into one stage; keys >= hi are zero-filled.
 template <typename T, int kHeadDim>
 __device__ __forceinline__ void load_tile(const DecodeParams& p, int b, int kvh, int key0, int hi,
                                           T* k_tile, T* v_tile) {
@@ -83,26 +79,6 @@ __device__ __forceinline__ void load_tile(const DecodeParams& p, int b, int kvh,
     sm80::cp_async_16(sm80::smem_u32(k_tile + dst), kbase + a.k + chunk * 8, valid);
     sm80::cp_async_16(sm80::smem_u32(v_tile + dst), vbase + a.v + chunk * 8, valid);
   }
-}
-
-template <typename T, int kHeadDim>
-__device__ __forceinline__ void load_tile_bulk(const DecodeParams& p, int b, int kvh, int key0,
-                                               int hi, T* k_tile, T* v_tile, uint32_t bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr uint32_t kRowBytes = kHeadDim * sizeof(T);
-  const int lane = threadIdx.x % 32;
-  if (lane == 0) sm90::mbar_arrive_expect_tx(bar, 2 * kBlockN * kRowBytes);
-  __syncwarp();
-  const T* kbase = static_cast<const T*>(p.k) + kvh * p.k_stride_h;
-  const T* vbase = static_cast<const T*>(p.v) + kvh * p.v_stride_h;
-#pragma unroll
-  for (int row = lane; row < kBlockN; row += 32) {
-    const KeyAddr a = key_addr(p, b, min(key0 + row, hi - 1));
-    const int dst = row * Smem<kHeadDim>::kRow;
-    sm90::bulk_load(sm90::smem_u32(k_tile + dst), kbase + a.k, kRowBytes, bar);
-    sm90::bulk_load(sm90::smem_u32(v_tile + dst), vbase + a.v, kRowBytes, bar);
-  }
-#endif
 }
 
 // Output row r of (sequence b, KV head kvh): query r / G of head kvh * G + r % G.
@@ -123,7 +99,7 @@ __device__ __forceinline__ void store4(T* dst, float4 v) {
   *reinterpret_cast<uint2*>(dst) = w;
 }
 
-template <typename T, int kHeadDim, bool kBulk>
+template <typename T, int kHeadDim>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams p) {
   using S = Smem<kHeadDim>;
   constexpr int kKSteps = kHeadDim / 16;  // k-steps of S = Q K^T
@@ -148,34 +124,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   const int s_hi = min(lk, s_lo + chunk);
   const int n_tiles = s_hi > s_lo ? (s_hi - s_lo + kBlockN - 1) / kBlockN : 0;
 
-  // One full-stage barrier per stage (bulk copies only).
-  __shared__ __align__(8) uint64_t full_bar[kStages];
-  auto bar = [&](int stage) { return sm90::smem_u32(&full_bar[stage]); };
-  auto issue = [&](int tile) {  // tile < n_tiles, into stage tile % kStages
-    T* st = kv_smem + (tile % kStages) * 2 * S::kTile;
-    if constexpr (kBulk) {
-      if (warp == 0)
-        load_tile_bulk<T, kHeadDim>(p, b, kvh, s_lo + tile * kBlockN, s_hi, st, st + S::kTile,
-                                    bar(tile % kStages));
-    } else {
-      load_tile<T, kHeadDim>(p, b, kvh, s_lo + tile * kBlockN, s_hi, st, st + S::kTile);
-    }
-  };
-  if constexpr (kBulk) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (tid == 0) {
-#pragma unroll
-      for (int s = 0; s < kStages; ++s) sm90::mbar_init(bar(s), 1);
-      sm90::mbar_init_fence();
-    }
-    __syncthreads();
-#endif
-  }
   // The first kStages - 1 tiles in flight before anything else.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < n_tiles) issue(s);
-    if constexpr (!kBulk) sm80::cp_async_commit();
+    if (s < n_tiles) {
+      T* st = kv_smem + s * 2 * S::kTile;
+      load_tile<T, kHeadDim>(p, b, kvh, s_lo + s * kBlockN, s_hi, st, st + S::kTile);
+    }
+    sm80::cp_async_commit();
   }
 
   // Q tile, rows past M zero.
@@ -218,16 +174,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   const int v_ld = (warp * 16 + (mi % 2) * 8 + lane % 8) * S::kRow + (mi / 2) * 8;
 
   for (int t = 0; t < n_tiles; ++t) {
-    if constexpr (kBulk) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-      sm90::mbar_wait(bar(t % kStages), (t / kStages) & 1);
-#endif
-    } else {
-      sm80::cp_async_wait<kStages - 2>();
-    }
+    sm80::cp_async_wait<kStages - 2>();
     __syncthreads();  // tile t has landed; every warp is done with tile t - 1's stage
-    if (t + kStages - 1 < n_tiles) issue(t + kStages - 1);
-    if constexpr (!kBulk) sm80::cp_async_commit();
+    if (t + kStages - 1 < n_tiles) {
+      T* st = kv_smem + ((t + kStages - 1) % kStages) * 2 * S::kTile;
+      load_tile<T, kHeadDim>(p, b, kvh, s_lo + (t + kStages - 1) * kBlockN, s_hi, st,
+                             st + S::kTile);
+    }
+    sm80::cp_async_commit();
     const T* k_tile = kv_smem + (t % kStages) * 2 * S::kTile;
     const T* v_tile = k_tile + S::kTile;
 
@@ -295,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       sm80::mma_16816<T>(o[2 * n2 + 1], pa, vf[2], vf[3]);
     }
   }
-  if constexpr (!kBulk) sm80::cp_async_wait<0>();
+  sm80::cp_async_wait<0>();
   __syncthreads();  // every warp is done with the tiles: their space holds the merge
 
   // Merge the four warps (each like a split) through shared memory.

@@ -31,7 +31,6 @@ struct DecodeParams {
   float softcap;     // 0: none
   int left, right;   // window; -1 = unlimited (right = 0 when causal)
   bool is_bf16;
-  bool bulk_loads;  // copy-engine bulk copies (sm_90) instead of cp.async
 };
 
 // One launcher per family, on `stream`; returns the launch error.

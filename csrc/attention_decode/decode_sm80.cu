@@ -1,6 +1,5 @@
 // Launch of the sm80-family split-KV decode kernel (decode_kernel_sm80.cuh): instantiations per
-// dtype, head dim (64, 128) and loads (cp.async, or the copy engine's bulk copies on Hopper),
-// shared memory, grid.
+// dtype and head dim (64, 128), shared memory, grid.
 #include <cuda_runtime.h>
 
 #include "decode_kernel_sm80.cuh"
@@ -8,7 +7,7 @@
 namespace fusedops {
 namespace {
 
-template <typename T, int kHeadDim, bool kBulk>
+template <typename T, int kHeadDim>
 cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   using S = decode::Smem<kHeadDim>;
   constexpr size_t smem = S::bytes(sizeof(T));
@@ -18,7 +17,7 @@ cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   static_assert(256 * decode::kRows * sizeof(float) <=
                     size_t(decode::kStages) * 2 * S::kTile * sizeof(T),
                 "the split merge's lse of up to 256 splits fit the tile buffers");
-  auto kernel = decode::decode_kernel<T, kHeadDim, kBulk>;
+  auto kernel = decode::decode_kernel<T, kHeadDim>;
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
@@ -32,8 +31,7 @@ cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
 
 template <typename T>
 cudaError_t launch_dtype(const DecodeParams& p, cudaStream_t s) {
-  if (p.bulk_loads) return p.head_dim == 64 ? launch<T, 64, true>(p, s) : launch<T, 128, true>(p, s);
-  return p.head_dim == 64 ? launch<T, 64, false>(p, s) : launch<T, 128, false>(p, s);
+  return p.head_dim == 64 ? launch<T, 64>(p, s) : launch<T, 128>(p, s);
 }
 
 }  // namespace
