@@ -26,6 +26,7 @@ small case first.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -67,6 +68,24 @@ def cuda(name, num_splits=None):
     if not CUDA_ENABLED:
         raise ImportError("the CUDA decode kernel is disabled (FUSEDOPS_ATTN_DECODE_CUDA=0)")
     return fused(name, num_splits)
+
+
+def cuda_stages(name, stages):
+    """The CUDA kernel with FUSEDOPS_ATTN_DECODE_STAGES set to `stages` for each call (its K/V
+    pipeline depth; a CUDA graph keeps what the captured call read)."""
+    inner = cuda(name)
+
+    def fn(*args):
+        saved = os.environ.get("FUSEDOPS_ATTN_DECODE_STAGES")
+        os.environ["FUSEDOPS_ATTN_DECODE_STAGES"] = str(stages)
+        try:
+            return inner(*args)
+        finally:
+            if saved is None:
+                del os.environ["FUSEDOPS_ATTN_DECODE_STAGES"]
+            else:
+                os.environ["FUSEDOPS_ATTN_DECODE_STAGES"] = saved
+    return fn
 
 
 def sdpa():
@@ -205,6 +224,9 @@ def main():
     ap.add_argument("--cuda-splits", default="",
                     help="comma list: also time the CUDA kernel (cuda-sm90) with each fixed "
                          "split count (methods cuda-sm90-sN)")
+    ap.add_argument("--cuda-stages", default="",
+                    help="comma list: also time the CUDA kernel with each K/V pipeline depth "
+                         "(FUSEDOPS_ATTN_DECODE_STAGES, 2 to 6; methods cuda-sm90-stN)")
     ap.add_argument("--configs", default="",
                     help="comma list of BLOCK_NxWARPSxSTAGES: also time Triton with each kernel "
                          "configuration (methods triton-cBxWxS[-sN], at the heuristic's split "
@@ -230,6 +252,12 @@ def main():
     for n in counts:
         fns[f"triton-s{n}"] = fused("triton", n)
         splits[f"triton-s{n}"] = n
+    for n in [int(n) for n in filter(None, args.cuda_stages.split(","))]:
+        try:
+            fns[f"cuda-sm90-st{n}"] = cuda_stages("cuda-sm90", n)
+        except ImportError as exc:
+            print(f"cuda-sm90-st{n}: skipped ({exc})")
+            break
     for n in [int(n) for n in filter(None, args.cuda_splits.split(","))]:
         try:
             fns[f"cuda-sm90-s{n}"] = cuda("cuda-sm90", n)

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -57,6 +58,14 @@ Tensor split_counters(const Tensor& like, cudaStream_t stream, int64_t n) {
   Tensor t = at::zeros({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));
   current[key] = t;
   return t;
+}
+
+// K/V pipeline stages: 3 (two CTAs per SM at head dim 128), or FUSEDOPS_ATTN_DECODE_STAGES (2 to
+// 6; read at each call, a tuning switch for the benchmarks).
+int decode_stages() {
+  const char* env = std::getenv("FUSEDOPS_ATTN_DECODE_STAGES");
+  const int n = env != nullptr ? std::atoi(env) : 3;
+  return n >= 2 && n <= 6 ? n : 3;
 }
 
 std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& k_cache,
@@ -156,6 +165,7 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& 
   p.page_size = static_cast<int>(k_cache.size(1));
   p.num_pages = static_cast<int>(k_cache.size(0));
   p.num_splits = static_cast<int>(num_splits);
+  p.stages = decode_stages();
   p.page_shift = -1;
   for (int sh = 0; sh < 31; ++sh)
     if ((int64_t(1) << sh) == k_cache.size(1)) p.page_shift = sh;

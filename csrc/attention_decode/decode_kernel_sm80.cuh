@@ -5,7 +5,7 @@
 // head for every query: row r = query r / G of head kvh * G + r % G, M = G * Sq <= 16 rows (the
 // mma's 16; rows past M are zeros and never written). Key tiles of 64 keys (K and V, rows padded
 // by 16 bytes so that ldmatrix's eight 16-byte row reads hit distinct banks) come in by cp.async,
-// kStages deep, zero-filled past the split's end. Warp w owns keys [16w, 16w + 16) of each tile:
+// p.stages deep (3 by default), zero-filled past the split's end. Warp w owns keys [16w, 16w + 16) of each tile:
 // S = Q K^T by mma (Q's fragments stay in registers), its own online softmax (exp2, the scale
 // folded in), and O += P V with P from registers and V through ldmatrix.trans. The four warps
 // are merged through shared memory at the end. The split's key range is computed from
@@ -36,14 +36,14 @@ constexpr int kThreads = 128;
 constexpr int kWarps = 4;
 constexpr int kRows = 16;    // query rows of the mma tile
 constexpr int kBlockN = 64;  // keys per tile, 16 per warp
-constexpr int kStages = 3;   // two CTAs of 106 KiB fit one SM at head dim 128
+constexpr int kMaxStages = 6;  // p.stages in [2, 6]: 3 by default (two CTAs of 106 KiB per SM)
 
 template <int kHeadDim>
 struct Smem {
   static constexpr int kRow = kHeadDim + 8;  // elements per padded K/V/Q row
   static constexpr int kTile = kBlockN * kRow;
   static constexpr int kQ = kRows * kRow;
-  static constexpr size_t bytes(size_t elem) { return (size_t(kQ) + kStages * 2 * kTile) * elem; }
+  static size_t bytes(int stages, size_t elem) { return (size_t(kQ) + stages * 2 * kTile) * elem; }
 };
 
 // Element offset of logical key `key` of sequence b in a cache (through the page table), for the
@@ -70,14 +70,25 @@ __device__ __forceinline__ void load_tile(const DecodeParams& p, int b, int kvh,
   const T* kbase = static_cast<const T*>(p.k) + kvh * p.k_stride_h;
   const T* vbase = static_cast<const T*>(p.v) + kvh * p.v_stride_h;
   const int chunk = threadIdx.x % kChunks;
+  constexpr int kPerThread = kBlockN / kRowStep;
+  int64_t voff[kPerThread];
+  // K rows first, then V rows (each a run of the cache's memory, not the two interleaved)
 #pragma unroll
-  for (int row = threadIdx.x / kChunks; row < kBlockN; row += kRowStep) {
+  for (int i = 0; i < kPerThread; ++i) {
+    const int row = threadIdx.x / kChunks + i * kRowStep;
     const int key = key0 + row;
     const bool valid = key < hi;
     const KeyAddr a = key_addr(p, b, valid ? key : 0);
-    const int dst = row * Smem<kHeadDim>::kRow + chunk * 8;
-    sm80::cp_async_16(sm80::smem_u32(k_tile + dst), kbase + a.k + chunk * 8, valid);
-    sm80::cp_async_16(sm80::smem_u32(v_tile + dst), vbase + a.v + chunk * 8, valid);
+    voff[i] = valid ? a.v : -1;
+    sm80::cp_async_16(sm80::smem_u32(k_tile + row * Smem<kHeadDim>::kRow + chunk * 8),
+                      kbase + a.k + chunk * 8, valid);
+  }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int row = threadIdx.x / kChunks + i * kRowStep;
+    const bool valid = voff[i] >= 0;
+    sm80::cp_async_16(sm80::smem_u32(v_tile + row * Smem<kHeadDim>::kRow + chunk * 8),
+                      vbase + (valid ? voff[i] : 0) + chunk * 8, valid);
   }
 }
 
@@ -124,9 +135,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   const int s_hi = min(lk, s_lo + chunk);
   const int n_tiles = s_hi > s_lo ? (s_hi - s_lo + kBlockN - 1) / kBlockN : 0;
 
-  // The first kStages - 1 tiles in flight before anything else.
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  // The first stages - 1 tiles in flight before anything else.
+  const int stages = p.stages;
+  for (int s = 0; s < stages - 1; ++s) {
     if (s < n_tiles) {
       T* st = kv_smem + s * 2 * S::kTile;
       load_tile<T, kHeadDim>(p, b, kvh, s_lo + s * kBlockN, s_hi, st, st + S::kTile);
@@ -173,16 +184,25 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   const int k_ld = (warp * 16 + (mi / 2) * 8 + lane % 8) * S::kRow + (mi % 2) * 8;
   const int v_ld = (warp * 16 + (mi % 2) * 8 + lane % 8) * S::kRow + (mi / 2) * 8;
 
+  int stage = 0;  // t % stages
   for (int t = 0; t < n_tiles; ++t) {
-    sm80::cp_async_wait<kStages - 2>();
+    switch (stages) {  // tile t landed: at most stages - 2 younger groups pending
+      case 2: sm80::cp_async_wait<0>(); break;
+      case 3: sm80::cp_async_wait<1>(); break;
+      case 4: sm80::cp_async_wait<2>(); break;
+      case 5: sm80::cp_async_wait<3>(); break;
+      default: sm80::cp_async_wait<4>(); break;
+    }
     __syncthreads();  // tile t has landed; every warp is done with tile t - 1's stage
-    if (t + kStages - 1 < n_tiles) {
-      T* st = kv_smem + ((t + kStages - 1) % kStages) * 2 * S::kTile;
-      load_tile<T, kHeadDim>(p, b, kvh, s_lo + (t + kStages - 1) * kBlockN, s_hi, st,
+    if (t + stages - 1 < n_tiles) {
+      const int refill = stage == 0 ? stages - 1 : stage - 1;  // (t + stages - 1) % stages
+      T* st = kv_smem + refill * 2 * S::kTile;
+      load_tile<T, kHeadDim>(p, b, kvh, s_lo + (t + stages - 1) * kBlockN, s_hi, st,
                              st + S::kTile);
     }
     sm80::cp_async_commit();
-    const T* k_tile = kv_smem + (t % kStages) * 2 * S::kTile;
+    const T* k_tile = kv_smem + stage * 2 * S::kTile;
+    stage = stage + 1 == stages ? 0 : stage + 1;
     const T* v_tile = k_tile + S::kTile;
 
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};

@@ -26,6 +26,7 @@ struct DecodeParams {
   int64_t pt_stride;
   int batch, sq, hq, hkv, group, head_dim;
   int capacity, page_size, num_pages, num_splits;
+  int stages;        // K/V pipeline depth, 2 to 6
   int page_shift;    // log2(page_size) when a power of two, else -1
   float scale_log2;  // softmax scale * log2(e) (no softcap) or softmax scale (softcap)
   float softcap;     // 0: none

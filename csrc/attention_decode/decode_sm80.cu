@@ -10,12 +10,11 @@ namespace {
 template <typename T, int kHeadDim>
 cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   using S = decode::Smem<kHeadDim>;
-  constexpr size_t smem = S::bytes(sizeof(T));
+  const size_t smem = S::bytes(p.stages, sizeof(T));
   static_assert(size_t(decode::kWarps) * decode::kRows * (kHeadDim + 2) * sizeof(float) <=
-                    size_t(decode::kStages) * 2 * S::kTile * sizeof(T),
-                "the warp merge reuses the tile buffers");
-  static_assert(256 * decode::kRows * sizeof(float) <=
-                    size_t(decode::kStages) * 2 * S::kTile * sizeof(T),
+                    size_t(2) * 2 * S::kTile * sizeof(T),
+                "the warp merge reuses the tile buffers (two stages or more)");
+  static_assert(256 * decode::kRows * sizeof(float) <= size_t(2) * 2 * S::kTile * sizeof(T),
                 "the split merge's lse of up to 256 splits fit the tile buffers");
   auto kernel = decode::decode_kernel<T, kHeadDim>;
   cudaError_t err =
