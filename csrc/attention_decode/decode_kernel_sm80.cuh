@@ -62,34 +62,57 @@ __device__ __forceinline__ KeyAddr key_addr(const DecodeParams& p, int b, int ke
 }
 
 // cp.async of key tile [key0, key0 + 64) of K and V into one stage; keys >= hi are zero-filled.
+// Thread i copies 16-byte chunk i % (D / 8) of rows i / (D / 8) + j * kRowStep, K rows first,
+// then V rows. key0 is a multiple of 64 (split starts are), so on a contiguous cache, and on a
+// paged one with pages of a power of two >= 64 keys, the tile is one run of rows at a fixed
+// stride: one page-table read per tile and a pointer step per row. Smaller pages take one
+// page-table read per row.
 template <typename T, int kHeadDim>
 __device__ __forceinline__ void load_tile(const DecodeParams& p, int b, int kvh, int key0, int hi,
                                           T* k_tile, T* v_tile) {
   constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
   constexpr int kRowStep = kThreads / kChunks;
-  const T* kbase = static_cast<const T*>(p.k) + kvh * p.k_stride_h;
-  const T* vbase = static_cast<const T*>(p.v) + kvh * p.v_stride_h;
-  const int chunk = threadIdx.x % kChunks;
   constexpr int kPerThread = kBlockN / kRowStep;
+  constexpr uint32_t kDstStep = kRowStep * Smem<kHeadDim>::kRow * sizeof(T);
+  const int chunk = threadIdx.x % kChunks, row0 = threadIdx.x / kChunks;
+  const T* kbase = static_cast<const T*>(p.k) + kvh * p.k_stride_h + chunk * 8;
+  const T* vbase = static_cast<const T*>(p.v) + kvh * p.v_stride_h + chunk * 8;
+  const uint32_t kdst = sm80::smem_u32(k_tile + row0 * Smem<kHeadDim>::kRow + chunk * 8);
+  const uint32_t vdst = sm80::smem_u32(v_tile + row0 * Smem<kHeadDim>::kRow + chunk * 8);
+  const int key = key0 + row0;
+  if (p.page_table == nullptr || (p.page_shift >= 0 && p.page_size >= kBlockN)) {
+    int64_t page = b, slot = key;
+    if (p.page_table != nullptr) {
+      page = min(max(__ldg(p.page_table + b * p.pt_stride + (key0 >> p.page_shift)), 0),
+                 p.num_pages - 1);
+      slot = key & (p.page_size - 1);
+    }
+    const T* ksrc = kbase + page * p.k_stride_b + slot * p.k_stride_s;
+    const T* vsrc = vbase + page * p.v_stride_b + slot * p.v_stride_s;
+    const int64_t kstep = kRowStep * p.k_stride_s, vstep = kRowStep * p.v_stride_s;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const bool valid = key + i * kRowStep < hi;
+      sm80::cp_async_16(kdst + i * kDstStep, valid ? ksrc + i * kstep : kbase, valid);
+    }
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const bool valid = key + i * kRowStep < hi;
+      sm80::cp_async_16(vdst + i * kDstStep, valid ? vsrc + i * vstep : vbase, valid);
+    }
+    return;
+  }
   int64_t voff[kPerThread];
-  // K rows first, then V rows (each a run of the cache's memory, not the two interleaved)
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
-    const int row = threadIdx.x / kChunks + i * kRowStep;
-    const int key = key0 + row;
-    const bool valid = key < hi;
-    const KeyAddr a = key_addr(p, b, valid ? key : 0);
+    const bool valid = key + i * kRowStep < hi;
+    const KeyAddr a = key_addr(p, b, valid ? key + i * kRowStep : 0);
     voff[i] = valid ? a.v : -1;
-    sm80::cp_async_16(sm80::smem_u32(k_tile + row * Smem<kHeadDim>::kRow + chunk * 8),
-                      kbase + a.k + chunk * 8, valid);
+    sm80::cp_async_16(kdst + i * kDstStep, kbase + a.k, valid);
   }
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int row = threadIdx.x / kChunks + i * kRowStep;
-    const bool valid = voff[i] >= 0;
-    sm80::cp_async_16(sm80::smem_u32(v_tile + row * Smem<kHeadDim>::kRow + chunk * 8),
-                      vbase + (valid ? voff[i] : 0) + chunk * 8, valid);
-  }
+  for (int i = 0; i < kPerThread; ++i)
+    sm80::cp_async_16(vdst + i * kDstStep, vbase + (voff[i] >= 0 ? voff[i] : 0), voff[i] >= 0);
 }
 
 // Output row r of (sequence b, KV head kvh): query r / G of head kvh * G + r % G.
@@ -205,14 +228,22 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     stage = stage + 1 == stages ? 0 : stage + 1;
     const T* v_tile = k_tile + S::kTile;
 
+    // Even and odd k-steps into separate accumulators: two chains of kKSteps / 2 dependent mma
+    // per key block instead of one of kKSteps.
     float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+    float s_odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
     for (int kk = 0; kk < kKSteps; ++kk) {
       uint32_t kf[4];
       sm80::ldmatrix_x4(kf, sm80::smem_u32(k_tile + k_ld + kk * 16));
-      sm80::mma_16816<T>(s[0], qa[kk], kf[0], kf[1]);
-      sm80::mma_16816<T>(s[1], qa[kk], kf[2], kf[3]);
+      float (&acc)[2][4] = kk % 2 == 0 ? s : s_odd;
+      sm80::mma_16816<T>(acc[0], qa[kk], kf[0], kf[1]);
+      sm80::mma_16816<T>(acc[1], qa[kk], kf[2], kf[3]);
     }
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] += s_odd[j][e];
     const int key_base = s_lo + t * kBlockN + warp * 16 + 2 * t4;
     const bool mask = windowed || s_lo + (t + 1) * kBlockN > s_hi;
 #pragma unroll
