@@ -6,9 +6,10 @@ compute-sanitizer.
     FUSEDOPS_ATTN_DECODE_CUDA=1 compute-sanitizer --tool racecheck \
         python benchmarks/sanitize_decode.py --quick
 
-Cases: float16 and bfloat16, head dims 64 and 128, 8, 6 and 16 query rows (MQA 8:1 with one
-query, GQA 4:1 with three, 16:1 with one); contiguous caches whose capacity (200) is no multiple
-of the 64-key tile and paged ones (pages of 16: a page-table read per key row; pages of 64: one per tile) whose table rows hold out-of-range page numbers
+Cases: float16 and bfloat16, head dims 64 and 128, 8, 12 and 16 query rows per KV head (MQA 8:1
+with one query, GQA 4:1 with three, 16:1 with one); contiguous caches whose capacity (200) is no
+multiple of the 64-key tile and paged ones (pages of 16: a page-table read per key row; pages of
+64: one per tile) whose table rows hold out-of-range page numbers
 past each sequence's pages (never read); lengths 0, 1 and the full capacity after the append;
 1, 3 and 64 splits (more splits than tiles: empty ones); a window with softcap and a
 non-causal window. Every tensor is allocated at its exact size (with
