@@ -624,6 +624,17 @@ def test_num_splits_heuristic():
     assert num_splits_heuristic(64, 8, 8192, 132, 128, paged=True) == 1
 
 
+def test_cuda_num_splits():
+    from fusedops.attention.kvcache import cuda_num_splits
+    # H200 (132 SMs), 8 KV heads: about one wave of two CTAs per SM
+    assert cuda_num_splits(1, 8, 131072, 132) == 33
+    assert cuda_num_splits(8, 8, 8192, 132) == 4
+    assert cuda_num_splits(64, 8, 8192, 132) == 1
+    assert cuda_num_splits(1, 8, 256, 132) == 2  # at least two 64-key tiles a split
+    assert cuda_num_splits(1, 8, 64, 132) == 1
+    assert cuda_num_splits(1, 1, 10**6, 132) == 128
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_CUDA_DECODE)])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged64"])

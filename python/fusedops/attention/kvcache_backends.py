@@ -10,17 +10,19 @@ from fusedops.attention.backends import _triton_limits  # the same head-dim limi
 from fusedops.dispatch import Backend, InputSig, OpBackends, register
 
 _HALF = (torch.float16, torch.bfloat16)
-# One CUDA kernel (csrc/attention_decode/, cp.async loads and SIMT dot products: decode is
-# bandwidth-bound, so no wgmma or TMA), compiled into the sm_80 and the sm_90a device code of
-# the extension. cuda-sm90 is that kernel on compute capability 9.0 (its sm_90a build), not a
-# Hopper-specific design; cuda-sm80 runs it on 8.x (and on 9.0 when forced). It passes the
-# decode parity tests and compute-sanitizer on the H200 but reads K/V at 0.4x the Triton
-# kernels' bandwidth there (benchmarks/results/attention_decode.jsonl, git ae6b1d6: 1340
-# against 3705 GB/s at batch 1, 128k keys), so both are offered only when
+# One CUDA kernel (csrc/attention_decode/: cp.async K/V tiles, mma.sync for QK^T and PV, the
+# splits merged inside the kernel by the last split to finish), compiled into the sm_80 and the
+# sm_90a device code of the extension. cuda-sm90 is that kernel on compute capability 9.0 (its
+# sm_90a build), not a Hopper-specific design; cuda-sm80 runs it on 8.x (and on 9.0 when
+# forced). It passes the decode parity tests and compute-sanitizer on the H200 but reads K/V at
+# 0.84-1.09x the Triton kernels' bandwidth there, below it in most rows
+# (benchmarks/results/attention_decode.jsonl, git e05e861: 3686 against 3990 GB/s at batch 1 with
+# 128k keys, 4110 against 4435 at batch 64 with 32k), so both are offered only when
 # FUSEDOPS_ATTN_DECODE_CUDA=1 is set before fusedops is imported.
 CUDA_ENABLED = os.environ.get("FUSEDOPS_ATTN_DECODE_CUDA", "0") == "1"
-_SLOWER = ("the CUDA decode kernel is slower than the Triton one on the H200 (0.4x its "
-           "bandwidth); set FUSEDOPS_ATTN_DECODE_CUDA=1 before importing fusedops to use it")
+_SLOWER = ("the CUDA decode kernel is slower than the Triton one on the H200 (0.84-1.09x its "
+           "bandwidth, below it in most cases); set FUSEDOPS_ATTN_DECODE_CUDA=1 before importing "
+           "fusedops to use it")
 CUDA_NAMES = ("cuda-sm90", "cuda-sm80")
 CUDA_HEAD_DIMS = (64, 128)
 CUDA_MAX_ROWS = 16  # (Hq / Hkv) * Sq of its instantiations
@@ -36,13 +38,14 @@ def _cuda_limits(sig: InputSig) -> str | None:
 BACKENDS = (
     Backend("cuda-sm90", "cuda", _HALF, arch=90, cc_range=((9, 0), (9, 0)),
             limits=_cuda_limits, unbuilt=None if CUDA_ENABLED else _SLOWER,
-            summary="cuda-sm80's split-KV decode kernel built for sm_90a (cp.async, SIMT dot "
-                    "products; no TMA or wgmma), head dims 64 and 128, (Hq / Hkv) * Sq <= 16; "
-                    "opt-in (slower than Triton)"),
+            summary="cuda-sm80's split-KV decode kernel built for sm_90a (cp.async, mma.sync; "
+                    "no TMA or wgmma), head dims 64 and 128, (Hq / Hkv) * Sq <= 16; opt-in "
+                    "(slower than Triton)"),
     Backend("cuda-sm80", "cuda", _HALF, arch=80, cc_range=((8, 0), (9, 0)),
             limits=_cuda_limits, unbuilt=None if CUDA_ENABLED else _SLOWER,
-            summary="split-KV decode, cp.async double buffering and SIMT dot products, head "
-                    "dims 64 and 128, (Hq / Hkv) * Sq <= 16; opt-in (slower than Triton)"),
+            summary="split-KV decode in one launch: cp.async K/V tiles (3 stages), mma.sync, "
+                    "splits merged by the last to finish; head dims 64 and 128, "
+                    "(Hq / Hkv) * Sq <= 16; opt-in (slower than Triton)"),
     Backend("triton", "triton", (torch.float32, torch.float16, torch.bfloat16),
             limits=_triton_limits,
             summary="Triton split-KV (flash-decoding) kernels: the GQA group as one query tile, "
