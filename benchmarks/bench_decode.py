@@ -26,12 +26,20 @@ small case first.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
-from common import add_out_arg, append_rows, describe, print_table, results_path, run_meta, time_ms
+from common import (
+    add_out_arg,
+    append_rows,
+    describe,
+    env_set,
+    print_table,
+    results_path,
+    run_meta,
+    time_ms,
+)
 
 from fusedops.attention import attention_with_kvcache
 
@@ -76,15 +84,8 @@ def cuda_stages(name, stages):
     inner = cuda(name)
 
     def fn(*args):
-        saved = os.environ.get("FUSEDOPS_ATTN_DECODE_STAGES")
-        os.environ["FUSEDOPS_ATTN_DECODE_STAGES"] = str(stages)
-        try:
+        with env_set("FUSEDOPS_ATTN_DECODE_STAGES", str(stages)):
             return inner(*args)
-        finally:
-            if saved is None:
-                del os.environ["FUSEDOPS_ATTN_DECODE_STAGES"]
-            else:
-                os.environ["FUSEDOPS_ATTN_DECODE_STAGES"] = saved
     return fn
 
 
@@ -252,19 +253,19 @@ def main():
     for n in counts:
         fns[f"triton-s{n}"] = fused("triton", n)
         splits[f"triton-s{n}"] = n
-    for n in [int(n) for n in filter(None, args.cuda_stages.split(","))]:
+    # the CUDA kernel at other pipeline depths (-stN) and fixed split counts (-sN)
+    variants = [(f"cuda-sm90-st{n}", lambda n=n: cuda_stages("cuda-sm90", n), None)
+                for n in map(int, filter(None, args.cuda_stages.split(",")))]
+    variants += [(f"cuda-sm90-s{n}", lambda n=n: cuda("cuda-sm90", n), n)
+                 for n in map(int, filter(None, args.cuda_splits.split(",")))]
+    for name, make, n in variants:
         try:
-            fns[f"cuda-sm90-st{n}"] = cuda_stages("cuda-sm90", n)
+            fns[name] = make()
         except ImportError as exc:
-            print(f"cuda-sm90-st{n}: skipped ({exc})")
-            break
-    for n in [int(n) for n in filter(None, args.cuda_splits.split(","))]:
-        try:
-            fns[f"cuda-sm90-s{n}"] = cuda("cuda-sm90", n)
-        except ImportError as exc:
-            print(f"cuda-sm90-s{n}: skipped ({exc})")
-            break
-        splits[f"cuda-sm90-s{n}"] = n
+            print(f"{name}: skipped ({exc})")
+            continue
+        if n:
+            splits[name] = n
     for c in filter(None, args.configs.split(",")):
         config = tuple(int(x) for x in c.split("x"))
         if len(config) != 3:

@@ -35,6 +35,7 @@ from common import (
     add_out_arg,
     append_rows,
     describe,
+    env_set,
     peak_extra_mib,
     print_table,
     results_path,
@@ -70,31 +71,21 @@ def methods(softcap):
                                                     check_targets=False, memory_budget_mib=budget)
 
     def recompute(x, w, t):  # the recompute algorithm: 4 fused GEMM kernels, no logits chunk
-        os.environ["FUSEDOPS_LCE_ALGO"] = "recompute"
-        try:
+        with env_set("FUSEDOPS_LCE_ALGO", "recompute"):
             return linear_cross_entropy(x, w, t, softcap=softcap, check_targets=False)
-        finally:
-            del os.environ["FUSEDOPS_LCE_ALGO"]
 
     def with_gemm(mode, budget=None):  # FUSEDOPS_LCE_GEMM=<mode> for the forward (all the work)
         inner = fused(budget=budget)
 
         def run(x, w, t):
-            old = os.environ.get("FUSEDOPS_LCE_GEMM")
-            os.environ["FUSEDOPS_LCE_GEMM"] = mode
             calls, dz_calls = gemm_sm90.stats_calls, gemm_sm90.dz_calls
-            try:
+            with env_set("FUSEDOPS_LCE_GEMM", mode):
                 out = inner(x, w, t)
-                if mode.startswith("sm90-fused") and gemm_sm90.stats_calls == calls:
-                    raise RuntimeError("the statistics epilogue did not run (route not taken)")
-                if mode == "sm90-fused2" and gemm_sm90.dz_calls == dz_calls:
-                    raise RuntimeError("the dz GEMMs did not run (route not taken)")
-                return out
-            finally:
-                if old is None:
-                    del os.environ["FUSEDOPS_LCE_GEMM"]
-                else:
-                    os.environ["FUSEDOPS_LCE_GEMM"] = old
+            if mode.startswith("sm90-fused") and gemm_sm90.stats_calls == calls:
+                raise RuntimeError("the statistics epilogue did not run (route not taken)")
+            if mode == "sm90-fused2" and gemm_sm90.dz_calls == dz_calls:
+                raise RuntimeError("the dz GEMMs did not run (route not taken)")
+            return out
         return run
 
     out = {"fusedops": fused(), "fusedops-lowmem": fused(budget=LOWMEM_MIB)}

@@ -7,6 +7,7 @@ read results without either.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -15,6 +16,21 @@ import subprocess
 import uuid
 
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+@contextlib.contextmanager
+def env_set(name: str, value: str):
+    """Environment variable `name` set to `value` inside the block, restored (or removed) after:
+    the switches that fusedops reads at each call."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
 
 
 def git_sha() -> str:
