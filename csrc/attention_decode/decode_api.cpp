@@ -68,12 +68,13 @@ int decode_stages() {
   return n >= 2 && n <= 6 ? n : 3;
 }
 
-std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& k_cache,
+std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q_in, const Tensor& k_cache,
                                                  const Tensor& v_cache, const Tensor& seqlens_k,
                                                  const std::optional<Tensor>& page_table,
                                                  double scale, bool causal, int64_t left,
                                                  int64_t right, double softcap,
                                                  int64_t num_splits, int64_t arch) {
+  Tensor q = q_in;
   // arch 80 (cuda-sm80) and 90 (cuda-sm90) run one kernel: its sm_80 or sm_90a build, whichever
   // the device loads (decode is bandwidth-bound; cp.async suits both families).
   check_arch(arch);
@@ -120,6 +121,11 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q, const Tensor& 
                     "the cache capacity must be at most 2^31 - 2^15 keys per sequence, got ",
                     std::to_string(capacity));
   const at::cuda::OptionalCUDAGuard guard(q.device());
+  // The kernel reads q rows as 16-byte vectors: a q whose rows are not 16-byte aligned (a view
+  // into a wider or offset tensor) is copied into a fresh contiguous tensor first.
+  if (reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 != 0 || q.stride(0) % 8 != 0 ||
+      q.stride(1) % 8 != 0 || q.stride(2) % 8 != 0)
+    q = at::empty(q_in.sizes(), q_in.options()).copy_(q_in);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   Tensor out = at::empty(q.sizes(), q.options());
   Tensor lse = at::empty({batch, hq, sq}, q.options().dtype(at::kFloat));

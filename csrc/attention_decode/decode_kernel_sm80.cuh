@@ -18,7 +18,7 @@
 // call (the binding keeps one zeroed counter buffer per stream). No second kernel, so no second
 // launch and no tail between them.
 // Constraints (checked by decode_api.cpp): fp16/bf16, head dim 64 or 128, M <= 16, last dims
-// contiguous, k/v rows 16-byte aligned.
+// contiguous, k/v rows 16-byte aligned (q rows too: the binding copies a q whose rows are not).
 #pragma once
 
 #include <cuda_bf16.h>

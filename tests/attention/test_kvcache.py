@@ -821,6 +821,23 @@ def test_cuda_split_merge_at_every_split_count(name):
         torch.testing.assert_close(out, outs[1], rtol=2e-2, atol=2e-2, msg=f"{splits} splits")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_CUDA_DECODE)])
+def test_q_views_with_unaligned_rows(backend):
+    """q as a view whose rows are not 16-byte aligned (a slice of a wider tensor, an offset
+    start): the result equals the one on a contiguous copy (the CUDA binding copies such a q)."""
+    torch.manual_seed(5)
+    dev, dt = "cuda", torch.bfloat16
+    kc, vc = (torch.randn(2, 256, 2, 64, device=dev, dtype=dt) for _ in range(2))
+    lens = torch.tensor([5, 200], dtype=torch.int32, device=dev)
+    wide = torch.randn(2, 1, 8, 68, device=dev, dtype=dt)
+    flat = torch.randn(2 * 8 * 64 + 3, device=dev, dtype=dt)
+    for q in (wide[..., :64], flat[3:].view(2, 1, 8, 64)):
+        want = attention_with_kvcache(q.contiguous(), kc, vc, lens, backend=backend)
+        got = attention_with_kvcache(q, kc, vc, lens, backend=backend)
+        assert torch.equal(got, want)
+
+
 @pytest.mark.skipif(not (HAS_TRITON and (INTERPRET or HAS_GPU)), reason="needs Triton")
 def test_batches_past_the_grid_limit_are_refused_by_the_kernels():
     """The GPU kernels have one grid z index per sequence (at most 65535); torch takes any."""
