@@ -5,9 +5,10 @@
 // head for every query: row r = query r / G of head kvh * G + r % G, M = G * Sq <= 16 rows (the
 // mma's 16; rows past M are zeros and never written). Key tiles of 64 keys (K and V, rows padded
 // by 16 bytes so that ldmatrix's eight 16-byte row reads hit distinct banks) come in by cp.async,
-// p.stages deep (3 by default), zero-filled past the split's end. Warp w owns keys [16w, 16w + 16) of each tile:
-// S = Q K^T by mma (Q's fragments stay in registers), its own online softmax (exp2, the scale
-// folded in), and O += P V with P from registers and V through ldmatrix.trans. The four warps
+// p.stages deep (3 by default), zero-filled past the split's end. Warp w owns keys
+// [16w, 16w + 16) of each tile: S = Q K^T by mma (Q's fragments stay in registers), its own
+// online softmax (exp2, the scale folded in), and O += P V with P from registers and V through
+// ldmatrix.trans. The four warps
 // are merged through shared memory at the end. The split's key range is computed from
 // seqlens_k on the device (no host synchronisation); page numbers and lengths are clamped into
 // range so bad values cannot fault.
