@@ -41,23 +41,41 @@ void check_cache(const Tensor& t, const char* name, const Tensor& q) {
                     " must be 16-byte aligned");
 }
 
-// The kernel's split counters (one int per sequence and KV head): one zeroed buffer per (device,
+// The kernel's split counters (one int per sequence and KV head): one buffer per (device,
 // stream), which every call on that stream reuses (calls on one stream run one after another, and
-// the kernel's last CTA of each (sequence, KV head) resets its counter), so that a call costs no
-// memset. A buffer that has to grow is replaced but never freed: a captured CUDA graph may hold
-// its address.
+// the kernel's last CTA of each (sequence, KV head) resets its counter), so that an eager call
+// costs no memset after the first. A CUDA graph zeroes the buffer once, before its first decode
+// call (a memset node), so that its replays do not depend on what ran on the stream before. A
+// buffer that has to grow is replaced but never freed (a captured graph may hold its address),
+// and the containers are never destroyed (they would outlive the CUDA allocator at exit).
 Tensor split_counters(const Tensor& like, cudaStream_t stream, int64_t n) {
+  struct Counters {
+    Tensor t;
+    bool zeroed = false;                // zeroed by an executed (not captured) memset
+    unsigned long long capture_id = 0;  // the capture whose graph zeroes it first
+  };
   static std::mutex mutex;
-  static std::map<std::pair<int, cudaStream_t>, Tensor> current;
-  static std::vector<Tensor> retired;
+  static auto* current = new std::map<std::pair<int, cudaStream_t>, Counters>();
+  static auto* retired = new std::vector<Tensor>();
   const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_pair(static_cast<int>(like.get_device()), stream);
-  auto it = current.find(key);
-  if (it != current.end() && it->second.numel() >= n) return it->second;
-  if (it != current.end()) retired.push_back(it->second);
-  Tensor t = at::zeros({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));
-  current[key] = t;
-  return t;
+  Counters& c = (*current)[std::make_pair(static_cast<int>(like.get_device()), stream)];
+  if (!c.t.defined() || c.t.numel() < n) {
+    if (c.t.defined()) retired->push_back(c.t);
+    c.t = at::empty({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));
+    c.zeroed = false;
+    c.capture_id = 0;
+  }
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  unsigned long long id = 0;
+  check_launch(cudaStreamGetCaptureInfo(stream, &status, &id), "attention decode (capture query)");
+  const bool capturing = status == cudaStreamCaptureStatusActive;
+  if (capturing ? c.capture_id != id : !c.zeroed) {
+    check_launch(cudaMemsetAsync(c.t.data_ptr(), 0, c.t.numel() * sizeof(int), stream),
+                 "attention decode (counter memset)");
+    if (capturing) c.capture_id = id;
+    else c.zeroed = true;
+  }
+  return c.t;
 }
 
 // K/V pipeline stages: 3 (two CTAs per SM at head dim 128), or FUSEDOPS_ATTN_DECODE_STAGES (2 to
@@ -112,6 +130,8 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q_in, const Tenso
     TORCH_CHECK_TYPE(pt.scalar_type() == at::kInt, "page_table must be int32");
     TORCH_CHECK_VALUE(pt.dim() == 2 && pt.size(0) == batch && pt.stride(1) == 1,
                       "page_table must be (B, max_pages) with a contiguous last dim");
+    TORCH_CHECK_VALUE(k_cache.size(0) >= 1 && k_cache.size(1) >= 1,
+                      "a paged k_cache needs at least one page of at least one slot");
     capacity = pt.size(1) * k_cache.size(1);
   } else {
     TORCH_CHECK_VALUE(k_cache.size(0) == batch, "k_cache must have q's batch without page_table");
@@ -179,8 +199,11 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q_in, const Tenso
   // softcap * tanh(s * scale / softcap) * log2(e).
   p.softcap = static_cast<float>(softcap);
   p.scale_log2 = static_cast<float>(softcap > 0 ? scale : scale * 1.4426950408889634);
-  p.left = static_cast<int>(left);
-  p.right = causal ? 0 : static_cast<int>(right);
+  // A window side of capacity + Sq keys or more sees every key: unlimited (-1), which also keeps
+  // the kernel's int position arithmetic in range.
+  const int64_t wide = capacity + sq;
+  p.left = left >= wide ? -1 : static_cast<int>(left);
+  p.right = causal ? 0 : (right >= wide ? -1 : static_cast<int>(right));
   p.is_bf16 = q.scalar_type() == at::kBFloat16;
   check_launch(decode_fwd_sm80(p, stream), "attention decode");
   return {out, lse};

@@ -10,21 +10,29 @@ namespace {
 template <typename T, int kHeadDim>
 cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
   using S = decode::Smem<kHeadDim>;
-  const size_t smem = S::bytes(p.stages, sizeof(T));
+  // The pipeline depth that fits the device's shared memory per block (three stages at D=128 need
+  // 106 KiB: more than the 99 KiB of compute capability 8.6 and 8.9, which run two).
+  int device = 0, optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err != cudaSuccess) return err;
+  DecodeParams q = p;
+  while (q.stages > 2 && S::bytes(q.stages, sizeof(T)) > size_t(optin)) --q.stages;
+  const size_t smem = S::bytes(q.stages, sizeof(T));
   static_assert(size_t(decode::kWarps) * decode::kRows * (kHeadDim + 2) * sizeof(float) <=
                     size_t(2) * 2 * S::kTile * sizeof(T),
                 "the warp merge reuses the tile buffers (two stages or more)");
   static_assert(256 * decode::kRows * sizeof(float) <= size_t(2) * 2 * S::kTile * sizeof(T),
                 "the split merge's lse of up to 256 splits fit the tile buffers");
   auto kernel = decode::decode_kernel<T, kHeadDim>;
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (err != cudaSuccess) return err;
   // Two CTAs per SM: the largest shared-memory carveout.
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                              cudaSharedmemCarveoutMaxShared);
   if (err != cudaSuccess) return err;
-  kernel<<<dim3(p.num_splits, p.hkv, p.batch), decode::kThreads, smem, stream>>>(p);
+  kernel<<<dim3(p.num_splits, p.hkv, p.batch), decode::kThreads, smem, stream>>>(q);
   return cudaGetLastError();
 }
 

@@ -823,6 +823,56 @@ def test_cuda_split_merge_at_every_split_count(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_CUDA_DECODE)])
+def test_graphs_captured_on_one_stream_replay_in_any_order(backend):
+    """Two graphs captured one after the other on a fresh stream (the CUDA kernel's split
+    counters: one buffer per stream, zeroed by each graph before its first call), replayed in
+    the reverse order, twice, then an eager call on that stream: every result equals eager."""
+    torch.manual_seed(6)
+    dev, dt = "cuda", torch.bfloat16
+    kc, vc = (torch.randn(2, 2048, 8, 128, device=dev, dtype=dt) for _ in range(2))
+    lens = torch.tensor([2048, 1500], dtype=torch.int32, device=dev)
+    qs = [torch.randn(2, 1, 32, 128, device=dev, dtype=dt) for _ in range(2)]
+    want = [attention_with_kvcache(q, kc, vc, lens, backend=backend, num_splits=8) for q in qs]
+    stream = torch.cuda.Stream()
+    graphs, outs = [], []
+    for q in qs:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            outs.append(attention_with_kvcache(q, kc, vc, lens, backend=backend, num_splits=8,
+                                               check=False))
+        graphs.append(graph)
+    for _ in range(2):
+        for i in (1, 0):
+            outs[i].zero_()
+            graphs[i].replay()
+            torch.cuda.synchronize()
+            assert torch.equal(outs[i], want[i]), i
+    with torch.cuda.stream(stream):
+        again = attention_with_kvcache(qs[0], kc, vc, lens, backend=backend, num_splits=8)
+    torch.cuda.synchronize()
+    assert torch.equal(again, want[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_CUDA_DECODE)])
+def test_windows_wider_than_the_cache_are_unlimited(backend):
+    """Window sides of 2**31 - 1 and 2**32 keys (past int32 arithmetic) give the unlimited
+    window's result."""
+    torch.manual_seed(7)
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(2, 3, 8, 64, device=dev, dtype=dt)
+    kc, vc = (torch.randn(2, 512, 2, 64, device=dev, dtype=dt) for _ in range(2))
+    lens = torch.tensor([1, 500], dtype=torch.int32, device=dev)
+    for causal in (True, False):
+        want = attention_with_kvcache(q, kc, vc, lens, causal=causal, backend=backend)
+        for window in ((2**31 - 1, -1), (-1, 2**32), (2**32, 2**31 - 1)):
+            got = attention_with_kvcache(q, kc, vc, lens, causal=causal, window_size=window,
+                                         backend=backend)
+            assert torch.equal(got, want), (causal, window)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_CUDA_DECODE)])
 def test_q_views_with_unaligned_rows(backend):
     """q as a view whose rows are not 16-byte aligned (a slice of a wider tensor, an offset
     start): the result equals the one on a contiguous copy (the CUDA binding copies such a q)."""
