@@ -78,12 +78,12 @@ Tensor split_counters(const Tensor& like, cudaStream_t stream, int64_t n) {
   return c.t;
 }
 
-// K/V pipeline stages: 3 (two CTAs per SM at head dim 128), or FUSEDOPS_ATTN_DECODE_STAGES (2 to
-// 6; read at each call, a tuning switch for the benchmarks).
+// K/V pipeline stages: kDecodeDefaultStages, or FUSEDOPS_ATTN_DECODE_STAGES (2 to 6; read at each
+// call, a tuning switch for the benchmarks).
 int decode_stages() {
   const char* env = std::getenv("FUSEDOPS_ATTN_DECODE_STAGES");
-  const int n = env != nullptr ? std::atoi(env) : 3;
-  return n >= 2 && n <= 6 ? n : 3;
+  const int n = env != nullptr ? std::atoi(env) : kDecodeDefaultStages;
+  return n >= kDecodeMinStages && n <= kDecodeMaxStages ? n : kDecodeDefaultStages;
 }
 
 std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q_in, const Tensor& k_cache,

@@ -37,7 +37,6 @@ constexpr int kThreads = 128;
 constexpr int kWarps = 4;
 constexpr int kRows = 16;    // query rows of the mma tile
 constexpr int kBlockN = 64;  // keys per tile, 16 per warp
-constexpr int kMaxStages = 6;  // p.stages in [2, 6]: 3 by default (two CTAs of 106 KiB per SM)
 
 template <int kHeadDim>
 struct Smem {
@@ -47,8 +46,8 @@ struct Smem {
   static size_t bytes(int stages, size_t elem) { return (size_t(kQ) + stages * 2 * kTile) * elem; }
 };
 
-// Element offset of logical key `key` of sequence b in a cache (through the page table), for the
-// K (which = 0) and V strides.
+// Element offsets of logical key `key` of sequence b in the K and V caches (through the page
+// table).
 struct KeyAddr {
   int64_t k, v;
 };
@@ -116,14 +115,20 @@ __device__ __forceinline__ void load_tile(const DecodeParams& p, int b, int kvh,
     sm80::cp_async_16(vdst + i * kDstStep, vbase + (voff[i] >= 0 ? voff[i] : 0), voff[i] >= 0);
 }
 
-// Output row r of (sequence b, KV head kvh): query r / G of head kvh * G + r % G.
+// Tile row r of KV head kvh: query r / G of head kvh * G + r % G.
+struct RowQH {
+  int qi, h;
+};
+__device__ __forceinline__ RowQH row_qh(const DecodeParams& p, int kvh, int r) {
+  return {r / p.group, kvh * p.group + r % p.group};
+}
 __device__ __forceinline__ int64_t out_offset(const DecodeParams& p, int b, int kvh, int r) {
-  const int qi = r / p.group, h = kvh * p.group + r % p.group;
-  return b * p.o_stride_b + qi * p.o_stride_s + h * p.o_stride_h;
+  const RowQH x = row_qh(p, kvh, r);
+  return b * p.o_stride_b + x.qi * p.o_stride_s + x.h * p.o_stride_h;
 }
 __device__ __forceinline__ int64_t lse_offset(const DecodeParams& p, int b, int kvh, int r) {
-  const int qi = r / p.group, h = kvh * p.group + r % p.group;
-  return (static_cast<int64_t>(b) * p.hq + h) * p.sq + qi;
+  const RowQH x = row_qh(p, kvh, r);
+  return (static_cast<int64_t>(b) * p.hq + x.h) * p.sq + x.qi;
 }
 
 template <typename T>
@@ -174,9 +179,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     const int r = i / (kHeadDim / 8), c = i % (kHeadDim / 8);
     uint4 val{0u, 0u, 0u, 0u};
     if (r < m_rows) {
-      const int qi = r / p.group, h = kvh * p.group + r % p.group;
+      const RowQH x = row_qh(p, kvh, r);
       val = __ldg(reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + b * p.q_stride_b +
-                                                 qi * p.q_stride_s + h * p.q_stride_h) + c);
+                                                 x.qi * p.q_stride_s + x.h * p.q_stride_h) + c);
     }
     *reinterpret_cast<uint4*>(q_smem + r * S::kRow + c * 8) = val;
   }

@@ -26,13 +26,17 @@ struct DecodeParams {
   int64_t pt_stride;
   int batch, sq, hq, hkv, group, head_dim;
   int capacity, page_size, num_pages, num_splits;
-  int stages;        // K/V pipeline depth, 2 to 6
+  int stages;        // K/V pipeline depth, kDecodeMinStages to kDecodeMaxStages
   int page_shift;    // log2(page_size) when a power of two, else -1
   float scale_log2;  // softmax scale * log2(e) (no softcap) or softmax scale (softcap)
   float softcap;     // 0: none
   int left, right;   // window; -1 = unlimited (right = 0 when causal)
   bool is_bf16;
 };
+
+// K/V pipeline depths the kernel takes (p.stages), and its default: two CTAs of 106 KiB per SM at
+// head dim 128.
+constexpr int kDecodeMinStages = 2, kDecodeMaxStages = 6, kDecodeDefaultStages = 3;
 
 // One launcher per family, on `stream`; returns the launch error.
 cudaError_t decode_fwd_sm80(const DecodeParams& p, cudaStream_t stream);

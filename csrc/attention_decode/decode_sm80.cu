@@ -18,7 +18,7 @@ cudaError_t launch(const DecodeParams& p, cudaStream_t stream) {
     err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return err;
   DecodeParams q = p;
-  while (q.stages > 2 && S::bytes(q.stages, sizeof(T)) > size_t(optin)) --q.stages;
+  while (q.stages > kDecodeMinStages && S::bytes(q.stages, sizeof(T)) > size_t(optin)) --q.stages;
   const size_t smem = S::bytes(q.stages, sizeof(T));
   static_assert(size_t(decode::kWarps) * decode::kRows * (kHeadDim + 2) * sizeof(float) <=
                     size_t(2) * 2 * S::kTile * sizeof(T),
