@@ -8,12 +8,21 @@ Appends one JSON object per measured row to benchmarks/results/attention.jsonl (
 FLOPs: forward 4*B*H*L*L*D (half when causal), backward 2.5x the forward. Times are medians of
 triton.testing.do_bench (the rows of 2026-11-29 hold its mean); backward time is
 (forward+backward) - forward. peak_mib is peak memory above the inputs during forward+backward.
+With --rounds N (rows with a "rounds" field) every shape times its methods N times in turn, one
+after another, and each row holds the median of its N times: the GPU's clock drifts over a run
+(the same kernel timed 5-10% apart in runs minutes apart), and interleaving exposes every method
+to the same drift.
+
+Methods with a suffix run the fusedops backend under an environment override (METHOD_ENV):
+-atomic-dq / -deterministic the dQ modes, -bwd80 the sm90 forward with the sm80 backward,
+-static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -85,6 +94,26 @@ def measure(fn, q, k, v, do, causal, rep_ms):
     return fwd, tot, peak
 
 
+# Environment overrides of the suffixed methods (read by the kernels' launchers at each call).
+METHOD_ENV = {
+    "-atomic-dq": {"FUSEDOPS_ATTN_DQ": "atomic"},
+    "-deterministic": {"FUSEDOPS_ATTN_DQ": "separate"},
+    "-bwd80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
+    "-static": {"FUSEDOPS_ATTN_SM90_TILES": "static"},
+    "-dynamic": {"FUSEDOPS_ATTN_SM90_TILES": "dynamic"},
+    "-nonpersistent": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "0"},
+}
+
+
+def split_method(name):
+    """(backend, environment) of a method name: the fusedops backend or anchor name before a
+    METHOD_ENV suffix, and that suffix's overrides."""
+    for suffix, env in METHOD_ENV.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)], env
+    return name, {}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--lengths", default="1024,4096,16384")
@@ -95,23 +124,23 @@ def main():
     ap.add_argument("--flex-lengths", default="4096", help="FlexAttention compiles per shape")
     ap.add_argument("--torch-max-length", type=int, default=1024)
     ap.add_argument("--rep-ms", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time each shape's methods this many times in turn; rows: medians")
     add_out_arg(ap)
     args = ap.parse_args()
     meta = run_meta()
     path = results_path("attention", args.out)
-    makers = {"cuda-sm90": lambda: fused("cuda-sm90"),
-              "cuda-sm90-deterministic": lambda: fused("cuda-sm90"),
-              "cuda-sm90-bwd80": lambda: fused("cuda-sm90"),
-              "cuda-sm80": lambda: fused("cuda-sm80"),
-              "cuda-sm80-deterministic": lambda: fused("cuda-sm80"),
+    makers = {"cuda-sm90": lambda: fused("cuda-sm90"), "cuda-sm80": lambda: fused("cuda-sm80"),
               "triton": lambda: fused("triton"), "torch": lambda: fused("torch"),
-              "triton-atomic-dq": lambda: fused("triton"),
               "sdpa_flash": lambda: sdpa("sdpa_flash"), "sdpa_cudnn": lambda: sdpa("sdpa_cudnn"),
               "sdpa_efficient": lambda: sdpa("sdpa_efficient"), "flex": flex, "fa4": fa4}
     fns = {}
     for m in args.methods.split(","):
+        backend, _ = split_method(m)
+        if backend not in makers:
+            ap.error(f"unknown method {m!r}")
         try:
-            fns[m] = makers[m]()
+            fns[m] = makers[backend]()
         except ImportError as exc:  # an anchor library that is not installed here
             print(f"{m}: skipped ({exc})", file=sys.stderr)
     rows = []
@@ -125,37 +154,47 @@ def main():
                 for t in (q, k, v):
                     t.requires_grad_()
                 flops = 4 * b * h * length * length * d / (2 if causal else 1)
-                for name, fn in fns.items():
-                    if name == "flex" and str(length) not in args.flex_lengths.split(","):
+                times = {}  # method -> [(fwd, tot, peak)], one per round
+                for _ in range(max(1, args.rounds)):
+                    for name, fn in fns.items():
+                        if name == "flex" and str(length) not in args.flex_lengths.split(","):
+                            continue
+                        if name == "torch" and length > args.torch_max_length:
+                            continue
+                        if name in times and times[name] is None:
+                            continue  # failed in an earlier round
+                        _, env = split_method(name)
+                        os.environ.update(env)
+                        try:
+                            times.setdefault(name, []).append(
+                                measure(fn, q, k, v, do, causal, args.rep_ms))
+                        except Exception as exc:
+                            print(f"{name} D={d} L={length} causal={causal}: "
+                                  f"{type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
+                            times[name] = None
+                        finally:
+                            for key in env:
+                                os.environ.pop(key, None)
+                for name, runs in times.items():
+                    if not runs:
                         continue
-                    if name == "torch" and length > args.torch_max_length:
-                        continue
-                    # Force a dQ mode (defaults: ops.dq_mode).
-                    if name.endswith("-atomic-dq"):
-                        os.environ["FUSEDOPS_ATTN_DQ"] = "atomic"
-                    elif name.endswith("-deterministic"):
-                        os.environ["FUSEDOPS_ATTN_DQ"] = "separate"
-                    elif name.endswith("-bwd80"):  # the sm90 forward with the sm80 backward
-                        os.environ["FUSEDOPS_ATTN_SM90_BWD"] = "sm80"
-                    backend = name.split("-atomic")[0].split("-determ")[0].split("-bwd80")[0]
+                    backend, env = split_method(name)
+                    os.environ.update(env)  # dq_mode reads FUSEDOPS_ATTN_DQ
                     dq = (dq_mode(backend, d) if backend in ("cuda-sm90", "cuda-sm80", "triton")
                           else None)
-                    try:
-                        fwd, tot, peak = measure(fn, q, k, v, do, causal, args.rep_ms)
-                    except Exception as exc:
-                        print(f"{name} D={d} L={length} causal={causal}: {type(exc).__name__}: "
-                              f"{str(exc)[:200]}", file=sys.stderr)
-                        continue
-                    finally:
-                        os.environ.pop("FUSEDOPS_ATTN_DQ", None)
-                        os.environ.pop("FUSEDOPS_ATTN_SM90_BWD", None)
-                    bwd = tot - fwd
+                    for key in env:
+                        os.environ.pop(key, None)
+                    fwd = statistics.median(r[0] for r in runs)
+                    bwd = statistics.median(r[1] - r[0] for r in runs)
+                    peak = runs[0][2]
                     row = dict(op="attention", method=name, B=b, H=h, L=length, D=d,
                                causal=causal, dtype="bfloat16", dq_mode=dq,
                                fwd_ms=round(fwd, 4),
                                bwd_ms=round(bwd, 4), fwd_tflops=round(flops / fwd / 1e9, 1),
                                bwd_tflops=round(2.5 * flops / bwd / 1e9, 1),
                                peak_mib=round(peak, 1), **meta)
+                    if args.rounds > 1:
+                        row["rounds"] = args.rounds
                     rows.append(row)
                     append_rows("attention", [row], args.out)
                 del q, k, v, do

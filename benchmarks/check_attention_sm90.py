@@ -91,6 +91,13 @@ VARIANTS = {
     "m192-ovl-poly": {SCHED: "overlap", EXP2: "poly", TILE: "m192"},
     "m192-pp-poly": {SCHED: "pingpong", EXP2: "poly", TILE: "m192"},
     "nonpersist": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "0"},
+    # The persistent launch's tile order forced (FUSEDOPS_ATTN_SM90_TILES; unset: from the
+    # counter where the tiles differ in length, else the round-robin), and the counter's order
+    # over 3 CTAs (dozens of tickets each).
+    "static": {"FUSEDOPS_ATTN_SM90_TILES": "static"},
+    "dynamic": {"FUSEDOPS_ATTN_SM90_TILES": "dynamic"},
+    "dyn-3cta": {"FUSEDOPS_ATTN_SM90_TILES": "dynamic", "FUSEDOPS_ATTN_SM90_PERSISTENT": "3",
+                 **MUFU_M128},
     "pp-qrows": {SCHED: "pingpong", "FUSEDOPS_ATTN_SM90_EPILOGUE": "qrows", **MUFU_M128},
     "ser-3cta": {SCHED: "serial", "FUSEDOPS_ATTN_SM90_PERSISTENT": "3", **MUFU_M128},
     "ovl-3cta": {SCHED: "overlap", "FUSEDOPS_ATTN_SM90_PERSISTENT": "3", **MUFU_M128},
@@ -107,7 +114,8 @@ VARIANTS = {
                        "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
 }
 PERSISTENT_VARIANTS = ("nonpersist", "pp-qrows", "ser-3cta", "ovl-3cta", "pp-qrows-3cta",
-                       "pp-poly-3cta", "m192-pp-3cta", "bn176-ovl-3cta")
+                       "pp-poly-3cta", "m192-pp-3cta", "bn176-ovl-3cta", "static", "dynamic",
+                       "dyn-3cta")
 VARIANT_DIMS = {"bn176-ovl": (128,), "bn176-pp": (128,),  # the others: every head dim
                 "ovl-poly": (64, 128), "pp-poly": (64, 128), "poly": (64, 128),
                 **{n: (64, 128) for n in PERSISTENT_VARIANTS},
@@ -118,7 +126,7 @@ SCHEDULES = ("overlap", "serial", "pingpong", "ovl-regs", "bn176-ovl", "bn176-pp
              "m192-ovl-poly", "m192-pp-poly", *PERSISTENT_VARIANTS)
 # Debugging variants, left out of the timing (the -3cta ones are slow by design: 3 CTAs).
 UNTIMED = ("m192-ser", "m192-regs", "ser-3cta", "ovl-3cta", "pp-qrows-3cta", "pp-poly-3cta",
-           "m192-pp-3cta", "bn176-ovl-3cta")
+           "m192-pp-3cta", "bn176-ovl-3cta", "dyn-3cta")
 # The baselines of the timing table (--baselines): column name -> method.
 BASELINES = {"sm80": "cuda-sm80-fwd", "triton": "triton-fwd", "flash": "sdpa_flash-fwd",
              "cudnn": "sdpa_cudnn-fwd"}

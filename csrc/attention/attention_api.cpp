@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "../stream_counters.h"
 #include "../torch_utils.h"
 #include "build_info.h"
 #include "attention_params.h"
@@ -168,6 +169,12 @@ std::tuple<Tensor, Tensor> attention_fwd_cuda(const Tensor& q, const Tensor& k, 
   p.out = out.data_ptr();
   p.o_row = out.stride(0);
   p.lse = lse.data_ptr<float>();
+  if (arch == 90) {
+    // The Hopper forward's dynamic tile scheduler (two counters; attention_params.h).
+    const Tensor tiles = stream_counters(q, p.stream, 2, CounterUser::kAttentionTiles,
+                                         "attention forward (tile counters)");
+    p.tile_counter = reinterpret_cast<unsigned int*>(tiles.data_ptr<int>());
+  }
   check_launch(fam.fwd(p), "attention forward");
   return {out, lse};
 }

@@ -48,12 +48,6 @@ struct TilesSm90 {
   // Warpgroup 0 produces (one thread issues every TMA load), warpgroups 1.. compute.
   static constexpr int kConsumerWarpgroups = kWarpgroups;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
-  // setmaxnreg: 24 + 2 x 240 registers per lane of a warpgroup = 504 <= 512 (64 Ki registers
-  // over 128-lane warpgroups); the kernel's cap at entry is 65536 / 384 rounded down to 8, 168.
-  // Three consumers: 24 + 3 x 160 = 504 (cap at entry 128); O 32 + S 64 + P 32 registers at
-  // D=64 leave 32 for the rest.
-  static constexpr int kProducerRegs = 24, kConsumerRegs = kWarpgroups == 3 ? 160 : 240;
-  static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 512);
   // Softmax exponentials on the FMA pipe (ex2_poly, device_utils.cuh) instead of MUFU.EX2, for
   // this many of the kBlockN / 8 = 16 column blocks of a tile, when the polynomial is selected
   // (sm90_auto_exp2 below, FUSEDOPS_ATTN_SM90_EXP2=poly; built for the 128-key tiles and the
@@ -65,12 +59,22 @@ struct TilesSm90 {
   // Whether a CTA loops over work tiles (attention_fwd_kernel_sm90.cuh): the loop's back edge
   // keeps the tile bookkeeping and the shared-memory addresses live through the key loop, which
   // ptxas (13.0, sm_90a) fits next to the accumulators -- O (D / 2 floats a thread), S
-  // (BN / 2) and P (BN / 4 packed pairs) -- when they leave 80 of the consumers' registers:
-  // 160 + 80 = 240 at D=128 and 128 keys spills nothing, while 188 (D=256, 80 keys) or 196 (176
-  // keys) at 240, and 128 at 160 (three consumer warpgroups), spill 100-200 bytes. Tiles without
-  // it run one work tile per CTA (the same code, no back edge; grid = the number of tiles).
+  // (BN / 2) and P (BN / 4 packed pairs) -- when they leave 72 of the consumers' 232
+  // registers: 160 + 72 at D=128 and 128 keys spills nothing, while 188 (D=256, 80 keys) or 196
+  // (176 keys) at 240, and 128 at 160 (three consumer warpgroups), spill 100-200 bytes. Tiles
+  // without it run one work tile per CTA (the same code, no back edge; grid = the number of
+  // tiles).
   static constexpr int kAccRegs = D / 2 + kBlockN / 2 + kBlockN / 4;
-  static constexpr bool kPersistent = kAccRegs + 80 <= kConsumerRegs;
+  static constexpr bool kPersistent = kWarpgroups == 2 && kAccRegs + 72 <= 232;
+  // setmaxnreg: the kernel's cap at entry is 65536 / 384 rounded down to 8, 168 a lane, 64512
+  // in all, which the warpgroups' new limits share. Persistent tables: 40 + 2 x 232 = 504 a
+  // lane of each warpgroup; the producer warpgroup's tile scheduler and load threads need the
+  // 40 (at 24 their tile records spill). One-tile tables: 24 + 2 x 240. Three consumers: 24 +
+  // 3 x 160 = 504 (cap at entry 128); O 32 + S 64 + P 32 registers at D=64 leave 32 for the
+  // rest.
+  static constexpr int kProducerRegs = kPersistent ? 40 : 24;
+  static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : kPersistent ? 232 : 240;
+  static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 512);
 
   // Shared memory (bytes, 2-byte elements). Every tile is stored as D / 64 column blocks of
   // rows x 128 bytes (TMA boxes of 64 elements, 128-byte swizzle), each 1024-byte aligned: the
@@ -81,19 +85,24 @@ struct TilesSm90 {
   static constexpr int kQOff = 0;
   static constexpr int kKOff = kQOff + kQBytes;
   static constexpr int kVOff = kKOff + kStages * kKvBytes;
-  // Barriers: Q full, Q empty; per stage K full, K empty, V full, V empty.
-  static constexpr int kNumBars = 2 + 4 * kStages;
+  // Barriers: Q full, Q empty; per stage K full, K empty, V full, V empty; then the two slots
+  // of the tile scheduler's hand-over (full, empty each) and the load thread's request.
+  static constexpr int kNumBars = 2 + 4 * kStages + 5;
   // The epilogue's staging buffer of O (BM x D, the layout of Q), when it fits next to the
   // pipeline: the Q rows are then free for the next work tile's Q as soon as the last Q K^T has
   // completed (D=128: 32 + 128 + 32 KiB; D=64: 16 + 96 + 16 KiB). Without it (kSeparateO
   // false) O is staged in the Q rows, and Q is released only after the TMA store has read
   // them (attention_fwd_kernel_sm90.cuh).
   static constexpr bool kSeparateO =
-      kVOff + kStages * kKvBytes + kQBytes + kNumBars * 8 + 1024 <= 227 * 1024;
+      kVOff + kStages * kKvBytes + kQBytes + kNumBars * 8 + 16 + 2 * 32 + 1024 <= 227 * 1024;
   static constexpr int kOOff = kVOff + kStages * kKvBytes;  // used only when kSeparateO
   static constexpr int kBarOff = kOOff + (kSeparateO ? kQBytes : 0);
+  // The two work-tile slots (32 bytes each: the tile and its loads) through which the tile
+  // scheduler thread hands the tiles of a persistent CTA to the load thread and the consumers
+  // (attention_fwd_kernel_sm90.cuh).
+  static constexpr int kTileSlotOff = (kBarOff + kNumBars * 8 + 15) / 16 * 16;
   // + 1024: the dynamic shared memory base is rounded up to 1024 bytes in the kernel.
-  static constexpr size_t kSmem = kBarOff + kNumBars * 8 + 1024;
+  static constexpr size_t kSmem = kTileSlotOff + 2 * 32 + 1024;
   static_assert(kQBytes % 1024 == 0 && kKvBytes % 1024 == 0);
   static_assert(kSmem <= 227 * 1024, "exceeds Hopper's shared memory per block");
 };
@@ -139,11 +148,13 @@ constexpr bool sm90_auto_exp2(int /*head_dim*/, bool /*causal*/) { return false;
 //   D=128: L=4096 633/561, causal 504/487; 16384 628/594, causal 511/568; L=1024 509/448,
 //     causal 380/337. D=64 (128 queries): 4096 402/390, causal 355/345; 16384 415/413, causal
 //     398/406.
-// Persistent everywhere except long causal (or windowed) calls at D=128: the one-CTA-per-tile
-// grid's hardware scheduler balanced L=16384 better. Measured at 4096 and 16384 keys only;
-// the switch sits between them, at 8192.
-constexpr bool sm90_auto_persistent(int head_dim, bool causal, int max_k) {
-  return !(causal && head_dim == 128 && max_k >= 8192);
+// With the static round-robin order: persistent everywhere except long causal (or windowed)
+// calls at D=128, where the one-CTA-per-tile grid's hardware scheduler balanced L=16384 better
+// (measured at 4096 and 16384 keys only; the switch sits between them, at 8192). With the
+// dynamic tile scheduler (`dynamic`: unequal tiles, TileOrderSm90), persistent everywhere: it
+// balances the tiles as the hardware scheduler does and keeps the overlap across tiles.
+constexpr bool sm90_auto_persistent(int head_dim, bool causal, int max_k, bool dynamic) {
+  return dynamic || !(causal && head_dim == 128 && max_k >= 8192);
 }
 
 }  // namespace attn

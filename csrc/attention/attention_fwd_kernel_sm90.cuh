@@ -11,7 +11,9 @@
 // Roles (warp specialisation, FlashAttention-3's scheme): warpgroup 0 is the producer, one of
 // its threads issuing every TMA load -- per work tile its Q, then the K and V tiles of the
 // tile's key range into kStages stages, each stage guarded by a "full" barrier (TMA transaction
-// bytes) and an "empty" barrier (one arrival per consumer warp); Q has its own pair.
+// bytes) and an "empty" barrier (one arrival per consumer warp); Q has its own pair. In
+// persistent tables a second producer thread is the tile scheduler: it picks the CTA's next
+// work tile (TileOrderSm90), works out its loads and hands both over through shared memory.
 // Warpgroups 1 .. kWarpgroups (2, or 3 at D=64: TilesSm90) each own 64 query rows: S = Q K^T
 // by wgmma from shared memory (both K-major), the softmax in registers, P converted to
 // bf16/fp16 in registers and O += P V by wgmma with A from registers and V MN-major in shared
@@ -38,6 +40,7 @@
 #include <cuda.h>  // CUtensorMap (a type only; nothing links against the driver)
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../hopper_ptx.cuh"
 #include "attention_common.cuh"
@@ -47,19 +50,25 @@ namespace fusedops {
 namespace attn {
 
 // The work tiles of a call -- (q-block, head, sequence) triples, n_mb x hq x batch of them --
-// and the order in which the CTAs take them: CTA c runs tiles c, c + gridDim.x, c + 2 gridDim.x,
-// ... of the launch's range (a static round-robin). Static rather than an atomic tile counter: every role of a CTA
-// computes the same sequence from blockIdx.x alone (no shared-memory handoff, no barrier for
-// it), and there is no global counter to reset per call, so a CUDA graph replays it as is. With
-// the longest tiles first, each round of gridDim.x tiles holds tiles of about the same length,
-// so the CTAs' totals differ by about one short tile.
+// in the order the CTAs take them. Static (`dynamic` 0): CTA c runs tiles c, c + gridDim.x,
+// c + 2 gridDim.x, ... of the launch's range (a round-robin that every role of a CTA computes
+// from blockIdx.x alone); right when all tiles are alike (no mask, one length). Dynamic
+// (`dynamic` 1, persistent launches with a tile counter): CTA c runs tile c first, then each
+// CTA's producer takes the next tile of the order from a global counter when it has issued the
+// loads of its current one and hands it to the consumers through shared memory; with the
+// longest tiles first that is a greedy longest-first schedule, which balances unequal tiles
+// (causal, windows, varlen) to within about one short tile, where the round-robin left
+// 5-20% of the SMs' time idle at the end of causal calls. The last CTA to finish resets the
+// counters, so that the next launch on the stream (or a graph's replay) starts from zero.
 // Order: the (sequence, head) pairs, head fastest (the query heads of one KV head adjacent, so
-// that they run at the same time and share its K/V tiles in L2), are cut into sections of `sec`
-// pairs; inside a section the q-blocks go one block index at a time over all its pairs, blocks
-// of most keys first (`reverse`: the last blocks, which see the most keys under a causal mask;
-// the first ones with only a left window bound). The host picks sec: 1 without a mask (every
-// block sees the same keys; then the order is the non-persistent grid's, q-blocks fastest), and
-// as many pairs as keep a section's K/V within part of the L2 with one (attention_launch_sm90.cuh).
+// that they run at the same time and share its K/V tiles in L2), are cut into sections: n_small
+// of `sec` pairs, then the rest of `sec_big`; inside a section the q-blocks go one block index
+// at a time over all its pairs, blocks of most keys first (`reverse`: the last blocks, which see
+// the most keys under a causal mask; the first ones with only a left bound). The host picks
+// the sections: one pair each without a mask (every block sees the same keys; then the order is
+// the non-persistent grid's, q-blocks fastest), else sections of whole KV-head groups whose K/V
+// fit within part of the L2, of sizes that differ by at most one group, the smaller first (a
+// short last section would put its longest tiles at the very end; attention_launch_sm90.cuh).
 // With grid = n_work and one tile per CTA the same kernel is the non-persistent launch; tile
 // tables without TilesSm90::kPersistent compile it without the loop's back edge.
 struct TileOrderSm90 {
@@ -70,25 +79,38 @@ struct TileOrderSm90 {
   int64_t n_bh;    // batch * hq
   int n_mb;        // q-blocks per sequence: ceil(max_q / BM)
   int hq;
-  int sec;         // pairs per section, >= 1, sec * n_mb < 2^31
+  int sec;         // pairs per section of the first n_small sections, >= 1
+  int sec_big;     // pairs per later section; sec_big * n_mb < 2^31
+  int64_t n_small;  // sections of sec pairs: n_small * sec + k * sec_big = n_bh
+  // For the 32-bit decoding (n_work < 2^31; set by the host with the above): sec * n_mb,
+  // sec_big * n_mb, the first tile and the first pair after the small sections.
+  int per, per_big, small_end, small_pairs;
   int reverse;     // 1: block n_mb - 1 first
+  int dynamic;     // 1: tiles after the first from the tile counter (persistent launches only)
+  // kNarrow: n_work < 2^31 is known (persistent launches), so the 64-bit path is not compiled
+  // at all (its loop-invariant products would stay live in the producer thread's registers).
+  template <bool kNarrow = false>
   __host__ __device__ void decode(int64_t t, int& b, int& h, int& mb) const {
     int k;
-    if (n_work <= 0x7fffffff) {  // the usual case: 32-bit divisions (uniform over the grid)
-      const int ti = static_cast<int>(t), per = sec * n_mb, s = ti / per, r = ti - s * per;
-      const int bh0 = s * sec, left = static_cast<int>(n_bh) - bh0;
-      const int w = left < sec ? left : sec;  // the last section is shorter
+    if (kNarrow || n_work <= 0x7fffffff) {  // 32-bit divisions (uniform over the grid)
+      // Selects rather than branches, and the products precomputed: the producer thread runs
+      // this within its 24 registers.
+      const int ti = static_cast<int>(t);
+      const bool big = ti >= small_end;
+      const int t2 = big ? ti - small_end : ti, pr = big ? per_big : per, w = big ? sec_big : sec;
+      const int s = t2 / pr, r = t2 - s * pr;
       k = r / w;
-      const int bh = bh0 + (r - k * w);
+      const int bh = (big ? small_pairs : 0) + s * w + (r - k * w);
       b = bh / hq;
       h = bh - b * hq;
     } else {
-      const int64_t per = static_cast<int64_t>(sec) * n_mb, s = t / per;
-      const int r = static_cast<int>(t - s * per);
-      const int64_t bh0 = s * sec;
-      const int w = static_cast<int>(n_bh - bh0 < sec ? n_bh - bh0 : sec);
+      const int64_t per64 = static_cast<int64_t>(sec) * n_mb, small = n_small * per64;
+      const bool big = t >= small;
+      const int64_t pr = big ? static_cast<int64_t>(sec_big) * n_mb : per64;
+      const int64_t t2 = big ? t - small : t, s = t2 / pr;
+      const int r = static_cast<int>(t2 - s * pr), w = big ? sec_big : sec;
       k = r / w;
-      const int64_t bh = bh0 + (r - k * w);
+      const int64_t bh = (big ? n_small * sec : 0) + s * w + (r - k * w);
       b = static_cast<int>(bh / hq);
       h = static_cast<int>(bh - static_cast<int64_t>(b) * hq);
     }
@@ -122,6 +144,18 @@ struct TileOrderSm90 {
 // - The producer thread exits after its last tile's loads; the TMA transactions still complete
 //   on the full barriers the consumers wait for. The last releases of the empty barriers are
 //   never waited for (harmless).
+// - Tile slots (persistent tables): the j-th tile of the CTA (j = 0, 1, ..; the last one a
+//   sentinel >= t_end) goes through slot j % 2 -- the tile and its loads (h, hk, first Q and K
+//   rows, key tiles; 0 key tiles for a skipped or empty tile) -- guarded by a "full" barrier
+//   (count 1: the scheduler's arrive after writing the slot) and an "empty" one (count 4 NW + 1:
+//   lane 0 of each consumer warp and the load thread, after reading it); the scheduler waits
+//   for empty at parity ((j / 2) & 1) ^ 1, the readers for full at (j / 2) & 1. Every tile is
+//   handed over, skipped and empty ones too, so all roles walk the same sequence, and the
+//   scheduler is at most two tiles ahead of the slowest reader. Dynamic order: for j > 0 the
+//   scheduler first waits for the load thread's request (a count-1 barrier, phase j - 1: one
+//   arrive after each tile's loads), then takes the counter's next ticket. After its sentinel
+//   the scheduler counts its CTA as done (after a fence: its last ticket is taken before); the
+//   last CTA resets both counters. tests/attention/test_sm90_sync_model.py models all of this.
 // - Ping-pong turns (named barriers 1 .. NW, 256 threads): balanced within each non-empty tile
 //   (see take_turn); the epilogue uses ids NW + 1 .. 2 NW (128 threads each), also per tile.
 // - The O staging buffer (o_in_q false): a warpgroup's storing thread waits until its previous
@@ -158,6 +192,18 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
   auto bar_kempty = [&](int s) { return bars + 8u * (2 + S + s); };
   auto bar_vfull = [&](int s) { return bars + 8u * (2 + 2 * S + s); };
   auto bar_vempty = [&](int s) { return bars + 8u * (2 + 3 * S + s); };
+  auto bar_tfull = [&](uint32_t j) { return bars + 8u * (2 + 4 * S + (j & 1)); };
+  auto bar_tempty = [&](uint32_t j) { return bars + 8u * (2 + 4 * S + 2 + (j & 1)); };
+  const uint32_t bar_treq = bars + 8u * (2 + 4 * S + 4);
+  auto tile_slot = [&](uint32_t j) { return base + C::kTileSlotOff + 32u * (j & 1); };
+  // Persistent tables hand every work tile from the producer to the consumers through the
+  // slots, as 32-bit indices (the host launches them only with n_work + gridDim.x < 2^31), so
+  // that the consumers carry no tile index through the key loop, only j; the producer takes
+  // the tiles after the first from the counter when the order is dynamic. Tile: the index type
+  // of a CTA's loop.
+  constexpr bool kHandOver = C::kPersistent;
+  using Tile = std::conditional_t<kHandOver, int, int64_t>;
+  const bool dynamic = C::kPersistent && order.dynamic != 0;
   // The CTA's work tiles: t_begin + blockIdx.x, then every gridDim.x-th (persistent tables), or
   // that one tile alone (the others: no back edge, straight-line code as registers demand).
   auto next_tile = [&](int64_t t) { return C::kPersistent ? t + gridDim.x : order.t_end; };
@@ -165,7 +211,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
   // Work tile t: sequence b, head h, first query m0 (TileOrderSm90); the key tiles
   // [t_lo, t_lo + n_tiles) its queries [m0, min(m0 + BM, lq)) can see.
   auto tile_at = [&](int64_t t, int& b, int& h, int& m0) {
-    order.decode(t, b, h, m0);
+    order.template decode<kHandOver>(t, b, h, m0);
     m0 *= BM;
   };
   auto key_tiles = [&](const Seq& sq, int m0, int& t_lo) {
@@ -177,6 +223,11 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
   if (threadIdx.x == 0) {
     mbar_init(bar_qfull, 1);
     mbar_init(bar_qempty, 4 * C::kConsumerWarpgroups);  // lane 0 of every consumer warp
+    for (uint32_t j = 0; j < 2; ++j) {
+      mbar_init(bar_tfull(j), 1);
+      mbar_init(bar_tempty(j), 4 * C::kConsumerWarpgroups + 1);  // + the load thread
+    }
+    mbar_init(bar_treq, 1);
     for (int s = 0; s < S; ++s) {
       mbar_init(bar_kfull(s), 1);
       mbar_init(bar_vfull(s), 1);
@@ -191,44 +242,127 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
   if (wg == 0) {
     // ---- producer ----
     setmaxnreg_dec<C::kProducerRegs>();
-    if (threadIdx.x == 0) {
-      tma_prefetch_desc(&tm_q);
-      tma_prefetch_desc(&tm_k);
-      tma_prefetch_desc(&tm_v);
-      uint32_t kv = 0, q_use = 0;  // running key-tile and Q indices (the comment block above)
-      for (int64_t t = order.t_begin + blockIdx.x; t < order.t_end; t = next_tile(t)) {
-        int b, h, m0, t_lo;
-        tile_at(t, b, h, m0);
-        const Seq sq(p, b);
-        if (m0 >= sq.lq) continue;
-        const int n_tiles = key_tiles(sq, m0, t_lo);
-        if (n_tiles == 0) continue;
-        const int hk = h / (p.hq / p.hkv);
-        for (int i = 0; i < n_tiles; ++i) {
-          const uint32_t it = kv + i, s = it % S, ph = (it / S) & 1;
-          const int row = sq.k_start + (t_lo + i) * BN;
-          mbar_wait(bar_kempty(s), ph ^ 1);
+    // The loads of one work tile: its n_tiles key tiles from K/V row k_row0 on (KV head hk),
+    // its Q rows from q_row (head h) with the first K tile.
+    // Waits by every thread that calls it; the loads and their transaction counts by `leader`
+    // (lane 0 of the load warp, or the one load thread).
+    const bool leader = threadIdx.x == 0;
+    uint32_t kv = 0, q_use = 0;  // running key-tile and Q indices (the comment block above)
+    auto load_tile = [&](int h, int hk, int q_row, int k_row0, int n_tiles) {
+      for (int i = 0; i < n_tiles; ++i) {
+        const uint32_t it = kv + i, s = it % S, ph = (it / S) & 1;
+        const int row = k_row0 + i * BN;
+        mbar_wait(bar_kempty(s), ph ^ 1);
+        if (leader) {
           mbar_arrive_expect_tx(bar_kfull(s), C::kKvBytes);
 #pragma unroll
           for (int c = 0; c < kBlocks; ++c)
             tma_load_3d(sK + s * C::kKvBytes + c * BN * 128, &tm_k, bar_kfull(s), 64 * c, hk,
                         row);
-          if (i == 0) {
-            mbar_wait(bar_qempty, (q_use & 1) ^ 1);
+        }
+        if (i == 0) {
+          mbar_wait(bar_qempty, (q_use & 1) ^ 1);
+          if (leader) {
             mbar_arrive_expect_tx(bar_qfull, C::kQBytes);
 #pragma unroll
             for (int c = 0; c < kBlocks; ++c)
-              tma_load_3d(sQ + c * BM * 128, &tm_q, bar_qfull, 64 * c, h, sq.q_start + m0);
+              tma_load_3d(sQ + c * BM * 128, &tm_q, bar_qfull, 64 * c, h, q_row);
           }
-          mbar_wait(bar_vempty(s), ph ^ 1);
+        }
+        mbar_wait(bar_vempty(s), ph ^ 1);
+        if (leader) {
           mbar_arrive_expect_tx(bar_vfull(s), C::kKvBytes);
 #pragma unroll
           for (int c = 0; c < kBlocks; ++c)
             tma_load_3d(sV + s * C::kKvBytes + c * BN * 128, &tm_v, bar_vfull(s), 64 * c, hk,
                         row);
         }
-        kv += n_tiles;
-        ++q_use;
+      }
+      kv += n_tiles;
+      ++q_use;
+    };
+    // Tile t's loads, or n_tiles = 0 for a tile that is skipped or sees no key.
+    auto plan = [&](int64_t t, int& h, int& hk, int& q_row, int& k_row0) {
+      int b, m0, t_lo;
+      tile_at(t, b, h, m0);
+      const Seq sq(p, b);
+      if (m0 >= sq.lq) return 0;
+      const int n_tiles = key_tiles(sq, m0, t_lo);
+      hk = h / (p.hq / p.hkv);
+      q_row = sq.q_start + m0;
+      k_row0 = sq.k_start + t_lo * BN;
+      return n_tiles;
+    };
+    if constexpr (kHandOver) {
+      if (threadIdx.x == 32) {
+        // ---- tile scheduler (persistent tables): the CTA's j-th work tile into slot j % 2,
+        // with what the load thread needs of it (TileSlot). Static: the round-robin, up to two
+        // tiles ahead. Dynamic: tile 0 is blockIdx.x's, each later one the counter's next
+        // ticket, taken when the load thread asks for it (once it has issued the loads of the
+        // tile before), so that a CTA claims work only when it is about to need it. In a thread
+        // of its own, so that the load thread keeps within its 24 registers.
+        Tile t = static_cast<Tile>(order.t_begin + blockIdx.x);
+        for (uint32_t j = 0;; ++j) {
+          if (j > 0) {
+            if (dynamic) {
+              mbar_wait(bar_treq, (j - 1) & 1);
+              t = static_cast<Tile>(order.t_begin + gridDim.x + atomicAdd(p.tile_counter, 1u));
+            } else {
+              t = static_cast<Tile>(t + gridDim.x);
+            }
+          }
+          int h = 0, hk = 0, q_row = 0, k_row0 = 0, n_tiles = 0;
+          if (t < order.t_end) n_tiles = plan(t, h, hk, q_row, k_row0);
+          mbar_wait(bar_tempty(j), ((j >> 1) & 1) ^ 1);
+          const uint32_t slot = tile_slot(j);
+          st_shared_v4_u32(slot, static_cast<uint32_t>(t), static_cast<uint32_t>(n_tiles),
+                           static_cast<uint32_t>(h), static_cast<uint32_t>(hk));
+          st_shared_v2_u32(slot + 16, static_cast<uint32_t>(q_row), static_cast<uint32_t>(k_row0));
+          mbar_arrive(bar_tfull(j));
+          if (t >= order.t_end) break;
+        }
+        if (dynamic) {
+          // Every ticket of this CTA is taken; the last CTA to get here resets the counters.
+          __threadfence();
+          if (atomicAdd(p.tile_counter + 1, 1u) == gridDim.x - 1) {
+            __threadfence();
+            atomicExch(p.tile_counter, 0u);
+            atomicExch(p.tile_counter + 1, 0u);
+          }
+        }
+      } else if (threadIdx.x < 32) {
+        // ---- load warp: the tiles as the scheduler hands them over; lane 0 issues ----
+        // (A whole warp: with the one thread of the other tables ptxas 13.0 spilled here.)
+        if (leader) {
+          tma_prefetch_desc(&tm_q);
+          tma_prefetch_desc(&tm_k);
+          tma_prefetch_desc(&tm_v);
+        }
+        for (uint32_t j = 0;; ++j) {
+          mbar_wait(bar_tfull(j), (j >> 1) & 1);
+          const uint32_t slot = tile_slot(j);
+          const int t = static_cast<int>(ld_shared_u32(slot));
+          const int n_tiles = static_cast<int>(ld_shared_u32(slot + 4));
+          const int h = static_cast<int>(ld_shared_u32(slot + 8));
+          const int hk = static_cast<int>(ld_shared_u32(slot + 12));
+          const int q_row = static_cast<int>(ld_shared_u32(slot + 16));
+          const int k_row0 = static_cast<int>(ld_shared_u32(slot + 20));
+          if (leader) mbar_arrive(bar_tempty(j));
+          if (t >= order.t_end) break;
+          if (n_tiles > 0) load_tile(h, hk, q_row, k_row0, n_tiles);
+          if (dynamic && leader) mbar_arrive(bar_treq);  // the next tile, please
+        }
+      }
+    } else if (threadIdx.x == 0) {
+      // ---- load thread of a one-tile CTA (tables without the loop) ----
+      tma_prefetch_desc(&tm_q);
+      tma_prefetch_desc(&tm_k);
+      tma_prefetch_desc(&tm_v);
+      const int64_t t = order.t_begin + blockIdx.x;
+      int h, hk, q_row, k_row0;
+      if (t < order.t_end) {
+        const int n_tiles = plan(t, h, hk, q_row, k_row0);
+        if (n_tiles > 0) load_tile(h, hk, q_row, k_row0, n_tiles);
       }
     }
   } else {
@@ -244,8 +378,21 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     const int row0 = 64 * cw + 16 * warp;  // the warp's first row in the block
     const Score score(p);
     uint32_t kv = 0, q_use = 0;  // as the producer's
-
-    for (int64_t t = order.t_begin + blockIdx.x; t < order.t_end; t = next_tile(t)) {
+    // The CTA's j-th work tile: from the producer's slot (persistent tables), else the one tile.
+    auto fetch = [&](uint32_t j, int64_t t_static) -> Tile {
+      if constexpr (!kHandOver) {
+        return t_static;
+      } else {
+        mbar_wait(bar_tfull(j), (j >> 1) & 1);
+        const Tile t = static_cast<Tile>(ld_shared_u32(tile_slot(j)));
+        __syncwarp();
+        if (lane == 0) mbar_arrive(bar_tempty(j));
+        return t;
+      }
+    };
+    uint32_t j = 0;
+    for (Tile t = fetch(0, order.t_begin + blockIdx.x); t < order.t_end;
+         t = fetch(++j, next_tile(t))) {
       int b, h, m0, t_lo;
       tile_at(t, b, h, m0);
       const Seq sq(p, b);

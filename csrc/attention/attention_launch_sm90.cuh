@@ -77,16 +77,18 @@ inline int sm90_epilogue() {
 // sm90_auto_persistent (attention_config_sm90.h) says so, else one CTA per work tile.
 // FUSEDOPS_ATTN_SM90_PERSISTENT=0: one CTA per work tile (the same kernel; for measurement);
 // =1..N (a positive integer): at most N CTAs, so that even a small call runs many tiles per CTA
-// (for tests of the cross-tile pipeline). Returns the CTA cap, 0 for one CTA per tile.
-inline int64_t sm90_persistent_ctas(const AttnParams& p, int sms) {
+// (for tests of the cross-tile pipeline). `dynamic`: the tiles would come from the counter.
+// Returns the CTA cap, 0 for one CTA per tile.
+inline int64_t sm90_persistent_ctas(const AttnParams& p, int sms, bool dynamic) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_PERSISTENT");
   if (s != nullptr && *s != '\0') {
     char* end = nullptr;
     const long n = std::strtol(s, &end, 10);
     if (*end == '\0' && n >= 0) return n;
   }
-  return sm90_auto_persistent(p.head_dim, /*causal=*/p.right == 0, p.max_k) ? std::max(1, sms)
-                                                                            : 0;
+  return sm90_auto_persistent(p.head_dim, /*causal=*/p.right == 0, p.max_k, dynamic)
+             ? std::max(1, sms)
+             : 0;
 }
 
 // The current device's SM count and L2 size, asked once per device.
@@ -111,12 +113,34 @@ inline cudaError_t device_sm90(DeviceSm90& out) {
   return cudaSuccess;
 }
 
+// Whether the work tiles of a call differ in length: a causal mask or a window, or sequences of
+// different lengths (the packed totals fall short of batch x max).
+inline bool sm90_unequal_tiles(const AttnParams& p) {
+  return p.left >= 0 || p.right >= 0 ||
+         static_cast<int64_t>(p.total_q) != static_cast<int64_t>(p.batch) * p.max_q ||
+         static_cast<int64_t>(p.total_k) != static_cast<int64_t>(p.batch) * p.max_k;
+}
+
+// Whether a persistent launch takes its tiles from the counter (TileOrderSm90's dynamic):
+// where the tiles differ in length (sm90_unequal_tiles) and the binding gave a counter, unless
+// FUSEDOPS_ATTN_SM90_TILES says "static" or "dynamic" (for measurement; read at every call).
+inline bool sm90_dynamic_tiles(const AttnParams& p) {
+  if (p.tile_counter == nullptr) return false;
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_TILES");
+  if (s != nullptr) {
+    if (std::strcmp(s, "static") == 0) return false;
+    if (std::strcmp(s, "dynamic") == 0) return true;
+  }
+  return sm90_unequal_tiles(p);
+}
+
 // The work tiles and their order (TileOrderSm90, attention_fwd_kernel_sm90.cuh). Unmasked, all
 // q-blocks see the same keys: sections of one (sequence, head) pair, q-blocks fastest (the
 // non-persistent grid's order: the blocks of a few heads at a time share their K/V in L2).
 // Causal or windowed, the blocks of most keys go first (the last ones, or the first with only
-// a left bound) over sections of as many pairs as keep their K/V (max_k rows of K and V per KV
-// head) within half the L2, whole KV-head groups.
+// a left bound) over sections of whole KV-head groups, as many as keep their K/V (max_k rows of
+// K and V per KV head) within half the L2 at most, of sizes that differ by one group at most,
+// the smaller first.
 inline TileOrderSm90 sm90_tile_order(const AttnParams& p, int block_m, int l2_bytes) {
   TileOrderSm90 o;
   o.n_mb = (p.max_q + block_m - 1) / block_m;
@@ -126,15 +150,27 @@ inline TileOrderSm90 sm90_tile_order(const AttnParams& p, int block_m, int l2_by
   o.t_begin = 0;
   o.t_end = o.n_work;
   o.reverse = !(p.left >= 0 && p.right < 0);
-  int64_t sec = 1;
+  o.dynamic = 0;
+  o.sec = o.sec_big = 1;
+  o.n_small = o.n_bh;
   if (p.left >= 0 || p.right >= 0) {
-    const int64_t group = p.hq / p.hkv;
+    const int64_t group = p.hq / p.hkv, groups = o.n_bh / group;
     const int64_t kv_bytes = static_cast<int64_t>(p.max_k > 0 ? p.max_k : 1) * p.head_dim * 4;
-    const int64_t kv_heads = std::max<int64_t>(1, (l2_bytes / 2) / kv_bytes);
-    sec = std::min<int64_t>(kv_heads * group, o.n_bh);
+    // Groups per section: at most what fits (and at most 2^30 / n_mb pairs: 32-bit decoding).
+    int64_t cap = std::max<int64_t>(1, (l2_bytes / 2) / kv_bytes);
+    cap = std::max<int64_t>(1, std::min(cap, ((int64_t{1} << 30) / std::max(1, o.n_mb)) / group));
+    const int64_t n_sec = (groups + cap - 1) / cap;
+    const int64_t small = groups / n_sec, n_big = groups - small * n_sec;
+    o.sec = static_cast<int>(small * group);
+    o.sec_big = static_cast<int>((small + 1) * group);
+    o.n_small = n_sec - n_big;
   }
-  sec = std::max<int64_t>(1, std::min<int64_t>(sec, (int64_t{1} << 30) / std::max(1, o.n_mb)));
-  o.sec = static_cast<int>(sec);
+  if (o.n_work <= 0x7fffffff) {
+    o.per = o.sec * o.n_mb;
+    o.per_big = o.sec_big * o.n_mb;
+    o.small_end = static_cast<int>(o.n_small * o.per);
+    o.small_pairs = static_cast<int>(o.n_small * o.sec);
+  }
   return o;
 }
 
@@ -184,11 +220,16 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
   DeviceSm90 dev;
   cudaError_t err = device_sm90(dev);
   if (err != cudaSuccess) return err;
-  const TileOrderSm90 order = sm90_tile_order(p, C::kBlockM, dev.l2_bytes);
   // Persistent: one CTA per SM (the shared memory allows no second), unless the override caps
   // or disables it or the tile table has no loop (kPersistent); else one CTA per tile, in
   // launches of at most 2^31 - 1 CTAs.
-  const int64_t cap = C::kPersistent ? sm90_persistent_ctas(p, dev.sms) : 0;
+  TileOrderSm90 order = sm90_tile_order(p, C::kBlockM, dev.l2_bytes);
+  const bool dynamic = C::kPersistent && sm90_dynamic_tiles(p);
+  const int64_t cap = C::kPersistent ? sm90_persistent_ctas(p, dev.sms, dynamic) : 0;
+  // Tables with the loop hand their tiles on as 32-bit indices (attention_fwd_kernel_sm90.cuh),
+  // which 2^31 - 2^20 tiles of 128 query rows would need hundreds of TB of q to exceed.
+  if (C::kPersistent && order.n_work > 0x7fffffff - (1 << 20)) return cudaErrorInvalidValue;
+  order.dynamic = cap > 0 && dynamic;
   const int64_t max_grid = cap > 0 ? std::min<int64_t>(cap, 0x7fffffff) : int64_t{0x7fffffff};
   const int64_t per_launch = cap > 0 ? order.n_work : max_grid;
   CUtensorMap tm_q, tm_k, tm_v, tm_o;

@@ -28,6 +28,10 @@ struct AttnParams {
   // launcher).
   int* dq_sem = nullptr;
   bool dq_desc = false;
+  // The sm90 forward's tile scheduler: two counters (next tile, CTAs done) on the launch's
+  // stream, zero before the launch and left at zero by its last CTA
+  // (attention_fwd_kernel_sm90.cuh); null: the static order only.
+  unsigned int* tile_counter = nullptr;
   const int* cu_q = nullptr;
   const int* cu_k = nullptr;
   // Row strides (elements) of each tensor; the head stride is head_dim everywhere.

@@ -6,16 +6,15 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
-#include <map>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
-#include <vector>
 
+#include "../stream_counters.h"
 #include "../torch_utils.h"
 #include "decode_params.h"
 
@@ -39,43 +38,6 @@ void check_cache(const Tensor& t, const char* name, const Tensor& q) {
                     "elements (16-byte rows)");
   TORCH_CHECK_VALUE(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
                     " must be 16-byte aligned");
-}
-
-// The kernel's split counters (one int per sequence and KV head): one buffer per (device,
-// stream), which every call on that stream reuses (calls on one stream run one after another, and
-// the kernel's last CTA of each (sequence, KV head) resets its counter), so that an eager call
-// costs no memset after the first. A CUDA graph zeroes the buffer once, before its first decode
-// call (a memset node), so that its replays do not depend on what ran on the stream before. A
-// buffer that has to grow is replaced but never freed (a captured graph may hold its address),
-// and the containers are never destroyed (they would outlive the CUDA allocator at exit).
-Tensor split_counters(const Tensor& like, cudaStream_t stream, int64_t n) {
-  struct Counters {
-    Tensor t;
-    bool zeroed = false;                // zeroed by an executed (not captured) memset
-    unsigned long long capture_id = 0;  // the capture whose graph zeroes it first
-  };
-  static std::mutex mutex;
-  static auto* current = new std::map<std::pair<int, cudaStream_t>, Counters>();
-  static auto* retired = new std::vector<Tensor>();
-  const std::lock_guard<std::mutex> lock(mutex);
-  Counters& c = (*current)[std::make_pair(static_cast<int>(like.get_device()), stream)];
-  if (!c.t.defined() || c.t.numel() < n) {
-    if (c.t.defined()) retired->push_back(c.t);
-    c.t = at::empty({std::max<int64_t>(n, 4096)}, like.options().dtype(at::kInt));
-    c.zeroed = false;
-    c.capture_id = 0;
-  }
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  unsigned long long id = 0;
-  check_launch(cudaStreamGetCaptureInfo(stream, &status, &id), "attention decode (capture query)");
-  const bool capturing = status == cudaStreamCaptureStatusActive;
-  if (capturing ? c.capture_id != id : !c.zeroed) {
-    check_launch(cudaMemsetAsync(c.t.data_ptr(), 0, c.t.numel() * sizeof(int), stream),
-                 "attention decode (counter memset)");
-    if (capturing) c.capture_id = id;
-    else c.zeroed = true;
-  }
-  return c.t;
 }
 
 // K/V pipeline stages: kDecodeDefaultStages, or FUSEDOPS_ATTN_DECODE_STAGES (2 to 6; read at each
@@ -155,7 +117,9 @@ std::tuple<Tensor, Tensor> attention_decode_cuda(const Tensor& q_in, const Tenso
   if (num_splits > 1) {
     out_p = at::empty({num_splits, batch, hkv, m, d}, q.options().dtype(at::kFloat));
     lse_p = at::empty({num_splits, batch, hkv, m}, q.options().dtype(at::kFloat));
-    counters = split_counters(q, stream, batch * hkv);
+    // Split counters, one per (sequence, KV head), reset by the kernel's merging CTAs.
+    counters = stream_counters(q, stream, std::max<int64_t>(batch * hkv, 4096),
+                               CounterUser::kDecodeSplits, "attention decode (split counters)");
   }
   DecodeParams p{};
   p.q = q.data_ptr();

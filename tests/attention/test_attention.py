@@ -118,11 +118,15 @@ SM90_PERSIST_CASES = {
     "d256-causal-300x1025": (4, 300, 1025, 8, 2, 256, dict(causal=True)),
 }
 # Launcher overrides (attention_launch_sm90.cuh): the default persistent launch (one CTA per
-# SM), 3 CTAs (dozens of tiles each) with each schedule and the polynomial exponentials, O staged
-# in the Q rows (the path of tile tables without an O buffer), the non-persistent launch, and
-# the cap over tile tables without the loop.
+# SM; tiles from the counter where they differ in length, else the round-robin), both tile
+# orders forced, 3 CTAs (dozens of tiles each) with each schedule and the polynomial
+# exponentials, O staged in the Q rows (the path of tile tables without an O buffer), the
+# non-persistent launch, and the cap over tile tables without the loop.
 SM90_PERSIST_ENVS = {
     "persistent": {},
+    "static-order": dict(FUSEDOPS_ATTN_SM90_TILES="static"),
+    "dynamic-order": dict(FUSEDOPS_ATTN_SM90_TILES="dynamic"),
+    "3cta-dynamic": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3", FUSEDOPS_ATTN_SM90_TILES="dynamic"),
     "3cta-serial": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3", FUSEDOPS_ATTN_SM90_SCHEDULE="serial"),
     "3cta-overlap": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
                          FUSEDOPS_ATTN_SM90_SCHEDULE="overlap"),
@@ -223,8 +227,10 @@ def test_sm90_deterministic_backward_beyond_one_wave(case, order, monkeypatch):
 @NEEDS_EXT
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_forward_replays_in_a_cuda_graph(causal):
-    """The persistent sm90 forward keeps no per-call state on the device (static tile order):
-    captured once in a CUDA graph and replayed on new inputs it matches an eager call exactly."""
+    """The persistent sm90 forward's tile counters (dynamic order here: the sequences differ in
+    length) are zeroed by a captured graph and left at zero by every launch: two graphs captured
+    one after the other on one stream, replayed in either order and between eager calls on new
+    inputs, match eager calls exactly."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 forward needs compute capability 9.0")
     lens = [700, 1, 300]
@@ -239,17 +245,22 @@ def test_sm90_forward_replays_in_a_cuda_graph(causal):
     with torch.cuda.stream(side):
         fwd(q, k, v, *args)  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = fwd(q, k, v, *args)
-    for seed in (1, 2):
+    graphs, outs = [], []
+    capture_stream = torch.cuda.Stream()
+    for _ in range(2):
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1], stream=capture_stream):
+            outs.append(fwd(q, k, v, *args))
+    for seed, order in ((1, (0, 1)), (2, (1, 0)), (3, (1, 1))):
         g = torch.Generator(device="cuda").manual_seed(seed)
         for t in (q, k, v):
             t.copy_(torch.randn(t.shape, device="cuda", generator=g))
-        graph.replay()
-        ref_out, ref_lse = fwd(q, k, v, *args)
-        torch.cuda.synchronize()
-        assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+        for i in order:
+            graphs[i].replay()
+            ref_out, ref_lse = fwd(q, k, v, *args)
+            torch.cuda.synchronize()
+            out, lse = outs[i]
+            assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
 
 
 def _other_dq_mode_params():

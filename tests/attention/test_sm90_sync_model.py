@@ -1,21 +1,26 @@
 """A model of the persistent sm90 attention forward's synchronisation, run under random
 interleavings (CPU only; the kernel itself needs a Hopper GPU).
 
-One CTA's actors follow csrc/attention/attention_fwd_kernel_sm90.cuh step by step: the producer
-thread, the consumer warpgroups (two, or three for the 192-query tiles; each as one actor: its
-warps' releases arrive as a count of 4), and an asynchronous engine that completes TMA loads and
-TMA-store reads at random moments.
+One CTA's actors follow csrc/attention/attention_fwd_kernel_sm90.cuh step by step: the tile
+scheduler thread, the load thread (the load warp, as one actor), the consumer warpgroups (two,
+or three for the 192-query tiles; each as one actor: its warps' releases arrive as a count of
+4), and an asynchronous engine that completes TMA loads and TMA-store reads at random moments.
 Over random work-tile sequences (skipped tiles, tiles without keys, 1..7 key tiles, slabs stored
-by TMA or from registers) and every schedule, stage count and staging buffer it checks: no
+by TMA or from registers), every schedule, stage count and staging buffer, and both tile
+orders (the scheduler hands each tile, and a final sentinel, to the load thread and the
+consumers through two shared-memory slots; static: it runs ahead as far as the slots let it;
+dynamic: it takes each tile after the first only when the load thread asks for it) it checks: no
 deadlock; every wgmma reads a buffer holding the tile it expects, fully loaded; no TMA load into
 a buffer that is being read; no staging write into rows a store is still reading; every
 ping-pong named-barrier generation completed by one waiting and one arriving warpgroup (the turns
-go round the warpgroups in a cycle, 0, 1, .., NW - 1, 0, ..). Three consumer warpgroups run one
+go round the warpgroups in a cycle, 0, 1, .., NW - 1, 0, ..); every tile read from a slot is
+the one written for it. Three consumer warpgroups run one
 work tile per CTA in the kernel (TilesSm90::kPersistent is false there); the model runs them over
 sequences of tiles as well, a stronger check of the same protocol. A change
 to the kernel's barriers, counts or release points must be made here too; the mutation tests
 show that the model catches the classic mistakes.
 """
+import itertools
 import random
 
 import pytest
@@ -93,7 +98,7 @@ class Buf:
         self.readers -= 1
 
 
-def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2):
+def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=False):
     rng = random.Random(seed)
     warps = 4 * nw  # lane 0 of every consumer warp arrives on the empty barriers
     qfull, qempty = MBar("qfull", 1), MBar("qempty", warps)
@@ -107,6 +112,35 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2):
     sV = [Buf(f"sV{s}") for s in range(S)]
     sO = [Buf(f"sO{w}") for w in range(nw)]
     events = []  # pending async completions: callables
+    # the tile hand-over: slots j % 2, full (count 1: the scheduler) and empty (4 NW consumer
+    # warps + the load thread; "loader_not_counted": 4 NW only); the load thread's request
+    tfull = [MBar(f"tfull{j}", 1) for j in range(2)]
+    tempty = [MBar(f"tempty{j}", warps + (bug != "loader_not_counted")) for j in range(2)]
+    treq = MBar("treq", 1)
+    slot = [None, None]
+    sentinel = len(tiles)  # a tile index >= t_end
+
+    def scheduler():  # the CTA's j-th tile into slot j % 2, the sentinel last
+        for j in itertools.count():
+            if j > 0 and dynamic:
+                yield lambda j=j: treq.done((j - 1) & 1)
+            t = j if j < len(tiles) else sentinel
+            if bug != "slot_no_empty_wait":
+                yield lambda j=j: tempty[j % 2].done(((j >> 1) & 1) ^ 1)
+            slot[j % 2] = t
+            yield lambda: True
+            tfull[j % 2].arrive(1)
+            if t == sentinel:
+                return
+
+    def fetch(j, out, arrivals):  # a reader: the CTA's j-th tile from slot j % 2
+        yield lambda: tfull[j % 2].done((j >> 1) & 1)
+        want = j if j < len(tiles) else sentinel
+        if slot[j % 2] != want:
+            raise Fail(f"slot {j % 2} holds tile {slot[j % 2]}, tile {want} expected")
+        out.append(slot[j % 2])
+        yield lambda: True
+        tempty[j % 2].arrive(arrivals)
 
     def tma_load(buf_list, tag, bar):
         for b in buf_list:
@@ -120,8 +154,16 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2):
 
     def producer():
         kv = q_use = 0
-        for t, (skip, n, _) in enumerate(tiles):
+        for j in itertools.count():
+            got = []
+            yield from fetch(j, got, 1)
+            t = got[0]
+            if t == sentinel:
+                break
+            skip, n, _ = tiles[t]
             if skip or (n == 0 and bug != "load_empty_tiles"):
+                if dynamic:
+                    treq.arrive(1)  # the next tile, please
                 continue
             for i in range(max(n, 1)):
                 it = kv + i
@@ -138,13 +180,21 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2):
                 tma_load([sV[s]], (t, i), vfull[s])
             kv += n
             q_use += 1
+            if dynamic:
+                treq.arrive(1)
 
     def consumer(cw):
         kv = q_use = 0
         groups = []  # outstanding wgmma groups: lists of buffers being read
         store_reading = []  # this WG's TMA stores still reading their staging rows: [flag]
         pp = schedule == 2
-        for t, (skip, n, slabs) in enumerate(tiles):
+        for j in itertools.count():
+            got = []
+            yield from fetch(j, got, 4)
+            t = got[0]
+            if t == sentinel:
+                break
+            skip, n, slabs = tiles[t]
             if skip:
                 continue
             tma_slab = epilogue != 0 and slabs[cw] and n > 0
@@ -260,7 +310,8 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2):
             q_use += n > 0
         yield lambda: not any(f[0] for f in store_reading)
 
-    actors = {"producer": producer(), **{f"wg{w}": consumer(w) for w in range(nw)}}
+    actors = {"scheduler": scheduler(), "producer": producer(),
+              **{f"wg{w}": consumer(w) for w in range(nw)}}
     conds = {k: (lambda: True) for k in actors}
     steps = 0
     while actors or events:
@@ -301,11 +352,13 @@ CONFIGS = [(S, sched, o_in_q, epi) for S in (2, 3) for sched in (0, 1, 2)
            for o_in_q in (False, True) for epi in (0, 1)]
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("S,schedule,o_in_q,epilogue", CONFIGS)
-def test_sync_model_has_no_deadlock_or_hazard(S, schedule, o_in_q, epilogue):
+def test_sync_model_has_no_deadlock_or_hazard(S, schedule, o_in_q, epilogue, dynamic):
     rng = random.Random(1000 * S + 100 * schedule + 10 * o_in_q + epilogue)
     for _ in range(150):
-        run(random_tiles(rng), S, schedule, o_in_q, epilogue, rng.randrange(1 << 30))
+        run(random_tiles(rng), S, schedule, o_in_q, epilogue, rng.randrange(1 << 30),
+            dynamic=dynamic)
 
 
 # Three consumer warpgroups (the 192-query tiles of D=64: 3 stages, O buffer or Q rows): one
@@ -314,12 +367,13 @@ CONFIGS_3WG = [(sched, o_in_q, epi, max_tiles) for sched in (0, 1, 2) for o_in_q
                for epi in (0, 1) for max_tiles in (1, 9)]
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("schedule,o_in_q,epilogue,max_tiles", CONFIGS_3WG)
-def test_sync_model_three_warpgroups(schedule, o_in_q, epilogue, max_tiles):
+def test_sync_model_three_warpgroups(schedule, o_in_q, epilogue, max_tiles, dynamic):
     rng = random.Random(7000 + 100 * schedule + 10 * o_in_q + epilogue + max_tiles)
     for _ in range(150 if max_tiles > 1 else 60):
         run(random_tiles(rng, nw=3, max_tiles=max_tiles), 3, schedule, o_in_q, epilogue,
-            rng.randrange(1 << 30), nw=3)
+            rng.randrange(1 << 30), nw=3, dynamic=dynamic)
 
 
 @pytest.mark.parametrize("bug,config", [
@@ -327,12 +381,15 @@ def test_sync_model_three_warpgroups(schedule, o_in_q, epilogue, max_tiles):
     ("unbalanced_turns", (2, 2, False, 1)),  # warpgroup 1 hands over its last turn too
     ("load_empty_tiles", (2, 1, False, 1)),  # the producer loads for a tile without keys
     ("no_store_wait", (2, 1, False, 1)),     # O buffer rewritten while a store reads it
+    ("slot_no_empty_wait", (2, 1, False, 1)),  # a tile slot rewritten before it was read
+    ("loader_not_counted", (2, 1, False, 1)),  # the slot's empty count without the load thread
 ])
 def test_sync_model_catches_known_mistakes(bug, config):
     rng = random.Random(5)
     with pytest.raises(Fail):
         for _ in range(300):
-            run(random_tiles(rng), *config, rng.randrange(1 << 30), bug=bug)
+            run(random_tiles(rng), *config, rng.randrange(1 << 30), bug=bug,
+                dynamic=False)
 
 
 @pytest.mark.parametrize("bug", ["two_wg_cycle", "unbalanced_turns", "early_q_release"])
