@@ -8,6 +8,7 @@
 # Env: FUSEDOPS_GIT (sha for the rows), CHECK_ARGS (extra check_attention_sm90.py arguments; SKIP_CHECK=1),
 #   SANITIZE=0 to skip the sanitizers, SANITIZE_ARGS (e.g. "--dims 256"), TESTS (pytest -k expression over tests/attention, default all
 #   GPU attention tests; "none" skips), BENCH_METHODS, BENCH_DIMS, BENCH_LENGTHS, BENCH_REP_MS,
+#   BENCH_ROUNDS (interleaved rounds per shape, default 1),
 #   SKIP_BENCH=1, EXTRA (a command run last, its output in the log), SKIP_BUILD=1 (fusedops
 #   already installed by an earlier call on the same machine).
 set -uo pipefail
@@ -40,17 +41,17 @@ if [ "${SANITIZE:-1}" = "1" ]; then
 fi
 if [ "${TESTS:-}" != "none" ]; then
   say tests
-  timeout 400 python3 -m pytest -q -rs -p no:cacheprovider -n 3 -m gpu tests/attention \
+  timeout "${TESTS_TIMEOUT:-400}" python3 -m pytest -q -rs -p no:cacheprovider -n 3 -m gpu tests/attention \
     ${TESTS:+-k "$TESTS"} > "$OUT/tests.log" 2>&1
   echo "tests rc=$?" | tee -a "$LOG"
   tail -4 "$OUT/tests.log" | tee -a "$LOG"
 fi
 if [ "${SKIP_BENCH:-0}" != "1" ]; then
   say bench
-  timeout 420 python3 benchmarks/bench_attention.py --out "$OUT" \
+  timeout "${BENCH_TIMEOUT:-420}" python3 benchmarks/bench_attention.py --out "$OUT" \
     --lengths "${BENCH_LENGTHS:-1024,4096,16384}" --dims "${BENCH_DIMS:-64,128}" \
     --methods "${BENCH_METHODS:-cuda-sm90,cuda-sm90-deterministic,sdpa_flash,sdpa_cudnn,flex,fa4}" \
-    --rep-ms "${BENCH_REP_MS:-50}" 2> "$OUT/bench.err" | tee -a "$LOG"
+    --rep-ms "${BENCH_REP_MS:-50}" --rounds "${BENCH_ROUNDS:-1}" 2> "$OUT/bench.err" | tee -a "$LOG"
   tail -5 "$OUT/bench.err" | tee -a "$LOG"
 fi
 if [ -n "${EXTRA:-}" ]; then say extra; bash -c "$EXTRA" 2>&1 | tee -a "$LOG"; fi
