@@ -347,6 +347,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
           const int hk = static_cast<int>(ld_shared_u32(slot + 12));
           const int q_row = static_cast<int>(ld_shared_u32(slot + 16));
           const int k_row0 = static_cast<int>(ld_shared_u32(slot + 20));
+          __syncwarp();  // every lane has read the slot before lane 0 hands it back
           if (leader) mbar_arrive(bar_tempty(j));
           if (t >= order.t_end) break;
           if (n_tiles > 0) load_tile(h, hk, q_row, k_row0, n_tiles);
