@@ -147,8 +147,9 @@ struct TileOrderSm90 {
 // - Tile slots (persistent tables): the j-th tile of the CTA (j = 0, 1, ..; the last one a
 //   sentinel >= t_end) goes through slot j % 2 -- the tile and its loads (h, hk, first Q and K
 //   rows, key tiles; 0 key tiles for a skipped or empty tile) -- guarded by a "full" barrier
-//   (count 1: the scheduler's arrive after writing the slot) and an "empty" one (count 4 NW + 1:
-//   lane 0 of each consumer warp and the load thread, after reading it); the scheduler waits
+//   (count 1: the scheduler's arrive after writing the slot) and an "empty" one (count 128 NW +
+//   32: every consumer thread and every lane of the load warp, each after its own read -- an
+//   arrive releases only the arriving thread's accesses); the scheduler waits
 //   for empty at parity ((j / 2) & 1) ^ 1, the readers for full at (j / 2) & 1. Every tile is
 //   handed over, skipped and empty ones too, so all roles walk the same sequence, and the
 //   scheduler is at most two tiles ahead of the slowest reader. Dynamic order: for j > 0 the
@@ -225,7 +226,9 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     mbar_init(bar_qempty, 4 * C::kConsumerWarpgroups);  // lane 0 of every consumer warp
     for (uint32_t j = 0; j < 2; ++j) {
       mbar_init(bar_tfull(j), 1);
-      mbar_init(bar_tempty(j), 4 * C::kConsumerWarpgroups + 1);  // + the load thread
+      // Every reading thread arrives (its own arrive releases its own read): the consumer
+      // threads and the load warp's 32 lanes.
+      mbar_init(bar_tempty(j), 128 * C::kConsumerWarpgroups + 32);
     }
     mbar_init(bar_treq, 1);
     for (int s = 0; s < S; ++s) {
@@ -347,8 +350,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
           const int hk = static_cast<int>(ld_shared_u32(slot + 12));
           const int q_row = static_cast<int>(ld_shared_u32(slot + 16));
           const int k_row0 = static_cast<int>(ld_shared_u32(slot + 20));
-          __syncwarp();  // every lane has read the slot before lane 0 hands it back
-          if (leader) mbar_arrive(bar_tempty(j));
+          mbar_arrive(bar_tempty(j));  // every lane, after its own reads
           if (t >= order.t_end) break;
           if (n_tiles > 0) load_tile(h, hk, q_row, k_row0, n_tiles);
           if (dynamic && leader) mbar_arrive(bar_treq);  // the next tile, please
@@ -386,8 +388,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       } else {
         mbar_wait(bar_tfull(j), (j >> 1) & 1);
         const Tile t = static_cast<Tile>(ld_shared_u32(tile_slot(j)));
-        __syncwarp();
-        if (lane == 0) mbar_arrive(bar_tempty(j));
+        mbar_arrive(bar_tempty(j));  // every thread, after its own read
         return t;
       }
     };

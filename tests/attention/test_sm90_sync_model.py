@@ -112,10 +112,12 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
     sV = [Buf(f"sV{s}") for s in range(S)]
     sO = [Buf(f"sO{w}") for w in range(nw)]
     events = []  # pending async completions: callables
-    # the tile hand-over: slots j % 2, full (count 1: the scheduler) and empty (4 NW consumer
-    # warps + the load thread; "loader_not_counted": 4 NW only); the load thread's request
+    # the tile hand-over: slots j % 2, full (count 1: the scheduler) and empty (every thread
+    # that reads the slot: 128 per consumer warpgroup + the load warp's 32 lanes;
+    # "loader_not_counted": the consumers only); the load thread's request
     tfull = [MBar(f"tfull{j}", 1) for j in range(2)]
-    tempty = [MBar(f"tempty{j}", warps + (bug != "loader_not_counted")) for j in range(2)]
+    tempty = [MBar(f"tempty{j}", 128 * nw + 32 * (bug != "loader_not_counted"))
+              for j in range(2)]
     treq = MBar("treq", 1)
     slot = [None, None]
     sentinel = len(tiles)  # a tile index >= t_end
@@ -156,7 +158,7 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
         kv = q_use = 0
         for j in itertools.count():
             got = []
-            yield from fetch(j, got, 1)
+            yield from fetch(j, got, 32)
             t = got[0]
             if t == sentinel:
                 break
@@ -190,7 +192,7 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
         pp = schedule == 2
         for j in itertools.count():
             got = []
-            yield from fetch(j, got, 4)
+            yield from fetch(j, got, 128)
             t = got[0]
             if t == sentinel:
                 break
