@@ -135,14 +135,15 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
             if t == sentinel:
                 return
 
-    def fetch(j, out, arrivals):  # a reader: the CTA's j-th tile from slot j % 2
+    def fetch(j, arrivals):  # a reader: the CTA's j-th tile from slot j % 2 (its return value)
         yield lambda: tfull[j % 2].done((j >> 1) & 1)
         want = j if j < len(tiles) else sentinel
-        if slot[j % 2] != want:
-            raise Fail(f"slot {j % 2} holds tile {slot[j % 2]}, tile {want} expected")
-        out.append(slot[j % 2])
+        t = slot[j % 2]
+        if t != want:
+            raise Fail(f"slot {j % 2} holds tile {t}, tile {want} expected")
         yield lambda: True
         tempty[j % 2].arrive(arrivals)
+        return t
 
     def tma_load(buf_list, tag, bar):
         for b in buf_list:
@@ -157,9 +158,7 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
     def producer():
         kv = q_use = 0
         for j in itertools.count():
-            got = []
-            yield from fetch(j, got, 32)
-            t = got[0]
+            t = yield from fetch(j, 32)
             if t == sentinel:
                 break
             skip, n, _ = tiles[t]
@@ -191,9 +190,7 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
         store_reading = []  # this WG's TMA stores still reading their staging rows: [flag]
         pp = schedule == 2
         for j in itertools.count():
-            got = []
-            yield from fetch(j, got, 128)
-            t = got[0]
+            t = yield from fetch(j, 128)
             if t == sentinel:
                 break
             skip, n, slabs = tiles[t]
