@@ -22,7 +22,6 @@ Methods with a suffix run the fusedops backend under an environment override (ME
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
@@ -32,6 +31,7 @@ from common import (
     add_out_arg,
     append_rows,
     describe,
+    env_vars,
     peak_extra_mib,
     print_table,
     results_path,
@@ -166,26 +166,21 @@ def main():
                         if name in times and times[name] is None:
                             continue  # failed in an earlier round
                         _, env = split_method(name)
-                        os.environ.update(env)
                         try:
-                            times.setdefault(name, []).append(
-                                measure(fn, q, k, v, do, causal, args.rep_ms))
+                            with env_vars(env):
+                                times.setdefault(name, []).append(
+                                    measure(fn, q, k, v, do, causal, args.rep_ms))
                         except Exception as exc:
                             print(f"{name} D={d} L={length} causal={causal}: "
                                   f"{type(exc).__name__}: {str(exc)[:200]}", file=sys.stderr)
                             times[name] = None
-                        finally:
-                            for key in env:
-                                os.environ.pop(key, None)
                 for name, runs in times.items():
                     if not runs:
                         continue
                     backend, env = split_method(name)
-                    os.environ.update(env)  # dq_mode reads FUSEDOPS_ATTN_DQ
-                    dq = (dq_mode(backend, d) if backend in ("cuda-sm90", "cuda-sm80", "triton")
-                          else None)
-                    for key in env:
-                        os.environ.pop(key, None)
+                    with env_vars(env):  # dq_mode reads FUSEDOPS_ATTN_DQ
+                        dq = (dq_mode(backend, d)
+                              if backend in ("cuda-sm90", "cuda-sm80", "triton") else None)
                     fwd = statistics.median(r[0] for r in runs)
                     bwd = statistics.median(r[1] - r[0] for r in runs)
                     peak = runs[0][2]

@@ -19,18 +19,24 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 
 
 @contextlib.contextmanager
-def env_set(name: str, value: str):
-    """Environment variable `name` set to `value` inside the block, restored (or removed) after:
-    the switches that fusedops reads at each call."""
-    saved = os.environ.get(name)
-    os.environ[name] = value
+def env_vars(values: dict):
+    """The environment variables of `values` set inside the block, each restored (or removed)
+    after: the switches that fusedops reads at each call."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = saved
+        for name, old in saved.items():
+            if old is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = old
+
+
+def env_set(name: str, value: str):
+    """env_vars of one variable."""
+    return env_vars({name: value})
 
 
 def git_sha() -> str:
