@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
               mbar_wait(bar_treq, (j - 1) & 1);
               t = static_cast<Tile>(order.t_begin + gridDim.x + atomicAdd(p.tile_counter, 1u));
             } else {
-              t = static_cast<Tile>(t + gridDim.x);
+              t = static_cast<Tile>(next_tile(t));
             }
           }
           int h = 0, hk = 0, q_row = 0, k_row0 = 0, n_tiles = 0;
