@@ -16,7 +16,7 @@ to the same drift.
 Methods with a suffix run the fusedops backend under an environment override (METHOD_ENV):
 -atomic-dq / -deterministic the dQ modes, -bwd80 the sm90 forward with the sm80 backward,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
--m128 its 128-query tiles at D=64.
+-m128 / -m192 its 128- or 192-query tiles at D=64.
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ METHOD_ENV = {
     "-dynamic": {"FUSEDOPS_ATTN_SM90_TILES": "dynamic"},
     "-nonpersistent": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "0"},
     "-m128": {"FUSEDOPS_ATTN_SM90_TILE": "m128"},
+    "-m192": {"FUSEDOPS_ATTN_SM90_TILE": "m192"},
 }
 
 

@@ -105,17 +105,20 @@ VARIANTS = {
                       "FUSEDOPS_ATTN_SM90_PERSISTENT": "3", **MUFU_M128},
     "pp-poly-3cta": {SCHED: "pingpong", EXP2: "poly", TILE: "m128",
                      "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
-    # Tile tables without the loop (TilesSm90::kPersistent false: three consumer warpgroups,
-    # 176 keys, D=256) must ignore the CTA cap and launch one CTA per tile: a capped grid
-    # would leave tiles unwritten (NaN-poisoned outputs). ovl-3cta runs at D=256 for this too.
+    # The 192-query tiles (three consumer warpgroups) over 3 CTAs, in the default order and the
+    # counter's. Tile tables without the loop (TilesSm90::kPersistent false: 176 keys, D=256)
+    # must ignore the CTA cap and launch one CTA per tile: a capped grid would leave tiles
+    # unwritten (NaN-poisoned outputs). ovl-3cta runs at D=256 for this too.
     "m192-pp-3cta": {SCHED: "pingpong", EXP2: "poly", TILE: "m192",
                      "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
+    "m192-dyn-3cta": {"FUSEDOPS_ATTN_SM90_TILES": "dynamic", EXP2: "mufu", TILE: "m192",
+                      "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
     "bn176-ovl-3cta": {SCHED: "overlap", "FUSEDOPS_ATTN_SM90_BLOCK_N": "176",
                        "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
 }
 PERSISTENT_VARIANTS = ("nonpersist", "pp-qrows", "ser-3cta", "ovl-3cta", "pp-qrows-3cta",
-                       "pp-poly-3cta", "m192-pp-3cta", "bn176-ovl-3cta", "static", "dynamic",
-                       "dyn-3cta")
+                       "pp-poly-3cta", "m192-pp-3cta", "m192-dyn-3cta", "bn176-ovl-3cta",
+                       "static", "dynamic", "dyn-3cta")
 VARIANT_DIMS = {"bn176-ovl": (128,), "bn176-pp": (128,),  # the others: every head dim
                 "ovl-poly": (64, 128), "pp-poly": (64, 128), "poly": (64, 128),
                 **{n: (64, 128) for n in PERSISTENT_VARIANTS},
@@ -126,7 +129,7 @@ SCHEDULES = ("overlap", "serial", "pingpong", "ovl-regs", "bn176-ovl", "bn176-pp
              "m192-ovl-poly", "m192-pp-poly", *PERSISTENT_VARIANTS)
 # Debugging variants, left out of the timing (the -3cta ones are slow by design: 3 CTAs).
 UNTIMED = ("m192-ser", "m192-regs", "ser-3cta", "ovl-3cta", "pp-qrows-3cta", "pp-poly-3cta",
-           "m192-pp-3cta", "bn176-ovl-3cta", "dyn-3cta")
+           "m192-pp-3cta", "m192-dyn-3cta", "bn176-ovl-3cta", "dyn-3cta")
 # The baselines of the timing table (--baselines): column name -> method.
 BASELINES = {"sm80": "cuda-sm80-fwd", "triton": "triton-fwd", "flash": "sdpa_flash-fwd",
              "cudnn": "sdpa_cudnn-fwd"}

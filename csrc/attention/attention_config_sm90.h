@@ -60,19 +60,19 @@ struct TilesSm90 {
   // keeps the tile bookkeeping and the shared-memory addresses live through the key loop, which
   // ptxas (13.0, sm_90a) fits next to the accumulators -- O (D / 2 floats a thread), S
   // (BN / 2) and P (BN / 4 packed pairs) -- when they leave 72 of the consumers' 232
-  // registers: 160 + 72 at D=128 and 128 keys spills nothing, while 188 (D=256, 80 keys) or 196
-  // (176 keys) at 240, and 128 at 160 (three consumer warpgroups), spill 100-200 bytes. Tiles
-  // without it run one work tile per CTA (the same code, no back edge; grid = the number of
-  // tiles).
+  // registers (160 + 72 at D=128 and 128 keys spills nothing), or in the 160 of three consumer
+  // warpgroups at D=64 (128 + 32: the consumers' highest register is R157, no local memory),
+  // while 188 (D=256, 80 keys) or 196 (176 keys) at 240 spill 100-200 bytes. Tiles without it
+  // run one work tile per CTA (the same code, no back edge; grid = the number of tiles).
   static constexpr int kAccRegs = D / 2 + kBlockN / 2 + kBlockN / 4;
-  static constexpr bool kPersistent = kWarpgroups == 2 && kAccRegs + 72 <= 232;
-  // setmaxnreg: the kernel's cap at entry is 65536 / 384 rounded down to 8, 168 a lane, 64512
-  // in all, which the warpgroups' new limits share. Persistent tables: 40 + 2 x 232 = 504 a
-  // lane of each warpgroup; the producer warpgroup's tile scheduler and load threads need the
-  // 40 (at 24 their tile records spill). One-tile tables: 24 + 2 x 240. Three consumers: 24 +
-  // 3 x 160 = 504 (cap at entry 128); O 32 + S 64 + P 32 registers at D=64 leave 32 for the
-  // rest.
-  static constexpr int kProducerRegs = kPersistent ? 40 : 24;
+  static constexpr bool kPersistent = kWarpgroups == 3 || kAccRegs + 72 <= 232;
+  // setmaxnreg: the kernel's cap at entry is 65536 / (128 (1 + kWarpgroups)) rounded down to 8
+  // -- 168 a lane with two consumer warpgroups, 128 with three -- which the warpgroups' new
+  // limits share. Two consumers: 40 + 2 x 232 = 504 a lane of each warpgroup in persistent
+  // tables (the producer warpgroup's tile scheduler and load threads need the 40: at 24 their
+  // tile records spill), 24 + 2 x 240 in one-tile tables. Three: 32 + 3 x 160 = 512, where O 32
+  // + S 64 + P 32 registers at D=64 leave 32 for the rest, and the producer fits its 32.
+  static constexpr int kProducerRegs = kWarpgroups == 3 ? 32 : kPersistent ? 40 : 24;
   static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : kPersistent ? 232 : 240;
   static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 512);
 

@@ -119,9 +119,9 @@ SM90_PERSIST_CASES = {
 }
 # Launcher overrides (attention_launch_sm90.cuh): the default persistent launch (one CTA per
 # SM; tiles from the counter where they differ in length, else the round-robin), both tile
-# orders forced, 3 CTAs (dozens of tiles each) with each schedule and the polynomial
-# exponentials, O staged in the Q rows (the path of tile tables without an O buffer), the
-# non-persistent launch, and the cap over tile tables without the loop.
+# orders forced, 3 CTAs (dozens of tiles each) with each schedule, the polynomial exponentials
+# and the 192-query tiles, O staged in the Q rows (the path of tile tables without an O
+# buffer), the non-persistent launch, and the cap over tile tables without the loop.
 SM90_PERSIST_ENVS = {
     "persistent": {},
     "static-order": dict(FUSEDOPS_ATTN_SM90_TILES="static"),
@@ -140,11 +140,19 @@ SM90_PERSIST_ENVS = {
     "3cta-pingpong-poly": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
                                FUSEDOPS_ATTN_SM90_SCHEDULE="pingpong",
                                FUSEDOPS_ATTN_SM90_EXP2="poly"),
-    # The 192-query tiles (D=64) and the 176-key tiles (D=128) have no loop: they must ignore
-    # the cap and launch one CTA per tile (at the other head dims these are the 3-CTA runs).
+    # The 192-query tiles (D=64; three consumer warpgroups) over 3 CTAs in either order (at the
+    # other head dims these are the 3-CTA runs of the 128-query tiles).
     "3cta-m192-pingpong": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
                                FUSEDOPS_ATTN_SM90_SCHEDULE="pingpong",
                                FUSEDOPS_ATTN_SM90_TILE="m192"),
+    "3cta-m192-dynamic": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3", FUSEDOPS_ATTN_SM90_TILES="dynamic",
+                              FUSEDOPS_ATTN_SM90_TILE="m192"),
+    "3cta-m192-static-overlap": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                                     FUSEDOPS_ATTN_SM90_TILES="static",
+                                     FUSEDOPS_ATTN_SM90_SCHEDULE="overlap",
+                                     FUSEDOPS_ATTN_SM90_TILE="m192"),
+    # The 176-key tiles (D=128) have no loop: they must ignore the cap and launch one CTA per
+    # tile.
     "3cta-bn176-overlap": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
                                FUSEDOPS_ATTN_SM90_SCHEDULE="overlap",
                                FUSEDOPS_ATTN_SM90_BLOCK_N="176"),

@@ -14,9 +14,7 @@ deadlock; every wgmma reads a buffer holding the tile it expects, fully loaded; 
 a buffer that is being read; no staging write into rows a store is still reading; every
 ping-pong named-barrier generation completed by one waiting and one arriving warpgroup (the turns
 go round the warpgroups in a cycle, 0, 1, .., NW - 1, 0, ..); every tile read from a slot is
-the one written for it. Three consumer warpgroups run one
-work tile per CTA in the kernel (TilesSm90::kPersistent is false there); the model runs them over
-sequences of tiles as well, a stronger check of the same protocol. A change
+the one written for it, with two consumer warpgroups and with the 192-query tiles' three. A change
 to the kernel's barriers, counts or release points must be made here too; the mutation tests
 show that the model catches the classic mistakes.
 """
@@ -361,7 +359,7 @@ def test_sync_model_has_no_deadlock_or_hazard(S, schedule, o_in_q, epilogue, dyn
 
 
 # Three consumer warpgroups (the 192-query tiles of D=64: 3 stages, O buffer or Q rows): one
-# work tile per CTA as the kernel runs them, and sequences of tiles.
+# work tile per CTA (the non-persistent launch) and sequences of tiles.
 CONFIGS_3WG = [(sched, o_in_q, epi, max_tiles) for sched in (0, 1, 2) for o_in_q in (False, True)
                for epi in (0, 1) for max_tiles in (1, 9)]
 
