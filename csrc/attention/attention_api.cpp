@@ -215,16 +215,15 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   p.dv_row = dv.stride(0);
   // Every row is written by the kernels (cu_seqlens cover the packed tensors, checked in Python
   // for user-given ones); keys that no query sees get zero gradients. Arch 90's backward is the
-  // sm90 one (which itself takes the sm80 one under FUSEDOPS_ATTN_SM90_BWD=sm80) where it can
-  // run -- its machine code built, a compute capability 9.0 GPU (the forward refuses the
-  // others; the backward op can be called alone), rows that do not overlap (its TMA tensor
-  // maps) -- and the sm80 backward elsewhere.
+  // sm90 one where it can run -- its machine code built, a compute capability 9.0 GPU (the
+  // forward refuses the others; the backward op can be called alone), rows that do not overlap
+  // (its TMA tensor maps), not switched off by FUSEDOPS_ATTN_SM90_BWD=sm80 -- and the sm80
+  // backward elsewhere.
   const bool sm90_bwd = arch == 90 && sm90_runs_on(q.get_device()) && rows_disjoint(q) &&
                         rows_disjoint(k) && rows_disjoint(v) && rows_disjoint(dout);
-  // The sm90 kernel itself runs when attention_bwd_sm90 gets a dQ accumulator (below) and is
-  // not switched to the sm80 one; only then is delta its padded buffer. The switch is read once
-  // here: arch 90 calls attention_bwd_sm90 only when it is to run the sm90 kernel, so that its
-  // own reading of the switch never meets the smaller (Hq, total_q) delta.
+  // The switch is read once, here: arch 90 calls attention_bwd_sm90 only to run the sm90
+  // kernel, whose delta is the padded buffer below and whose preprocess zeroes the dQ
+  // accumulator.
   const bool sm90_enabled = sm90_bwd && attention_bwd_sm90_enabled();
   const bool sm90_kernel = sm90_enabled && (deterministic || fam.bwd_atomic_fits(p.head_dim));
   auto bwd = arch == 90 && !sm90_kernel ? attention_bwd_sm80 : fam.bwd;
@@ -244,8 +243,11 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   Tensor dq_acc, dq_sem;
   if ((!deterministic && fam.bwd_atomic_fits(p.head_dim)) || sm90_ordered) {
     // Rows rounded up to a multiple of 8 for the accumulator's 8 x 8 tiles (dq_acc_index).
-    dq_acc = at::zeros({(q.size(0) + 7) / 8 * 8, q.size(1), q.size(2)},
-                       q.options().dtype(at::kFloat));
+    // The sm90 backward's preprocess zeroes it as it computes delta (one kernel less); the sm80
+    // kernels need it zeroed here.
+    const std::vector<int64_t> size = {(q.size(0) + 7) / 8 * 8, q.size(1), q.size(2)};
+    const auto opts = q.options().dtype(at::kFloat);
+    dq_acc = sm90_kernel ? at::empty(size, opts) : at::zeros(size, opts);
     p.dq_acc = dq_acc.data_ptr<float>();
   }
   if (sm90_ordered) {

@@ -51,8 +51,8 @@
 // of attention_params.h with row strides that are multiples of 8 elements, rows that do not
 // overlap and 16-byte aligned tensors (TMA's rules; attention_api.cpp checks the strides and
 // alignment and takes the sm80 backward for overlapping rows), hq a multiple of hkv; p.delta
-// holding the statistics bwd_prep_kernel_sm90 wrote (stats_rows_sm90), p.dq_acc zeroed with
-// rows rounded up to a multiple of 8. Tensor maps (attention_launch_bwd_sm90.cuh): 3-D (D,
+// holding the statistics bwd_prep_kernel_sm90 wrote (stats_rows_sm90), p.dq_acc with rows
+// rounded up to a multiple of 8, zeroed by bwd_prep_kernel_sm90. Tensor maps (attention_launch_bwd_sm90.cuh): 3-D (D,
 // heads, rows), boxes of 64 x 1 x BN (K, V) or BM (Q, dO), 128-byte swizzle. A tile that crosses a
 // sequence's end reads the next sequence's rows (TMA zero-fills only past the tensor's end):
 // keys >= lk and queries >= lq are masked by index (P = dS = 0), their gradients never stored.
@@ -111,8 +111,11 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
 }
 
 // Preprocess: the statistics above, one thread per (padded row, head, sequence); delta =
-// rowsum(dO * O) as delta_kernel. Grid (ceil(round_up(max_q, BM) / 256), hq, batch), 256
-// threads, no shared memory; any architecture (the arithmetic is delta_kernel's).
+// rowsum(dO * O) as delta_kernel; and the row's D floats of the dQ accumulator set to zero
+// (the rows of [0, lq) are all that bwd_kernel_sm90 adds to and dq_convert_kernel reads, since
+// the sequences cover the packed rows), so that the accumulator needs no memset of its own.
+// Grid (ceil(round_up(max_q, BM) / 256), hq, batch), 256 threads, no shared memory; any
+// architecture (the arithmetic is delta_kernel's).
 template <typename T, int D, int BM>
 __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) {
   const int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * 256 + threadIdx.x;
@@ -134,6 +137,11 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
     const T* o = static_cast<const T*>(p.out) + row * p.o_row + h * D;
     const T* d = static_cast<const T*>(p.dout) + row * p.do_row + h * D;
     acc = row_dot<T, D>(o, d);
+    // The row's D columns: 8 contiguous floats in each of its D / 8 tiles (dq_acc_index), 64
+    // floats apart, so a warp's 32 rows write whole 256-byte tiles.
+    float4* const z = reinterpret_cast<float4*>(p.dq_acc + dq_acc_index<D>(row, h, 0, p.hq));
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) z[16 * c] = z[16 * c + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const int64_t rows = stats_rows_sm90(p);
   const int64_t at = static_cast<int64_t>(h) * rows + stats_start_sm90<BM>(sq.q_start, b) + i;

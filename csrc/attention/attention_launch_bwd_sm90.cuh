@@ -42,7 +42,8 @@ inline bool sm90_bwd_dq_descending(const AttnParams& p) {
   return p.right >= 0;
 }
 
-// Needs p.dq_acc (zeroed, rows rounded up to a multiple of 8) and p.delta of 2 hq
+// Needs p.dq_acc (rows rounded up to a multiple of 8, any contents: the preprocess zeroes the
+// rows the kernels add to and read) and p.delta of 2 hq
 // stats_rows_sm90(p) floats; p.dq_sem (dq_sem_count_sm90 ints, any contents: the preprocess
 // zeroes them) selects the deterministic mode, which runs the serial schedule whatever
 // FUSEDOPS_ATTN_SM90_BWD_SCHEDULE says.

@@ -160,9 +160,10 @@ SM90_PERSIST_ENVS = {
 
 
 def poison_cuda_outputs(monkeypatch):
-    """For the rest of the test the CUDA attention ops' outputs start as NaN: a NaN-filled block
-    of each output's size is freed just before the call, so that the caching allocator hands it
-    to the op (as benchmarks/check_attention_sm90.py does). A row that a kernel leaves unwritten
+    """For the rest of the test the CUDA attention ops' outputs (and the backward's dQ
+    accumulator, which its preprocess zeroes) start as NaN: a NaN-filled block of each one's
+    size is freed just before the call, so that the caching allocator hands it to the op (as
+    benchmarks/check_attention_sm90.py does). A row that a kernel leaves unwritten
     (a work tile skipped, a CTA cap obeyed by a table without the loop) then fails the oracle,
     instead of holding the values that the previous test -- often the same case under another
     launcher setting -- left in the block the allocator gives back."""
@@ -177,8 +178,10 @@ def poison_cuda_outputs(monkeypatch):
         poison(q.device, (q.shape, q.dtype), ((q.shape[1], q.shape[0]), torch.float32))
         return fwd(q, k, v, *args)
 
-    def bwd_poisoned(q, k, v, *args):  # dq, dk, dv
-        poison(q.device, (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype))
+    def bwd_poisoned(q, k, v, *args):  # dq, dk, dv, then the float32 dQ accumulator
+        acc = ((q.shape[0] + 7) // 8 * 8, *q.shape[1:])
+        poison(q.device, (q.shape, q.dtype), (k.shape, k.dtype), (v.shape, v.dtype),
+               (acc, torch.float32))
         return bwd(q, k, v, *args)
     monkeypatch.setattr(ops, "attention_fwd_cuda", fwd_poisoned)
     monkeypatch.setattr(ops, "attention_bwd_cuda", bwd_poisoned)
