@@ -16,7 +16,8 @@ to the same drift.
 Methods with a suffix run the fusedops backend under an environment override (METHOD_ENV):
 -atomic-dq / -deterministic the dQ modes, -bwd80 the sm90 forward with the sm80 backward,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
--m128 / -m192 its 128- or 192-query tiles at D=64.
+-m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
+schedule.
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ METHOD_ENV = {
     "-nonpersistent": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "0"},
     "-m128": {"FUSEDOPS_ATTN_SM90_TILE": "m128"},
     "-m192": {"FUSEDOPS_ATTN_SM90_TILE": "m192"},
+    "-overlap": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap"},
+    "-pingpong": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "pingpong"},
 }
 
 

@@ -110,38 +110,49 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 }
 
-// Preprocess: the statistics above, one thread per (padded row, head, sequence); delta =
-// rowsum(dO * O) as delta_kernel; and the row's D floats of the dQ accumulator set to zero
-// (the rows of [0, lq) are all that bwd_kernel_sm90 adds to and dq_convert_kernel reads, since
-// the sequences cover the packed rows), so that the accumulator needs no memset of its own.
-// Grid (ceil(round_up(max_q, BM) / 256), hq, batch), 256 threads, no shared memory; any
-// architecture (the arithmetic is delta_kernel's).
+// Preprocess: the statistics above, delta = rowsum(dO * O), and the dQ accumulator set to zero
+// (no memset of its own). Each (padded row, head, sequence) has D / 8 adjacent threads of 8
+// columns each, so that a warp's loads of O and dO are whole rows of D contiguous elements:
+// delta sums a thread's 8 products in order, then over the row's threads by shuffles (a fixed
+// tree: the same bits every run); the row's first thread writes the statistics; each thread
+// zeroes its 8 floats of the row in the accumulator (one 32-byte run, dq_acc_index). Only rows
+// of [0, lq) are zeroed: they are all that bwd_kernel_sm90 adds to and dq_convert_kernel
+// reads, since the sequences cover the packed rows. Grid (ceil(round_up(max_q, BM) /
+// kPrepRowsSm90<D>), hq, batch), 256 threads, no shared memory; any architecture.
+template <int D>
+constexpr int kPrepRowsSm90 = 256 / (D / 8);  // rows per CTA of the preprocess
 template <typename T, int D, int BM>
 __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) {
-  const int b = blockIdx.z, h = blockIdx.y, i = blockIdx.x * 256 + threadIdx.x;
+  constexpr int kLanes = D / 8;  // threads per row, a power of two dividing 32
+  const int b = blockIdx.z, h = blockIdx.y, c = threadIdx.x % kLanes;
+  const int i = blockIdx.x * kPrepRowsSm90<D> + threadIdx.x / kLanes;
   // The deterministic mode's counters start at 0: the ticket, and those of each query block
   // (the blocks of [0, lq) are all that bwd_kernel_sm90 touches).
   if (p.dq_sem != nullptr && (blockIdx.x | h | b | threadIdx.x) == 0) p.dq_sem[0] = 0;
   const Seq sq(p, b);
-  if (i >= (sq.lq + BM - 1) / BM * BM) return;
-  if (p.dq_sem != nullptr && i % BM == 0) {
+  if (i >= (sq.lq + BM - 1) / BM * BM) return;  // all the row's threads alike
+  if (p.dq_sem != nullptr && i % BM == 0 && c == 0) {
     const int64_t at = dq_sem_index_sm90<BM>(p, sq.q_start, b, h, i, 0);
     p.dq_sem[at] = 0;
     p.dq_sem[at + 1] = 0;
   }
-  float lse2 = INFINITY, acc = 0.f;
+  float acc = 0.f;
+  const int64_t row = sq.q_start + i;
   if (i < sq.lq) {
-    const int64_t row = sq.q_start + i;
+    acc = dot8(0.f, static_cast<const T*>(p.out) + row * p.o_row + h * D + 8 * c,
+               static_cast<const T*>(p.dout) + row * p.do_row + h * D + 8 * c);
+    float4* const z = reinterpret_cast<float4*>(p.dq_acc + dq_acc_index<D>(row, h, 8 * c, p.hq));
+    z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  const int lane = threadIdx.x % 32;
+  const unsigned mask = ((1u << kLanes) - 1u) << (lane / kLanes * kLanes);  // the row's lanes
+#pragma unroll
+  for (int s = kLanes / 2; s > 0; s /= 2) acc += __shfl_xor_sync(mask, acc, s);
+  if (c != 0) return;
+  float lse2 = INFINITY;
+  if (i < sq.lq) {
     const float l = p.lse[static_cast<int64_t>(h) * p.total_q + row];
     lse2 = l == -INFINITY ? INFINITY : l * kLog2e;
-    const T* o = static_cast<const T*>(p.out) + row * p.o_row + h * D;
-    const T* d = static_cast<const T*>(p.dout) + row * p.do_row + h * D;
-    acc = row_dot<T, D>(o, d);
-    // The row's D columns: 8 contiguous floats in each of its D / 8 tiles (dq_acc_index), 64
-    // floats apart, so a warp's 32 rows write whole 256-byte tiles.
-    float4* const z = reinterpret_cast<float4*>(p.dq_acc + dq_acc_index<D>(row, h, 0, p.hq));
-#pragma unroll
-    for (int c = 0; c < D / 8; ++c) z[16 * c] = z[16 * c + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const int64_t rows = stats_rows_sm90(p);
   const int64_t at = static_cast<int64_t>(h) * rows + stats_start_sm90<BM>(sq.q_start, b) + i;

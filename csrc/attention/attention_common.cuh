@@ -138,20 +138,26 @@ __device__ __forceinline__ int64_t dq_acc_index(int64_t i, int h, int c, int hq)
   return ((((i >> 3) * hq + h) * (D / 8) + (c >> 3)) << 6) + ((i & 7) << 3) + (c & 7);
 }
 
-// rowsum(O * dO) over one row of D elements (16-byte loads, float32 sums in element order): the
-// delta of the backward's preprocess, sm80 and sm90 alike.
+// acc + the products of 8 elements of O and dO (one 16-byte load each), summed in element
+// order in float32.
+template <typename T>
+__device__ __forceinline__ float dot8(float acc, const T* o, const T* d) {
+  const uint4 ov = *reinterpret_cast<const uint4*>(o);
+  const uint4 dv = *reinterpret_cast<const uint4*>(d);
+  const T* oe = reinterpret_cast<const T*>(&ov);
+  const T* de = reinterpret_cast<const T*>(&dv);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc += to_float(oe[e]) * to_float(de[e]);
+  return acc;
+}
+
+// rowsum(O * dO) over one row of D elements by one thread (16-byte loads, float32 sums in
+// element order): the delta of the sm80 backward's preprocess.
 template <typename T, int D>
 __device__ __forceinline__ float row_dot(const T* o, const T* d) {
   float acc = 0.f;
 #pragma unroll
-  for (int c = 0; c < D / 8; ++c) {
-    const uint4 ov = *reinterpret_cast<const uint4*>(o + c * 8);
-    const uint4 dv = *reinterpret_cast<const uint4*>(d + c * 8);
-    const T* oe = reinterpret_cast<const T*>(&ov);
-    const T* de = reinterpret_cast<const T*>(&dv);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc += to_float(oe[e]) * to_float(de[e]);
-  }
+  for (int c = 0; c < D / 8; ++c) acc = dot8(acc, o + c * 8, d + c * 8);
   return acc;
 }
 

@@ -57,9 +57,11 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
   constexpr int BM = C::kBlockM;
   if (p.dq_acc == nullptr) return cudaErrorInvalidValue;
   const int64_t padded_q = (static_cast<int64_t>(p.max_q) + BM - 1) / BM * BM;
+  constexpr int kPrepRows = kPrepRowsSm90<D>;
   cudaError_t err = launch(bwd_prep_kernel_sm90<T, D, BM>,
-                           dim3(static_cast<unsigned>((padded_q + 255) / 256), p.hq, p.batch), 256,
-                           0, p);
+                           dim3(static_cast<unsigned>((padded_q + kPrepRows - 1) / kPrepRows),
+                                p.hq, p.batch),
+                           256, 0, p);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.max_k + C::kBlockN - 1) / C::kBlockN, p.hkv, p.batch);
   if (grid.x > 0 && grid.y > 0 && grid.z > 0) {
