@@ -234,15 +234,9 @@ BWD_VARIANTS = {
     "sm80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
     "sm90-det-asc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "sm90-det-desc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
-    # The persistent backward over 3 CTAs (many work tiles each), both schedules.
-    "sm90-3cta": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
-    "sm90-overlap-3cta": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap",
-                          "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
 }
-# Timing also runs the default order and the sm80 backward's deterministic mode (its dQ pass),
-# not the 3-CTA runs (slow by design).
-BWD_TIMED = {"sm90-det": {}, "sm80-det": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
-             **{n: e for n, e in BWD_VARIANTS.items() if not n.endswith("-3cta")}}
+# Timing also runs the default order and the sm80 backward's deterministic mode (its dQ pass).
+BWD_TIMED = {"sm90-det": {}, "sm80-det": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"}, **BWD_VARIANTS}
 
 
 def bwd_deterministic(variant):

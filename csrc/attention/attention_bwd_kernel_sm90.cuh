@@ -2,23 +2,15 @@
 // accumulator) dQ per block of keys, wgmma for all five products, TMA loads through an mbarrier
 // pipeline (FlashAttention-3's scheme, keys as wgmma's M).
 //
-// Work tile: keys [n0, n0 + BN) of one KV head of one sequence; a CTA loops over the steps of
-// KeySteps (attention_bwd_kernel_sm80.cuh) of its tiles: the GQA group's query heads times the
-// query blocks of BM rows that see those keys, so that dK and dV of the whole group accumulate
-// in registers and are stored once per tile. Persistent (1-D grid of about one CTA per SM): CTA
-// c runs tiles c, c + gridDim.x, ... (key blocks fastest), and the producer loads a tile's first
-// Q/dO stage while the consumers finish the tile before, its K and V as soon as they have read
-// the old ones, so that a tile's start overlaps the last one's final step and its dK/dV stores;
-// with gridDim.x = n_work (FUSEDOPS_ATTN_SM90_PERSISTENT=0, and kDet) one tile per CTA.
-// Roles: warpgroup 0 produces -- one thread issues every load: per tile K and V (TMA tiles;
-// "kv" barrier with the bytes, "kvempty" one arrival per consumer thread after the tile's last
-// step; the u-th K/V load of the CTA completes phase u & 1 of both), then per step Q and dO (TMA
-// tiles) and the rows' statistics (lse in log2 units and delta, 1-D bulk copies from the padded
-// layout bwd_prep_kernel_sm90 writes) into one of kStages stages; a stage's "full" barrier
-// counts those bytes, its "empty" barrier one arrival per consumer thread. The steps are counted
-// across the CTA's tiles (step gi: stage gi % S at phase (gi / S) & 1, dS^T buffer gi & 1), so
-// the rings run on from tile to tile; tiles past a sequence's keys are skipped by every role,
-// tiles whose keys no query sees load nothing and store zero dK/dV.
+// Grid (ceil(max_k / BN), hkv, batch); a CTA owns keys [n0, n0 + BN) of one KV head and loops
+// over the steps of KeySteps (attention_bwd_kernel_sm80.cuh): the GQA group's query heads times
+// the query blocks of BM rows that see those keys, so that dK and dV of the whole group
+// accumulate in registers and are stored once.
+// Roles: warpgroup 0 produces -- one thread issues every load: K and V once (TMA tiles), then
+// per step Q and dO (TMA tiles) and the rows' statistics (lse in log2 units and delta, 1-D bulk
+// copies from the padded layout bwd_prep_kernel_sm90 writes) into one of kStages stages; a
+// stage's "full" barrier counts those bytes, its "empty" barrier one arrival per consumer
+// thread.
 // Warpgroups 1 and 2 each own 64 keys (rows 64 w of the block) and per step:
 //   S^T = K Q^T, dP^T = V dO^T      (ss: K/V and Q/dO K-major in shared memory)
 //   P^T = 2^(S^T scale log2(e) - lse2), dS^T = P^T (dP^T - delta) [(1 - tanh^2) with softcap],
@@ -60,9 +52,8 @@
 // overlap and 16-byte aligned tensors (TMA's rules; attention_api.cpp checks the strides and
 // alignment and takes the sm80 backward for overlapping rows), hq a multiple of hkv; p.delta
 // holding the statistics bwd_prep_kernel_sm90 wrote (stats_rows_sm90), p.dq_acc with rows
-// rounded up to a multiple of 8, zeroed by bwd_prep_kernel_sm90. Tensor maps
-// (attention_launch_bwd_sm90.cuh): 3-D (D, heads, rows), boxes of 64 x 1 x BN (K, V) or BM (Q,
-// dO), 128-byte swizzle. A tile that crosses a
+// rounded up to a multiple of 8, zeroed by bwd_prep_kernel_sm90. Tensor maps (attention_launch_bwd_sm90.cuh): 3-D (D,
+// heads, rows), boxes of 64 x 1 x BN (K, V) or BM (Q, dO), 128-byte swizzle. A tile that crosses a
 // sequence's end reads the next sequence's rows (TMA zero-fills only past the tensor's end):
 // keys >= lk and queries >= lq are masked by index (P = dS = 0), their gradients never stored.
 // Launch: TilesBwdSm90<D>::kThreads threads, kSmem bytes of dynamic shared memory. The body is
@@ -228,41 +219,43 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
   const uint32_t sDo = base + C::kDoOff, sDs = base + C::kDsOff;
   float* const stats = reinterpret_cast<float*>(smem_raw + (base - raw_u32) + C::kStatsOff);
   const uint32_t bars = base + C::kBarOff;
-  const uint32_t bar_kv = bars, bar_kvempty = bars + 8u * (1 + 2 * S);
+  const uint32_t bar_kv = bars;
   auto bar_full = [&](int s) { return bars + 8u * (1 + s); };
   auto bar_empty = [&](int s) { return bars + 8u * (1 + S + s); };
   // Stage s's lse2 (BM floats) and delta (BM floats).
   auto stats_lse = [&](int s) { return stats + s * 2 * BM; };
   auto stats_delta = [&](int s) { return stats + s * 2 * BM + BM; };
 
-  // Work tiles: (key block, KV head, sequence), key blocks fastest, n_work of them (the host
-  // keeps n_work + gridDim.x below 2^31). A CTA runs tiles blockIdx.x, blockIdx.x + gridDim.x,
-  // ... (persistent: about one CTA per SM; with n_work CTAs one tile each), or (kDet) the one
-  // tile its ticket names, the key blocks of a (KV head, sequence) in adding order (see the
-  // top). The ticket is read from shared memory at each use, so that it holds no register across
-  // the main loop (at D=64 the three indices held in registers spilled).
-  const int n_kb = (p.max_k + BN - 1) / BN, n_work = n_kb * p.hkv * p.batch;
+  // The CTA's key block of KV head cta_hk() and sequence cta_b(): its block index, or (kDet) the
+  // one its ticket names, the key blocks of a (KV head, sequence) in adding order (see the top).
+  // The ticket is read from shared memory at each use, so that it holds no register across the
+  // main loop (at D=64 the three indices held in registers spilled).
   int* const ticket = reinterpret_cast<int*>(smem_raw + (base - raw_u32) + C::kTicketOff);
   if constexpr (kDet) {
     if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(ticket) = atomicAdd(p.dq_sem, 1);
     __syncthreads();
   }
-  auto tile_id = [&](int t) -> int {
-    if constexpr (kDet) return *ticket;
-    return t;
+  auto cta_nb = [&]() -> int {
+    if constexpr (!kDet) return blockIdx.x;
+    const int nb = *ticket % gridDim.x;
+    return p.dq_desc ? gridDim.x - 1 - nb : nb;
   };
-  auto tile_nb = [&](int t) -> int {
-    const int nb = tile_id(t) % n_kb;
-    return kDet && p.dq_desc ? n_kb - 1 - nb : nb;
+  auto cta_hk = [&]() -> int {
+    if constexpr (!kDet) return blockIdx.y;
+    return (*ticket / gridDim.x) % gridDim.y;
   };
-  auto tile_hk = [&](int t) { return (tile_id(t) / n_kb) % p.hkv; };
-  auto tile_b = [&](int t) { return tile_id(t) / n_kb / p.hkv; };
-  const int t_first = kDet ? 0 : static_cast<int>(blockIdx.x);
-  auto next_tile = [&](int t) { return kDet ? n_work : t + static_cast<int>(gridDim.x); };
+  auto cta_b = [&]() -> int {
+    if constexpr (!kDet) return blockIdx.z;
+    return *ticket / (gridDim.x * gridDim.y);
+  };
+  const int hk = cta_hk(), b = cta_b(), n0 = cta_nb() * BN;
+  const Seq sq(p, b);
+  if (n0 >= sq.lk) return;  // uniform over the CTA, before any barrier is initialised
+  const KeySteps<BM, BN> ks(p, sq, n0);
+  const int group = ks.group, t_lo = ks.t_lo, n_tiles = ks.n_tiles, n_it = ks.n_it;
 
   if (threadIdx.x == 0) {
     sm90::mbar_init(bar_kv, 1);
-    sm90::mbar_init(bar_kvempty, 128 * C::kConsumerWarpgroups);  // every consumer thread
     for (int s = 0; s < S; ++s) {
       sm90::mbar_init(bar_full(s), 1);                            // the TMA thread
       sm90::mbar_init(bar_empty(s), 128 * C::kConsumerWarpgroups);  // every consumer thread
@@ -277,64 +270,38 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     // ---- producer ----
     setmaxnreg_dec<C::kProducerRegs>();
     const int warp = threadIdx.x / 32;
-    // The load warp: every lane walks the tiles and waits (warp-uniform values can live in
-    // uniform registers; one thread alone spilled at 24 registers), lane 0 issues the copies.
-    const bool leader = lane == 0;
-    if (warp == 0) {
-      if (leader) {
-        tma_prefetch_desc(&tm_q);
-        tma_prefetch_desc(&tm_k);
-        tma_prefetch_desc(&tm_v);
-        tma_prefetch_desc(&tm_do);
-      }
+    if (warp == 0 && lane == 0 && n_it > 0) {
+      tma_prefetch_desc(&tm_q);
+      tma_prefetch_desc(&tm_k);
+      tma_prefetch_desc(&tm_v);
+      tma_prefetch_desc(&tm_do);
+      mbar_arrive_expect_tx(bar_kv, 2 * C::kKvBytes);
+#pragma unroll
+      for (int c = 0; c < kBlocks; ++c)
+        tma_load_3d(sK + c * BN * 128, &tm_k, bar_kv, 64 * c, hk, sq.k_start + n0);
+#pragma unroll
+      for (int c = 0; c < kBlocks; ++c)
+        tma_load_3d(sV + c * BN * 128, &tm_v, bar_kv, 64 * c, hk, sq.k_start + n0);
       const int64_t stats_rows = stats_rows_sm90(p);
+      const float* lse2_g = p.delta + stats_start_sm90<BM>(sq.q_start, b);
       const int64_t delta_off = static_cast<int64_t>(p.hq) * stats_rows;
-      uint32_t g = 0, u = 0;  // the steps and K/V loads of the CTA's earlier tiles
-      for (int t = t_first; t < n_work; t = next_tile(t)) {
-        const int hk = tile_hk(t), b = tile_b(t), n0 = tile_nb(t) * BN;
-        const Seq sq(p, b);
-        if (n0 >= sq.lk) continue;  // the consumers skip it alike
-        const KeySteps<BM, BN> ks(p, sq, n0);
-        if (ks.n_it == 0) continue;  // keys that no query sees: the consumers store zeros
-        const float* lse2_g = p.delta + stats_start_sm90<BM>(sq.q_start, b);
-        int h = hk * ks.group, m = ks.t_lo * BM;
-        for (int it = 0; it < ks.n_it; ++it) {
-          const uint32_t gi = g + it, s = gi % S;
-          sm90::mbar_wait(bar_empty(s), ((gi / S) & 1) ^ 1);
-          if (leader) {
-            mbar_arrive_expect_tx(bar_full(s), 2 * C::kQBytes + 2 * BM * 4);
-            const int row = sq.q_start + m;
+      int h = hk * group, m = t_lo * BM;
+      for (int it = 0; it < n_it; ++it) {
+        const int s = it % S;
+        sm90::mbar_wait(bar_empty(s), ((it / S) & 1) ^ 1);
+        mbar_arrive_expect_tx(bar_full(s), 2 * C::kQBytes + 2 * BM * 4);
+        const int row = sq.q_start + m;
 #pragma unroll
-            for (int c = 0; c < kBlocks; ++c)
-              tma_load_3d(sQ + s * C::kQBytes + c * BM * 128, &tm_q, bar_full(s), 64 * c, h,
-                          row);
+        for (int c = 0; c < kBlocks; ++c)
+          tma_load_3d(sQ + s * C::kQBytes + c * BM * 128, &tm_q, bar_full(s), 64 * c, h, row);
 #pragma unroll
-            for (int c = 0; c < kBlocks; ++c)
-              tma_load_3d(sDo + s * C::kQBytes + c * BM * 128, &tm_do, bar_full(s), 64 * c, h,
-                          row);
-            const float* src = lse2_g + h * stats_rows + m;
-            const uint32_t dst = base + C::kStatsOff + s * 2 * BM * 4;
-            bulk_load_1d(dst, src, BM * 4, bar_full(s));
-            bulk_load_1d(dst + BM * 4, src + delta_off, BM * 4, bar_full(s));
-          }
-          if (it == 0) {
-            // K and V, once the consumers' last step of the tile before has read them (this
-            // tile's first Q/dO stage is already on its way).
-            sm90::mbar_wait(bar_kvempty, (u & 1) ^ 1);
-            if (leader) {
-              mbar_arrive_expect_tx(bar_kv, 2 * C::kKvBytes);
-#pragma unroll
-              for (int c = 0; c < kBlocks; ++c)
-                tma_load_3d(sK + c * BN * 128, &tm_k, bar_kv, 64 * c, hk, sq.k_start + n0);
-#pragma unroll
-              for (int c = 0; c < kBlocks; ++c)
-                tma_load_3d(sV + c * BN * 128, &tm_v, bar_kv, 64 * c, hk, sq.k_start + n0);
-            }
-          }
-          next_step<BM>(h, m, ks.t_lo, ks.n_tiles);
-        }
-        g += ks.n_it;
-        ++u;
+        for (int c = 0; c < kBlocks; ++c)
+          tma_load_3d(sDo + s * C::kQBytes + c * BM * 128, &tm_do, bar_full(s), 64 * c, h, row);
+        const float* src = lse2_g + h * stats_rows + m;
+        const uint32_t dst = base + C::kStatsOff + s * 2 * BM * 4;
+        bulk_load_1d(dst, src, BM * 4, bar_full(s));
+        bulk_load_1d(dst + BM * 4, src + delta_off, BM * 4, bar_full(s));
+        next_step<BM>(h, m, t_lo, n_tiles);
       }
     }
   } else {
@@ -343,10 +310,17 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     const int cw = warpgroup_uniform() - 1;  // consumer warpgroup: keys [64 cw, 64 cw + 64)
     const int warp = (threadIdx.x / 32) % 4, g = lane >> 2, tq = lane & 3;
     const int kr0 = 64 * cw + 16 * warp + g;  // the lane's first key row in the block (+8)
+    const int j0 = n0 + kr0;                  // ... as a key of the sequence
     const Score score(p);
     // dQ piece of this warpgroup: query rows 64 dq_r + [0, 64), columns 64 dq_c + [0, 64).
     constexpr bool kRowSplit = C::kDqRowSplit == 2;
     const int dq_r = kRowSplit ? cw : 0, dq_c = kRowSplit ? 0 : cw;
+
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int d8 = 0; d8 < D / 8; ++d8)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[d8][e] = dv[d8][e] = 0.f;
 
     // Every consumer thread arrives: an arrival releases only its own thread's earlier reads
     // (of the stage's statistics, here), so one lane arriving for its warp would not order the
@@ -365,288 +339,262 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     const SmemDesc dDs_mn = smem_desc_sw128(sDs + dq_r * BN * 128, BN * 128, 1024);
     const SmemDesc dK_mn = smem_desc_sw128(sK + dq_c * BN * 128, BN * 128, 1024);
 
-    // The CTA's earlier tiles, as far as the barriers' phases and buffers need them: bits 0-1
-    // their steps mod 2 S = 4 (a step's stage, the stage's phase, the dS^T buffer), bit 2 their
-    // K/V loads mod 2. (Counts would hold two more registers through the key loop.)
-    static_assert(S == 2, "the ring counts steps mod 2 S = 4");
-    uint32_t ring = 0;
-    for (int t = t_first; t < n_work; t = next_tile(t)) {
-      const int hk = tile_hk(t), n0 = tile_nb(t) * BN;
-      const Seq sq(p, tile_b(t));
-      if (n0 >= sq.lk) continue;  // as the producer
-      const KeySteps<BM, BN> ks(p, sq, n0);
-      const int group = ks.group, t_lo = ks.t_lo, n_tiles = ks.n_tiles, n_it = ks.n_it;
-      const int j0 = n0 + kr0;  // the lane's first key of the sequence (+8)
-      float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-      for (int d8 = 0; d8 < D / 8; ++d8)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dk[d8][e] = dv[d8][e] = 0.f;
+    if (n_it > 0) sm90::mbar_wait(bar_kv, 0);
+    int h = hk * group, m = t_lo * BM;
+    for (int it = 0; it < n_it; ++it) {
+      const int s = it % S;
+      const uint32_t sDs_b = sDs + (it & 1) * C::kDsBytes;
+      sm90::mbar_wait(bar_full(s), (it / S) & 1);
 
-      if (n_it > 0) sm90::mbar_wait(bar_kv, (ring >> 2) & 1);
-      int h = hk * group, m = t_lo * BM;
-      for (int it = 0; it < n_it; ++it) {
-        // Step it of the tile is the CTA's step gi: Q/dO stage gi % S, dS^T buffer gi & 1.
-        const uint32_t gi = ring + it;  // bits 0-1 as the CTA's step count
-        const int s = gi % S;
-        const uint32_t sDs_b = sDs + (gi & 1) * C::kDsBytes;
-        sm90::mbar_wait(bar_full(s), (gi / S) & 1);
+      // S^T = K Q^T and dP^T = V dO^T: D / 16 k-steps of 16 head-dim elements each.
+      float st[BM / 8][4], dpt[BM / 8][4];
+      reg_fence(st);
+      reg_fence(dpt);
+      wgmma_fence();
+      // acc = A B^T over the head dim, A the warpgroup's 64 keys of sA (K or V), B the step's
+      // queries of sB (Q or dO), both K-major.
+      auto keys_by_queries = [&](float (&acc)[BM / 8][4], SmemDesc da, SmemDesc db) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint32_t off = (kk / 4) * BN * 128 + (kk % 4) * 32;
+          const uint32_t offq = (kk / 4) * BM * 128 + (kk % 4) * 32;
+          Wgmma<T, BM>::ss(acc, da + off, db + offq, kk > 0 ? 1 : 0);
+        }
+      };
+      keys_by_queries(st, dK_km, dQ_km + s * C::kQBytes);
+      if constexpr (kOverlap) wgmma_commit();  // S^T and dP^T as two groups
+      keys_by_queries(dpt, dV_km, dDo_km + s * C::kQBytes);
+      wgmma_commit();
 
-        // S^T = K Q^T and dP^T = V dO^T: D / 16 k-steps of 16 head-dim elements each.
-        float st[BM / 8][4], dpt[BM / 8][4];
+      // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
+      const float* l_s = stats_lse(s);
+      const float* d_s = stats_delta(s);
+      const int jw = n0 + 64 * cw + 16 * warp;  // the warp's first key
+      const bool full = m + BM <= sq.lq && sq.all_visible(m, m + BM, jw, jw + 16, p);
+      // Both at once (the serial schedule, and the softcap's, whose dS needs tanh of S).
+      auto grad_tile = [&](auto path) {  // three copies: see run_path
+        constexpr int kPath = decltype(path)::value;
+#pragma unroll
+        for (int ni = 0; ni < BM / 8; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = ni * 8 + 2 * tq + (e & 1);
+            const float lse2 = l_s[c], dl = d_s[c];
+            float pv, ds;
+            if constexpr (kPath > 0) {
+              float t = 0.f;
+              const float x = score.at<kPath == 2>(st[ni][e], t);
+              const int i = m + c;
+              const bool vis = (i < sq.lq) & sq.visible(i, j0 + (e >> 1) * 8, p);
+              pv = vis ? ex2(x - lse2) : 0.f;
+              ds = pv * (dpt[ni][e] - dl);
+              if constexpr (kPath == 2) ds *= 1.f - t * t;
+            } else {
+              pv = ex2(st[ni][e] * score.scale_log2() - lse2);
+              ds = pv * (dpt[ni][e] - dl);
+            }
+            st[ni][e] = pv;
+            dpt[ni][e] = ds;
+          }
+      };
+      // P^T alone (the overlapped schedule without softcap): Path<0> or Path<1>.
+      auto p_tile = [&](auto path) {
+        constexpr int kPath = decltype(path)::value;
+#pragma unroll
+        for (int ni = 0; ni < BM / 8; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = ni * 8 + 2 * tq + (e & 1);
+            const float lse2 = l_s[c];
+            if constexpr (kPath > 0) {
+              const int i = m + c;
+              const bool vis = (i < sq.lq) & sq.visible(i, j0 + (e >> 1) * 8, p);
+              st[ni][e] = vis ? ex2(st[ni][e] * score.scale_log2() - lse2) : 0.f;
+            } else {
+              st[ni][e] = ex2(st[ni][e] * score.scale_log2() - lse2);
+            }
+          }
+      };
+      // As wgmma A fragments: queries [16 kk, 16 kk + 16) are the accumulators' 8-column
+      // blocks 2 kk and 2 kk + 1 (the m16n8k16 A layout, as the forward's P).
+      auto to_frag = [&](const float (&acc)[BM / 8][4], uint32_t (&f)[BM / 16][4]) {
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk) {
+          f[kk][0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
+          f[kk][1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
+          f[kk][2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
+          f[kk][3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
+        }
+      };
+      uint32_t pa[BM / 16][4], dsa[BM / 16][4];
+      // dV += P^T dO: BM / 16 k-steps of 16 queries (2048 bytes of rows); B is MN-major, its
+      // head dim in 64-wide column blocks BM * 128 bytes apart (the LBO).
+      auto issue_dv = [&] {
+        reg_fence(dv);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+          Wgmma<T, D>::rs_mn(dv, pa[kk], dDo_mn + (s * C::kQBytes + kk * 2048), 1);
+        wgmma_commit();
+      };
+      if (!kOverlap || score.capped()) {
+        wgmma_wait<0>();
         reg_fence(st);
         reg_fence(dpt);
-        wgmma_fence();
-        // acc = A B^T over the head dim, A the warpgroup's 64 keys of sA (K or V), B the step's
-        // queries of sB (Q or dO), both K-major.
-        auto keys_by_queries = [&](float (&acc)[BM / 8][4], SmemDesc da, SmemDesc db) {
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t off = (kk / 4) * BN * 128 + (kk % 4) * 32;
-            const uint32_t offq = (kk / 4) * BM * 128 + (kk % 4) * 32;
-            Wgmma<T, BM>::ss(acc, da + off, db + offq, kk > 0 ? 1 : 0);
-          }
-        };
-        keys_by_queries(st, dK_km, dQ_km + s * C::kQBytes);
-        if constexpr (kOverlap) wgmma_commit();  // S^T and dP^T as two groups
-        keys_by_queries(dpt, dV_km, dDo_km + s * C::kQBytes);
-        wgmma_commit();
-
-        // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
-        const float* l_s = stats_lse(s);
-        const float* d_s = stats_delta(s);
-        const int jw = n0 + 64 * cw + 16 * warp;  // the warp's first key
-        const bool full = m + BM <= sq.lq && sq.all_visible(m, m + BM, jw, jw + 16, p);
-        // Both at once (the serial schedule, and the softcap's, whose dS needs tanh of S).
-        auto grad_tile = [&](auto path) {  // three copies: see run_path
-          constexpr int kPath = decltype(path)::value;
-#pragma unroll
-          for (int ni = 0; ni < BM / 8; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int c = ni * 8 + 2 * tq + (e & 1);
-              const float lse2 = l_s[c], dl = d_s[c];
-              float pv, ds;
-              if constexpr (kPath > 0) {
-                float th = 0.f;  // tanh of the capped score
-                const float x = score.at<kPath == 2>(st[ni][e], th);
-                const int i = m + c;
-                const bool vis = (i < sq.lq) & sq.visible(i, j0 + (e >> 1) * 8, p);
-                pv = vis ? ex2(x - lse2) : 0.f;
-                ds = pv * (dpt[ni][e] - dl);
-                if constexpr (kPath == 2) ds *= 1.f - th * th;
-              } else {
-                pv = ex2(st[ni][e] * score.scale_log2() - lse2);
-                ds = pv * (dpt[ni][e] - dl);
-              }
-              st[ni][e] = pv;
-              dpt[ni][e] = ds;
-            }
-        };
-        // P^T alone (the overlapped schedule without softcap): Path<0> or Path<1>.
-        auto p_tile = [&](auto path) {
-          constexpr int kPath = decltype(path)::value;
-#pragma unroll
-          for (int ni = 0; ni < BM / 8; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int c = ni * 8 + 2 * tq + (e & 1);
-              const float lse2 = l_s[c];
-              if constexpr (kPath > 0) {
-                const int i = m + c;
-                const bool vis = (i < sq.lq) & sq.visible(i, j0 + (e >> 1) * 8, p);
-                st[ni][e] = vis ? ex2(st[ni][e] * score.scale_log2() - lse2) : 0.f;
-              } else {
-                st[ni][e] = ex2(st[ni][e] * score.scale_log2() - lse2);
-              }
-            }
-        };
-        // As wgmma A fragments: queries [16 kk, 16 kk + 16) are the accumulators' 8-column
-        // blocks 2 kk and 2 kk + 1 (the m16n8k16 A layout, as the forward's P).
-        auto to_frag = [&](const float (&acc)[BM / 8][4], uint32_t (&f)[BM / 16][4]) {
-#pragma unroll
-          for (int kk = 0; kk < BM / 16; ++kk) {
-            f[kk][0] = pack2<T>(acc[2 * kk][0], acc[2 * kk][1]);
-            f[kk][1] = pack2<T>(acc[2 * kk][2], acc[2 * kk][3]);
-            f[kk][2] = pack2<T>(acc[2 * kk + 1][0], acc[2 * kk + 1][1]);
-            f[kk][3] = pack2<T>(acc[2 * kk + 1][2], acc[2 * kk + 1][3]);
-          }
-        };
-        uint32_t pa[BM / 16][4], dsa[BM / 16][4];
-        // dV += P^T dO: BM / 16 k-steps of 16 queries (2048 bytes of rows); B is MN-major, its
-        // head dim in 64-wide column blocks BM * 128 bytes apart (the LBO).
-        auto issue_dv = [&] {
-          reg_fence(dv);
-          wgmma_fence();
-#pragma unroll
-          for (int kk = 0; kk < BM / 16; ++kk)
-            Wgmma<T, D>::rs_mn(dv, pa[kk], dDo_mn + (s * C::kQBytes + kk * 2048), 1);
-          wgmma_commit();
-        };
-        if (!kOverlap || score.capped()) {
-          wgmma_wait<0>();
-          reg_fence(st);
-          reg_fence(dpt);
-          run_path(full, score.capped(), grad_tile);
+        run_path(full, score.capped(), grad_tile);
+        to_frag(st, pa);
+        issue_dv();
+      } else {
+        // Overlapped: P^T while dP^T runs, then (D=128) dS^T while dV += P^T dO runs (the
+        // groups complete in order: wait_group 1 leaves only the last one in flight). At D=64
+        // the P^T fragments held through dS^T (S^T, dP^T: 128 floats) would spill: dV waits.
+        constexpr bool kEarlyDv = D == 128;
+        wgmma_wait<1>();
+        reg_fence(st);
+        if (full)
+          p_tile(Path<0>{});
+        else
+          p_tile(Path<1>{});
+        if constexpr (kEarlyDv) {
           to_frag(st, pa);
           issue_dv();
-        } else {
-          // Overlapped: P^T while dP^T runs, then (D=128) dS^T while dV += P^T dO runs (the
-          // groups complete in order: wait_group 1 leaves only the last one in flight). At D=64
-          // the P^T fragments held through dS^T (S^T, dP^T: 128 floats) would spill: dV waits.
-          constexpr bool kEarlyDv = D == 128;
           wgmma_wait<1>();
-          reg_fence(st);
-          if (full)
-            p_tile(Path<0>{});
-          else
-            p_tile(Path<1>{});
-          if constexpr (kEarlyDv) {
-            to_frag(st, pa);
-            issue_dv();
-            wgmma_wait<1>();
-          } else {
-            wgmma_wait<0>();
-          }
-          reg_fence(dpt);
-#pragma unroll
-          for (int ni = 0; ni < BM / 8; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              dpt[ni][e] = st[ni][e] * (dpt[ni][e] - d_s[ni * 8 + 2 * tq + (e & 1)]);
-          if constexpr (!kEarlyDv) {
-            to_frag(st, pa);
-            issue_dv();
-          }
+        } else {
+          wgmma_wait<0>();
         }
-        to_frag(dpt, dsa);
-        // dS^T into buffer gi & 1: key row kr of the block at byte 128 kr of the column block of
-        // its query c (BN rows x 128 bytes each), 16-byte chunk (c % 64) / 8 at chunk ^ (kr % 8)
-        // (kr % 8 == g) -- the layout TMA writes, which the dQ wgmma reads as an MN-major A.
-        // The chunk bits (4-6) of ds_lane are g, so that XOR with (ni % 8) << 4 swizzles: one
-        // LOP3 per chunk, row kr0 + 8 an immediate 1024 further.
-        const uint32_t ds_lane = sDs_b + kr0 * 128 + (g << 4) + 4 * tq;
+        reg_fence(dpt);
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
+        for (int ni = 0; ni < BM / 8; ++ni)
 #pragma unroll
-          for (int half = 0; half < 2; ++half)
+          for (int e = 0; e < 4; ++e)
+            dpt[ni][e] = st[ni][e] * (dpt[ni][e] - d_s[ni * 8 + 2 * tq + (e & 1)]);
+        if constexpr (!kEarlyDv) {
+          to_frag(st, pa);
+          issue_dv();
+        }
+      }
+      to_frag(dpt, dsa);
+      // dS^T into buffer it & 1: key row kr of the block at byte 128 kr of the column block of
+      // its query c (BN rows x 128 bytes each), 16-byte chunk (c % 64) / 8 at chunk ^ (kr % 8)
+      // (kr % 8 == g) -- the layout TMA writes, which the dQ wgmma reads as an MN-major A.
+      // The chunk bits (4-6) of ds_lane are g, so that XOR with (ni % 8) << 4 swizzles: one
+      // LOP3 per chunk, row kr0 + 8 an immediate 1024 further.
+      const uint32_t ds_lane = sDs_b + kr0 * 128 + (g << 4) + 4 * tq;
 #pragma unroll
-            for (int r = 0; r < 2; ++r) {
-              const int ni = 2 * kk + half;
-              const uint32_t addr =
-                  (ds_lane ^ ((ni % 8) << 4)) + (ni / 8) * BN * 128 + r * 8 * 128;
-              st_shared_u32(addr, dsa[kk][2 * half + r]);
-            }
-        fence_proxy_async_smem();  // the stores, before the wgmmas (async proxy) read them
-        named_bar_sync<256>(1);    // both consumer warpgroups' halves of dS^T are written
-
-        // dQ_part = dS K: BN / 16 k-steps of 16 keys; A = dS^T's column block dq_r, B = K's
-        // column block dq_c. Then dK += dS^T Q as dV, whose products run while dQ_part is added
-        // to the accumulator (the groups complete in order: wait_group 1 leaves only dK's).
-        float dq[8][4];
-        reg_fence(dk);
-        reg_fence(dq);
-        wgmma_fence();
+      for (int kk = 0; kk < BM / 16; ++kk)
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk)
-          WgmmaTT<T>::ss(dq, dDs_mn + ((gi & 1) * C::kDsBytes + kk * 2048), dK_mn + kk * 2048,
-                         kk > 0 ? 1 : 0);
-        wgmma_commit();
-#pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-          Wgmma<T, D>::rs_mn(dk, dsa[kk], dQ_mn + (s * C::kQBytes + kk * 2048), 1);
-        wgmma_commit();
-
-        // kDet: wait for this piece's turn -- the offset of key block nb among the query block's
-        // contributors [klo / BN, (khi - 1) / BN], counted in adding order. Warp 0 polls (lane 0
-        // loads, the warp exits together), the named barrier (2 + cw) passes the acquire on. At
-        // D=128 the wait runs while dQ_part's products do; at D=64 that spilled (8 bytes), so it
-        // follows their wait there. The counter's address is recomputed where needed: nothing
-        // extra stays live across the reductions (at D=128 that spilled).
-        auto sem_at = [&] {
-          return p.dq_sem + dq_sem_index_sm90<BM>(p, sq.q_start, tile_b(t), h, m, cw);
-        };
-        auto wg_bar = [&] {
-          if (cw == 0)
-            named_bar_sync<128>(2);
-          else
-            named_bar_sync<128>(3);
-        };
-        auto wait_turn = [&] {
-          if (warp == 0) {
-            int klo, khi;
-            sq.keys_of(m, min(m + BM, sq.lq), p, klo, khi);
-            const int nb = tile_nb(t);
-            const int turn = p.dq_desc ? (khi - 1) / BN - nb : nb - klo / BN;
-            const int* sem = sem_at();
-            for (uint32_t polls = 0;; ++polls) {
-              const int v = __shfl_sync(0xffffffffu, lane == 0 ? ld_acquire_gpu(sem) : 0, 0);
-              if (v == turn) break;
-              if (polls == (1u << 25)) __trap();  // a turn that never comes: an error, not a hang
-            }
-          }
-          wg_bar();
-        };
-        constexpr bool kEarlyTurn = D == 128;
-        if constexpr (kDet && kEarlyTurn) wait_turn();
-        wgmma_wait<1>();
-        reg_fence(dq);
-        if constexpr (kDet && !kEarlyTurn) wait_turn();
-        // dQ accumulation: the piece's rows 16 warp + g (+ 8), columns 8 n8 + 2 tq (+ 1).
-        // Row i + 8 is one 8-row tile further (dq_acc_index): hq D 8 floats on from row i. The
-        // deterministic mode computes the second row's address afresh (at D=64 the held pointer
-        // spilled there).
-        {
-          const int i = m + 64 * dq_r + 16 * warp + g;
-          auto row_at = [&](int r) {
-            return p.dq_acc + dq_acc_index<D>(sq.q_start + i + 8 * r, h, 64 * dq_c + 2 * tq, p.hq);
-          };
-          float* const dst = row_at(0);
+        for (int half = 0; half < 2; ++half)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            if (i + 8 * r >= sq.lq) continue;
-            float* const dst_r = kDet ? row_at(r) : dst + static_cast<int64_t>(r) * p.hq * D * 8;
+            const int ni = 2 * kk + half;
+            const uint32_t addr =
+                (ds_lane ^ ((ni % 8) << 4)) + (ni / 8) * BN * 128 + r * 8 * 128;
+            st_shared_u32(addr, dsa[kk][2 * half + r]);
+          }
+      fence_proxy_async_smem();  // the stores, before the wgmmas (async proxy) read them
+      named_bar_sync<256>(1);    // both consumer warpgroups' halves of dS^T are written
+
+      // dQ_part = dS K: BN / 16 k-steps of 16 keys; A = dS^T's column block dq_r, B = K's
+      // column block dq_c. Then dK += dS^T Q as dV, whose products run while dQ_part is added
+      // to the accumulator (the groups complete in order: wait_group 1 leaves only dK's).
+      float dq[8][4];
+      reg_fence(dk);
+      reg_fence(dq);
+      wgmma_fence();
 #pragma unroll
-            for (int n8 = 0; n8 < 8; ++n8)
-              red_add2(dst_r + n8 * 64, dq[n8][2 * r], dq[n8][2 * r + 1]);
+      for (int kk = 0; kk < BN / 16; ++kk)
+        WgmmaTT<T>::ss(dq, dDs_mn + ((it & 1) * C::kDsBytes + kk * 2048), dK_mn + kk * 2048,
+                       kk > 0 ? 1 : 0);
+      wgmma_commit();
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+        Wgmma<T, D>::rs_mn(dk, dsa[kk], dQ_mn + (s * C::kQBytes + kk * 2048), 1);
+      wgmma_commit();
+
+      // kDet: wait for this piece's turn -- the offset of key block nb among the query block's
+      // contributors [klo / BN, (khi - 1) / BN], counted in adding order. Warp 0 polls (lane 0
+      // loads, the warp exits together), the named barrier (2 + cw) passes the acquire on. At
+      // D=128 the wait runs while dQ_part's products do; at D=64 that spilled (8 bytes), so it
+      // follows their wait there. The counter's address is recomputed where needed: nothing
+      // extra stays live across the reductions (at D=128 that spilled).
+      auto sem_at = [&] {
+        return p.dq_sem + dq_sem_index_sm90<BM>(p, sq.q_start, cta_b(), h, m, cw);
+      };
+      auto wg_bar = [&] {
+        if (cw == 0)
+          named_bar_sync<128>(2);
+        else
+          named_bar_sync<128>(3);
+      };
+      auto wait_turn = [&] {
+        if (warp == 0) {
+          int klo, khi;
+          sq.keys_of(m, min(m + BM, sq.lq), p, klo, khi);
+          const int nb = cta_nb();
+          const int turn = p.dq_desc ? (khi - 1) / BN - nb : nb - klo / BN;
+          const int* sem = sem_at();
+          for (uint32_t polls = 0;; ++polls) {
+            const int v = __shfl_sync(0xffffffffu, lane == 0 ? ld_acquire_gpu(sem) : 0, 0);
+            if (v == turn) break;
+            if (polls == (1u << 25)) __trap();  // a turn that never comes: an error, not a hang
           }
         }
-        // kDet: pass the turn on once every thread's reductions are performed at gpu scope.
-        if constexpr (kDet) {
-          fence_acq_rel_gpu();
-          wg_bar();
-          if (threadIdx.x % 128 == 0) red_release_gpu_add(sem_at(), 1);
+        wg_bar();
+      };
+      constexpr bool kEarlyTurn = D == 128;
+      if constexpr (kDet && kEarlyTurn) wait_turn();
+      wgmma_wait<1>();
+      reg_fence(dq);
+      if constexpr (kDet && !kEarlyTurn) wait_turn();
+      // dQ accumulation: the piece's rows 16 warp + g (+ 8), columns 8 n8 + 2 tq (+ 1).
+      // Row i + 8 is one 8-row tile further (dq_acc_index): hq D 8 floats on from row i. The
+      // deterministic mode computes the second row's address afresh (at D=64 the held pointer
+      // spilled there).
+      {
+        const int i = m + 64 * dq_r + 16 * warp + g;
+        auto row_at = [&](int r) {
+          return p.dq_acc + dq_acc_index<D>(sq.q_start + i + 8 * r, h, 64 * dq_c + 2 * tq, p.hq);
+        };
+        float* const dst = row_at(0);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (i + 8 * r >= sq.lq) continue;
+          float* const dst_r = kDet ? row_at(r) : dst + static_cast<int64_t>(r) * p.hq * D * 8;
+#pragma unroll
+          for (int n8 = 0; n8 < 8; ++n8)
+            red_add2(dst_r + n8 * 64, dq[n8][2 * r], dq[n8][2 * r + 1]);
         }
-        wgmma_wait<0>();
-        reg_fence(dv);
-        reg_fence(dk);
-        release(bar_empty(s));  // Q, dO and the stats of stage s are no longer read
-        next_step<BM>(h, m, t_lo, n_tiles);
       }
-      if (n_it > 0) {
-        release(bar_kvempty);  // the last step's wgmmas, the last to read K and V, have completed
-        ring = ((ring + n_it) & 3u) | ((ring & 4u) ^ 4u);
+      // kDet: pass the turn on once every thread's reductions are performed at gpu scope.
+      if constexpr (kDet) {
+        fence_acq_rel_gpu();
+        wg_bar();
+        if (threadIdx.x % 128 == 0) red_release_gpu_add(sem_at(), 1);
       }
+      wgmma_wait<0>();
+      reg_fence(dv);
+      reg_fence(dk);
+      release(bar_empty(s));  // Q, dO and the stats of stage s are no longer read
+      next_step<BM>(h, m, t_lo, n_tiles);
+    }
 
-      // ---- epilogue: dK (scaled) and dV of keys < lk, 4-byte stores from registers ----
-      // The sequence's bounds are read again (the loop's reductions are memory clobbers, so they
-      // are reloaded): held across the loop, the key offset took a stack slot.
-      const Seq se(p, tile_b(t));
-      T* dK = static_cast<T*>(p.dk) + se.k_start * p.dk_row + static_cast<int64_t>(tile_hk(t)) * D;
-      T* dV = static_cast<T*>(p.dv) + se.k_start * p.dv_row + static_cast<int64_t>(tile_hk(t)) * D;
+    // ---- epilogue: dK (scaled) and dV of keys < lk, 4-byte stores from registers ----
+    // The sequence's bounds are read again (the loop's reductions are memory clobbers, so they
+    // are reloaded): held across the loop, the key offset took a stack slot.
+    const Seq se(p, cta_b());
+    T* dK = static_cast<T*>(p.dk) + se.k_start * p.dk_row + static_cast<int64_t>(cta_hk()) * D;
+    T* dV = static_cast<T*>(p.dv) + se.k_start * p.dv_row + static_cast<int64_t>(cta_hk()) * D;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int j = j0 + 8 * r;
-        if (j >= se.lk) continue;
-        T* dk_row = dK + static_cast<int64_t>(j) * p.dk_row + 2 * tq;
-        T* dv_row = dV + static_cast<int64_t>(j) * p.dv_row + 2 * tq;
+    for (int r = 0; r < 2; ++r) {
+      const int j = j0 + 8 * r;
+      if (j >= se.lk) continue;
+      T* dk_row = dK + static_cast<int64_t>(j) * p.dk_row + 2 * tq;
+      T* dv_row = dV + static_cast<int64_t>(j) * p.dv_row + 2 * tq;
 #pragma unroll
-        for (int d8 = 0; d8 < D / 8; ++d8) {
-          *reinterpret_cast<uint32_t*>(dk_row + d8 * 8) =
-              pack2<T>(dk[d8][2 * r] * p.scale, dk[d8][2 * r + 1] * p.scale);
-          *reinterpret_cast<uint32_t*>(dv_row + d8 * 8) =
-              pack2<T>(dv[d8][2 * r], dv[d8][2 * r + 1]);
-        }
+      for (int d8 = 0; d8 < D / 8; ++d8) {
+        *reinterpret_cast<uint32_t*>(dk_row + d8 * 8) =
+            pack2<T>(dk[d8][2 * r] * p.scale, dk[d8][2 * r + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(dv_row + d8 * 8) = pack2<T>(dv[d8][2 * r], dv[d8][2 * r + 1]);
       }
     }
   }

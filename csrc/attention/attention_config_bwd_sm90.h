@@ -50,8 +50,8 @@ struct TilesBwdSm90 {
   // Row statistics per stage: lse2 and delta (BM floats each, bwd_prep_kernel_sm90's layout).
   static constexpr int kStatsOff = kDsOff + 2 * kDsBytes;
   static constexpr int kBarOff = kStatsOff + kStages * 2 * kBlockM * 4;
-  // Barriers: K/V full; per stage Q/dO full, Q/dO empty; K/V empty.
-  static constexpr int kNumBars = 2 + 2 * kStages;
+  // Barriers: K/V full; per stage Q/dO full, Q/dO empty.
+  static constexpr int kNumBars = 1 + 2 * kStages;
   // The deterministic mode's ticket (attention_bwd_kernel_sm90.cuh), 16 bytes.
   static constexpr int kTicketOff = kBarOff + kNumBars * 8;
   static constexpr size_t kSmem = kTicketOff + 16 + 1024;  // + 1024: base alignment

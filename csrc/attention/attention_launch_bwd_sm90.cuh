@@ -5,7 +5,6 @@
 
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -14,7 +13,7 @@
 #include "attention_bwd_kernel_sm90.cuh"
 #include "attention_config_bwd_sm90.h"
 #include "attention_launch_sm80.cuh"  // launch, dq_convert_kernel
-#include "attention_launch_sm90.cuh"  // make_tensor_map, device_sm90
+#include "attention_launch_sm90.cuh"  // make_tensor_map
 
 namespace fusedops {
 namespace attn {
@@ -64,20 +63,8 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
                                 p.hq, p.batch),
                            256, 0, p);
   if (err != cudaSuccess) return err;
-  // Work tiles (key block, KV head, sequence); persistent: at most one CTA per SM (one fits),
-  // each looping over tiles; the forward's FUSEDOPS_ATTN_SM90_PERSISTENT applies (0: one CTA
-  // per tile, the same kernel; N: at most N CTAs). The deterministic mode: one CTA per tile,
-  // its ticket's.
-  const int64_t n_work = static_cast<int64_t>((p.max_k + C::kBlockN - 1) / C::kBlockN) *
-                         p.hkv * p.batch;
-  if (n_work > 0x7fffffff - (1 << 20)) return cudaErrorInvalidValue;  // 32-bit tile indices
-  DeviceSm90 dev;
-  err = device_sm90(dev);
-  if (err != cudaSuccess) return err;
-  const int64_t forced = sm90_persistent_override();
-  const int64_t cap = p.dq_sem != nullptr ? 0 : forced >= 0 ? forced : dev.sms;
-  const dim3 grid(static_cast<unsigned>(cap > 0 ? std::min(n_work, cap) : n_work));
-  if (n_work > 0) {
+  const dim3 grid((p.max_k + C::kBlockN - 1) / C::kBlockN, p.hkv, p.batch);
+  if (grid.x > 0 && grid.y > 0 && grid.z > 0) {
     CUtensorMap tm_q, tm_k, tm_v, tm_do;
     if (!make_tensor_map(&tm_q, p.q, kBf16, D, p.hq, p.total_q, p.q_row, C::kBlockM) ||
         !make_tensor_map(&tm_k, p.k, kBf16, D, p.hkv, p.total_k, p.k_row, C::kBlockN) ||

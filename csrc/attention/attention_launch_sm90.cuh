@@ -79,19 +79,13 @@ inline int sm90_epilogue() {
 // =1..N (a positive integer): at most N CTAs, so that even a small call runs many tiles per CTA
 // (for tests of the cross-tile pipeline). `dynamic`: the tiles would come from the counter.
 // Returns the CTA cap, 0 for one CTA per tile.
-// The backward (attention_launch_bwd_sm90.cuh) obeys the same override.
-inline int64_t sm90_persistent_override() {  // -1: unset, or not a non-negative integer
+inline int64_t sm90_persistent_ctas(const AttnParams& p, int sms, bool dynamic) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_PERSISTENT");
   if (s != nullptr && *s != '\0') {
     char* end = nullptr;
     const long n = std::strtol(s, &end, 10);
     if (*end == '\0' && n >= 0) return n;
   }
-  return -1;
-}
-inline int64_t sm90_persistent_ctas(const AttnParams& p, int sms, bool dynamic) {
-  const int64_t n = sm90_persistent_override();
-  if (n >= 0) return n;
   return sm90_auto_persistent(p.head_dim, /*causal=*/p.right == 0, p.max_k, dynamic)
              ? std::max(1, sms)
              : 0;

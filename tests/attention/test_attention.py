@@ -330,15 +330,9 @@ SM90_BWD_VARIANTS = {
                              "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "sm90-bwd-ordered-desc": {"FUSEDOPS_ATTN_DQ": "separate",
                               "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
-    # The persistent backward over 3 CTAs (each looping over many work tiles, both schedules),
-    # and one CTA per tile.
-    "sm90-bwd-3cta": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
-    "sm90-bwd-overlap-3cta": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap",
-                              "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
-    "sm90-bwd-one-per-tile": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "0"},
 }
 SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ",
-                "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER", "FUSEDOPS_ATTN_SM90_PERSISTENT")
+                "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER")
 
 
 @pytest.mark.gpu
@@ -351,9 +345,8 @@ SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FU
 @NEEDS_EXT
 def test_cuda_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, monkeypatch):
     """cuda-sm90's backward is the sm90 kernel (serial schedule, or overlapped by
-    FUSEDOPS_ATTN_SM90_BWD_SCHEDULE, or deterministic in either order of its dQ reductions;
-    persistent over 3 CTAs, or one CTA per work tile); FUSEDOPS_ATTN_SM90_BWD=sm80 takes the
-    sm80 one. All pass the oracle."""
+    FUSEDOPS_ATTN_SM90_BWD_SCHEDULE, or deterministic in either order of its dQ reductions);
+    FUSEDOPS_ATTN_SM90_BWD=sm80 takes the sm80 one. All pass the oracle."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 kernels run on compute capability 9.0")
     for name in SM90_BWD_ENV:
