@@ -17,7 +17,7 @@ Methods with a suffix run the fusedops backend under an environment override (ME
 -atomic-dq / -deterministic the dQ modes, -bwd80 the sm90 forward with the sm80 backward,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
 -m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
-schedule.
+schedule, -bn176 its 176-key tiles at D=128.
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ METHOD_ENV = {
     "-m192": {"FUSEDOPS_ATTN_SM90_TILE": "m192"},
     "-overlap": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap"},
     "-pingpong": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "pingpong"},
+    "-bn176": {"FUSEDOPS_ATTN_SM90_BLOCK_N": "176"},
 }
 
 
