@@ -115,17 +115,20 @@ struct TilesSm90 {
 //   D=128 non-causal: overlap -- 1024 473/471, 4096 632/586, 16384 617/614.
 //   D=128 causal: ping-pong up to L=2048 (1024: 320/336), overlap beyond (4096: 495/462;
 //     16384 601/607 is within the run's spread, and 4096 is not).
-// Timed again with the persistent tile scheduler (git 8c12dec, run 05bea6d6, 3 interleaved
-// rounds, TFLOP/s overlap / ping-pong) D=128 turned: non-causal 4096 659/658, 16384 643/659;
-// causal 4096 578/598, 16384 628/637. So D=128 takes ping-pong for causal calls and from 8192
-// keys, overlap for shorter non-causal ones.
+// Timed again with the persistent tile scheduler, 3 interleaved rounds each, TFLOP/s overlap /
+// ping-pong at D=128: run 05bea6d6 (git 8c12dec) non-causal 4096 659/658, 16384 643/659,
+// causal 4096 578/598, 16384 628/637; run 5e1180ad (git 000cc76) non-causal 16384 630/648,
+// causal 4096 577/565, 16384 621/622 (and the same overlap kernel at 4096 non-causal 605 and
+// 621 under two names: the spread). Ping-pong won both times only for non-causal calls of
+// 16384 keys, so D=128 takes it for non-causal calls from 8192 keys.
 // FUSEDOPS_ATTN_SM90_SCHEDULE overrides it, for measurement (attention_launch_sm90.cuh).
 // D=256: overlap, unmeasured (FlashAttention-3 takes turns between its consumer warpgroups only
 // up to hdim 128); the place to change once check_attention_sm90.py --dims 256 has timed it.
 constexpr int sm90_auto_schedule(int head_dim, bool causal, int max_k) {
   if (head_dim == 64) return 2;
   if (head_dim == 256) return 1;
-  return causal || max_k >= 8192 ? 2 : 1;
+  if (!causal) return max_k >= 8192 ? 2 : 1;
+  return max_k <= 2048 ? 2 : 1;
 }
 
 // Consumer warpgroups of a call's CTA (TilesSm90's kWarpgroups), from an H200 timing of

@@ -130,6 +130,8 @@ SM90_PERSIST_ENVS = {
     "3cta-serial": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3", FUSEDOPS_ATTN_SM90_SCHEDULE="serial"),
     "3cta-overlap": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
                          FUSEDOPS_ATTN_SM90_SCHEDULE="overlap"),
+    "3cta-pingpong": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                          FUSEDOPS_ATTN_SM90_SCHEDULE="pingpong"),
     "3cta-pingpong-qrows": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
                                 FUSEDOPS_ATTN_SM90_SCHEDULE="pingpong",
                                 FUSEDOPS_ATTN_SM90_EPILOGUE="qrows"),
