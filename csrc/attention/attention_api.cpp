@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <vector>
 
 #include "../stream_counters.h"
 #include "../torch_utils.h"

@@ -52,10 +52,11 @@
 // overlap and 16-byte aligned tensors (TMA's rules; attention_api.cpp checks the strides and
 // alignment and takes the sm80 backward for overlapping rows), hq a multiple of hkv; p.delta
 // holding the statistics bwd_prep_kernel_sm90 wrote (stats_rows_sm90), p.dq_acc with rows
-// rounded up to a multiple of 8, zeroed by bwd_prep_kernel_sm90. Tensor maps (attention_launch_bwd_sm90.cuh): 3-D (D,
-// heads, rows), boxes of 64 x 1 x BN (K, V) or BM (Q, dO), 128-byte swizzle. A tile that crosses a
-// sequence's end reads the next sequence's rows (TMA zero-fills only past the tensor's end):
-// keys >= lk and queries >= lq are masked by index (P = dS = 0), their gradients never stored.
+// rounded up to a multiple of 8, zeroed by bwd_prep_kernel_sm90. Tensor maps
+// (attention_launch_bwd_sm90.cuh): 3-D (D, heads, rows), boxes of 64 x 1 x BN (K, V) or BM (Q,
+// dO), 128-byte swizzle. A tile that crosses a sequence's end reads the next sequence's rows
+// (TMA zero-fills only past the tensor's end): keys >= lk and queries >= lq are masked by index
+// (P = dS = 0), their gradients never stored.
 // Launch: TilesBwdSm90<D>::kThreads threads, kSmem bytes of dynamic shared memory. The body is
 // empty (a trap) unless compiled for sm_90a.
 #pragma once
