@@ -52,6 +52,29 @@ SHAPES = {  # name: (N tokens, H, V, softcap)
 }
 
 
+DATA = {  # --data: name -> (scale of hidden, scale of weight * sqrt(H), target boost)
+    "dense": (1.0, 2.0, 0.0),   # random logits of std ~2: softmax mass spread over many entries
+    "mild": (0.5, 1.0, 0.0),    # random logits of std ~0.5: every probability near 1 / V
+    "peaked": (0.5, 1.0, 10.0),  # as mild, the target's logit 10 above the rest (as a trained
+    #                               model's: mean loss ~2 nats at V = 128256, ~1 at V = 32000)
+}
+
+
+def make_inputs(n: int, h: int, v: int, data: str):
+    """hidden (n, h), weight (v, h) in bf16 (hidden requiring grad, weight too) and targets.
+    peaked: hidden gets boost * w_t / |w_t|^2 added, which raises the target's logit by `boost`
+    and moves every other logit by about boost / sqrt(h)."""
+    xs, ws, boost = DATA[data]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, device="cuda", generator=g) * xs
+    w = (torch.randn(v, h, device="cuda", generator=g) * (ws / h**0.5)).bfloat16()
+    t = torch.randint(0, v, (n,), device="cuda", generator=g)
+    if boost:
+        wt = w[t].float()
+        x += boost * wt / wt.pow(2).sum(1, keepdim=True)
+    return x.bfloat16().requires_grad_(), w.requires_grad_(), t
+
+
 def eager_loss(x, w, t, softcap=None):
     z = (x @ w.T).float()
     if softcap:
@@ -73,6 +96,12 @@ def methods(softcap):
     def recompute(x, w, t):  # the recompute algorithm: 4 fused GEMM kernels, no logits chunk
         with env_set("FUSEDOPS_LCE_ALGO", "recompute"):
             return linear_cross_entropy(x, w, t, softcap=softcap, check_targets=False)
+
+    def with_env(inner, name, value):
+        def run(x, w, t):
+            with env_set(name, value):
+                return inner(x, w, t)
+        return run
 
     def with_gemm(mode, budget=None):  # FUSEDOPS_LCE_GEMM=<mode> for the forward (all the work)
         inner = fused(budget=budget)
@@ -107,6 +136,11 @@ def methods(softcap):
             out[f"fusedops-{name}"] = fused(name)
             if name != "torch":
                 out[f"fusedops-{name}-lowmem"] = fused(name, LOWMEM_MIB)
+    for name in [k for k in out if k.endswith("-lowmem")]:
+        # whole-row token chunks however few rows fit (three GEMMs); vocab chunks whose d_hidden
+        # products go into the float32 accumulator through the GEMM's output
+        out[f"{name}-fullrows"] = with_env(out[name], "FUSEDOPS_LCE_MIN_FULL_ROWS", "1")
+        out[f"{name}-dhgemm"] = with_env(out[name], "FUSEDOPS_LCE_DH_ACC", "gemm")
     out["fusedops-recompute"] = recompute
     out["torch_eager"] = lambda x, w, t: eager_loss(x, w, t, softcap)
     compiled = torch.compile(eager_loss)
@@ -200,9 +234,14 @@ def main():
     add_out_arg(ap)
     ap.add_argument("--rep-ms", type=int, default=300)
     ap.add_argument("--profile", action="store_true",
-                    help="also write per-kernel times of the fusedops backends to profile.txt")
+                    help="also write per-kernel times of each method (but eager and the torch "
+                         "backend) to profile.txt")
     ap.add_argument("--no-accuracy", action="store_true",
                     help="skip the float64 gradient errors (err_dh, err_dw)")
+    ap.add_argument("--data", default="dense", choices=list(DATA),
+                    help="logits of the inputs: dense (random, std ~2; the default), mild "
+                         "(random, std ~0.5), peaked (as a trained model's, the target ~10 above "
+                         "the rest)")
     ap.add_argument("--curve", default="",
                     help="comma list of N: extra memory vs N at H=4096, V=128256 (no timing)")
     args = ap.parse_args()
@@ -212,11 +251,7 @@ def main():
     rows = []
     for shape in args.shapes.split(","):
         n, h, v, softcap = SHAPES[shape]
-        g = torch.Generator(device="cuda").manual_seed(0)
-        x = (torch.randn(n, h, device="cuda", generator=g) * 1.0).bfloat16().requires_grad_()
-        w = (torch.randn(v, h, device="cuda", generator=g) * (2.0 / h**0.5)).bfloat16()
-        w.requires_grad_()
-        t = torch.randint(0, v, (n,), device="cuda", generator=g)
+        x, w, t = make_inputs(n, h, v, args.data)
         ref = None if args.no_accuracy else reference_grads(x, w, t, softcap)
         for name, fn in methods(softcap).items():
             if args.methods and name not in args.methods.split(","):
@@ -230,11 +265,12 @@ def main():
                 print(f"{shape} {name}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
             row = dict(op="linear_ce", method=name, shape=shape, N=n, H=h, V=v, softcap=softcap,
-                       dtype="bfloat16", ms=round(ms, 3), p20=round(p20, 3), p80=round(p80, 3),
+                       dtype="bfloat16", data=args.data, ms=round(ms, 3), p20=round(p20, 3),
+                       p80=round(p80, 3),
                        tflops=round(6 * n * h * v / ms / 1e9, 1), extra_mib=round(extra, 1),
                        loss=round(loss, 6), err_dh=errs[0], err_dw=errs[1], **meta)
             rows.append(row)
-            if args.profile and name.startswith("fusedops") and name != "fusedops-torch":
+            if args.profile and name not in ("fusedops-torch", "torch_eager"):
                 profile(fn, x, w, t, f"{shape} {name}", os.path.join(args.out, "profile.txt"))
             append_rows("linear_ce", [row], args.out)
             print(f"  {shape} {name}: {ms:.2f} ms ({time.time() - t0:.0f} s)", file=sys.stderr)

@@ -64,6 +64,16 @@ def min_full_rows() -> int:
     return rows
 
 
+def dh_in_gemm() -> bool:
+    """Vocab chunks: d_hidden's chunk products added into the float32 accumulator by the GEMM
+    itself (cuBLAS with a float32 output) rather than through a partial in the input dtype and an
+    add. FUSEDOPS_LCE_DH_ACC=gemm|add (a measurement switch, read at each call; default add)."""
+    value = os.environ.get("FUSEDOPS_LCE_DH_ACC", "add")
+    if value not in ("gemm", "add"):
+        raise ValueError(f"FUSEDOPS_LCE_DH_ACC must be gemm or add, got {value!r}")
+    return value == "gemm"
+
+
 def budget_bytes(memory_budget_mib: float | None) -> int:
     if memory_budget_mib is None:
         memory_budget_mib = float(os.environ.get("FUSEDOPS_LCE_MEMORY_MIB", DEFAULT_BUDGET_MIB))
@@ -102,7 +112,7 @@ def plan_chunks(n_tokens: int, hidden_size: int, vocab_size: int, elem_bytes: in
     if rows_full >= min(n, min_full_rows()):
         return Plan(_balanced(n, rows_full), vocab_size, True)
     # Vocab chunks: per token, a float32 d_hidden accumulator and a partial in the input dtype.
-    per_row_dh = hidden_size * (4 + elem_bytes) if need_dh else 0
+    per_row_dh = hidden_size * (4 + (0 if dh_in_gemm() else elem_bytes)) if need_dh else 0
     for rows in (2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
         rows = min(rows, n)
         cols = (avail - rows * per_row_dh) // (rows * elem_bytes)
@@ -301,8 +311,8 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
             # cuBLAS's full speed; float32-output GEMMs run on slow kernels) is added into a
             # float32 accumulator, so only the per-chunk partials are rounded.
             acc = torch.empty(plan.rows, hidden_size, dtype=cdt, device=dev)
-            part = acc if hidden.dtype == cdt else torch.empty(plan.rows, hidden_size,
-                                                               dtype=hidden.dtype, device=dev)
+            part = acc if hidden.dtype == cdt or (dev.type == "cuda" and dh_in_gemm()) else \
+                torch.empty(plan.rows, hidden_size, dtype=hidden.dtype, device=dev)
         m = s = None
         if not plan.full_rows:
             m = torch.empty(n_tokens, dtype=cdt, device=dev)
