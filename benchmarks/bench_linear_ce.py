@@ -137,10 +137,8 @@ def methods(softcap):
             if name != "torch":
                 out[f"fusedops-{name}-lowmem"] = fused(name, LOWMEM_MIB)
     for name in [k for k in out if k.endswith("-lowmem")]:
-        # whole-row token chunks however few rows fit (three GEMMs); vocab chunks whose d_hidden
-        # products go into the float32 accumulator through the GEMM's output
+        # whole-row token chunks however few rows fit (three GEMMs)
         out[f"{name}-fullrows"] = with_env(out[name], "FUSEDOPS_LCE_MIN_FULL_ROWS", "1")
-        out[f"{name}-dhgemm"] = with_env(out[name], "FUSEDOPS_LCE_DH_ACC", "gemm")
     out["fusedops-recompute"] = recompute
     out["torch_eager"] = lambda x, w, t: eager_loss(x, w, t, softcap)
     compiled = torch.compile(eager_loss)

@@ -32,11 +32,17 @@ using dev::to_float;
 
 // softcap * tanh(x / softcap) with tanh(a) = 1 - 2 / (e^{2a} + 1): one ex2 and one fast
 // reciprocal; absolute error below 1e-6 * softcap (the bf16 logits carry ~4e-3 relative).
-__device__ __forceinline__ float apply_cap(float x, float softcap) {
+// inv_softcap = 1 / softcap, so that no element pays a full-precision division (this extension
+// is built without fast math; at Gemma-2's softcap the divisions made the row kernel
+// compute-bound).
+__device__ __forceinline__ float apply_cap(float x, float softcap, float inv_softcap) {
   if (softcap == 0.f) return x;
-  const float a = fminf(fabsf(x) / softcap, 20.f);  // tanh(20) == 1 in float32
+  const float a = fminf(fabsf(x) * inv_softcap, 20.f);  // tanh(20) == 1 in float32
   const float t = 1.f - __fdividef(2.f, ex2(2.f * kLog2e * a) + 1.f);
   return copysignf(softcap * t, x);
+}
+__device__ __forceinline__ float apply_cap(float x, float softcap) {
+  return softcap == 0.f ? x : apply_cap(x, softcap, 1.f / softcap);
 }
 
 // (m, s) <- the log-sum-exp state of both halves; -inf maxima (no element seen) are neutral.
@@ -54,10 +60,10 @@ __device__ __forceinline__ void merge_state(float& m, float& s, float m2, float 
 
 struct RowCtx {
   const float* bias;
-  float softcap;
+  float softcap, inv_softcap;
   __device__ __forceinline__ float logit(float raw, int64_t j) const {
     if (bias != nullptr) raw += bias[j];
-    return apply_cap(raw, softcap);
+    return apply_cap(raw, softcap, inv_softcap);
   }
 };
 
@@ -126,7 +132,7 @@ __global__ void __launch_bounds__(kThreads) ce_rows_kernel(const CeRowsParams p)
     const int64_t head = min(n, mis == 0 ? int64_t(0) : int64_t(kVec) - mis);
     const int64_t n_vec = (n - head) / kVec;
     const int64_t tail0 = head + n_vec * kVec;
-    const RowCtx ctx{p.bias, p.softcap};
+    const RowCtx ctx{p.bias, p.softcap, p.softcap != 0.f ? 1.f / p.softcap : 0.f};
     const int64_t t = p.target[row] - p.col0;
     const uint4* zv = reinterpret_cast<const uint4*>(z + head);
 
@@ -193,7 +199,7 @@ __global__ void __launch_bounds__(kThreads) ce_rows_kernel(const CeRowsParams p)
       auto grad = [&](float zj, int64_t j) {
         float d = d_lse * ex2(zj * kLog2e - lse2) + d_zs + (j == t ? d_zt : 0.f);
         if (softcap != 0.f) {
-          const float c = zj / softcap;
+          const float c = zj * ctx.inv_softcap;
           d *= 1.f - c * c;
         }
         return d;

@@ -231,8 +231,10 @@ def test_stats_plan_counts_partials(n, h, v, budget, monkeypatch):
 
 
 def test_stats_plan_falls_back_without_whole_rows(monkeypatch):
-    """A budget that holds whole rows only without the partials keeps today's path."""
+    """A budget that holds the fewest whole rows a chunk may have (here all 1024 tokens) only
+    without the partials keeps today's path."""
     n, h, v = 1024, 64, 128256
+    monkeypatch.setenv("FUSEDOPS_LCE_MIN_FULL_ROWS", str(n))
     monkeypatch.setenv(gemm_sm90.ENV, "sm90-fused")
     monkeypatch.setattr(gemm_sm90, "_stats_device_ok", lambda device: True)
     rows_bytes = n * v * 2

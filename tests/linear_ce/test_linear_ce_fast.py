@@ -38,7 +38,7 @@ def test_plan_respects_budget(n, h, v, budget):
     for elem, need_dh in ((2, True), (4, True), (2, False)):
         plan = chunked.plan_chunks(n, h, v, elem, b, need_dh)
         acc = not plan.full_rows and need_dh
-        used = plan.rows * plan.cols * elem + (plan.rows * h * (4 + elem) if acc else 0)
+        used = plan.rows * plan.cols * elem + (plan.rows * h * 4 if acc else 0)
         assert used + 64 * n + (2 << 20) <= b
         assert 1 <= plan.rows <= n and 1 <= plan.cols <= v
         assert plan.cols == v or not plan.full_rows
@@ -49,19 +49,21 @@ def test_plan_llama3_default_and_lowmem():
     full = chunked.plan_chunks(8192, 4096, 128256, 2, chunked.budget_bytes(None), True)
     assert (full.rows, full.cols, full.full_rows) == (2048, 128256, True)
     low = chunked.plan_chunks(8192, 4096, 128256, 2, chunked.budget_bytes(64), True)
-    assert not low.full_rows and low.rows * low.cols * 2 + low.rows * 4096 * 6 <= 64 << 20
+    assert not low.full_rows and low.rows * low.cols * 2 + low.rows * 4096 * 4 <= 64 << 20
     assert low.cols % 256 == 0 and low.rows % 128 == 0
 
 
 def test_min_full_rows_switch(monkeypatch):
     """FUSEDOPS_LCE_MIN_FULL_ROWS lowers the fewest tokens a whole-row chunk may hold: at
-    Llama-3.2-1B's head (H 2048, V 128256) a 224 MiB budget holds 912 whole rows, below the
-    default 1024 (vocab chunks), above 512 (whole rows)."""
-    budget = chunked.budget_bytes(224)
+    Llama-3.2-1B's head (H 2048, V 128256) a 100 MiB budget holds 398 whole rows, below the
+    default 512 (vocab chunks), above 256 (whole rows); 64 MiB at Llama-2 holds 1007 (whole
+    rows by default)."""
+    budget = chunked.budget_bytes(100)
     assert not chunked.plan_chunks(8192, 2048, 128256, 2, budget, True).full_rows
-    monkeypatch.setenv("FUSEDOPS_LCE_MIN_FULL_ROWS", "512")
+    assert chunked.plan_chunks(4096, 4096, 32000, 2, chunked.budget_bytes(64), True).full_rows
+    monkeypatch.setenv("FUSEDOPS_LCE_MIN_FULL_ROWS", "256")
     plan = chunked.plan_chunks(8192, 2048, 128256, 2, budget, True)
-    assert plan.full_rows and 512 <= plan.rows < 1024
+    assert plan.full_rows and 256 <= plan.rows < 512
     assert plan.rows * plan.cols * 2 <= budget
     for bad in ("0", "-3", "many"):
         monkeypatch.setenv("FUSEDOPS_LCE_MIN_FULL_ROWS", bad)

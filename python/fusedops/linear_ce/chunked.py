@@ -45,9 +45,15 @@ DEFAULT_BUDGET_MIB = 512.0
 # whole rows (cols == V), write lse, zt, zsum directly and, for FULL_DZ, then dz.
 MODE_MERGE, MODE_DZ, MODE_FULL_DZ, MODE_FULL = 1, 2, 3, 4
 _CUDA = ("cuda-sm90", "cuda-sm80")
-# A full-row chunk must hold at least this many tokens (fewer and the d_weight GEMM, whose inner
-# dimension is the chunk, loses its efficiency and d_weight collects one rounding per chunk).
-MIN_FULL_ROWS = 1024
+# A full-row chunk must hold at least this many tokens, else vocab chunks. Full rows read and
+# write d_weight once per token chunk (its GEMM's inner dimension is the chunk), vocab chunks
+# pay a fourth GEMM; per token chunk of r rows that is 2 V H e bytes against 2 r H V / chunk
+# FLOPs, so full rows win above r ~ e F / B (F the GEMM rate, B the rate of that read and write:
+# ~320 rows at 690 TFLOP/s and 4.3 TB/s, more with cuBLAS's small-K d_weight at about half the
+# bandwidth). Measured on the H200 at 64 MiB: Llama-2 (1007 rows) 5.5 ms with full rows against
+# 7.2 with vocab chunks, Llama-3 (251 rows) 55.7 against 55.2, Gemma-2 (125 rows) 224 against
+# 138. Fewer rows also mean more bf16 roundings of d_weight (one per chunk).
+MIN_FULL_ROWS = 512
 
 
 def min_full_rows() -> int:
@@ -62,16 +68,6 @@ def min_full_rows() -> int:
     if rows < 1:
         raise ValueError(f"FUSEDOPS_LCE_MIN_FULL_ROWS must be a positive integer, got {value!r}")
     return rows
-
-
-def dh_in_gemm() -> bool:
-    """Vocab chunks: d_hidden's chunk products added into the float32 accumulator by the GEMM
-    itself (cuBLAS with a float32 output) rather than through a partial in the input dtype and an
-    add. FUSEDOPS_LCE_DH_ACC=gemm|add (a measurement switch, read at each call; default add)."""
-    value = os.environ.get("FUSEDOPS_LCE_DH_ACC", "add")
-    if value not in ("gemm", "add"):
-        raise ValueError(f"FUSEDOPS_LCE_DH_ACC must be gemm or add, got {value!r}")
-    return value == "gemm"
 
 
 def budget_bytes(memory_budget_mib: float | None) -> int:
@@ -111,8 +107,9 @@ def plan_chunks(n_tokens: int, hidden_size: int, vocab_size: int, elem_bytes: in
     rows_full = avail // (vocab_size * elem_bytes + extra_row_bytes)
     if rows_full >= min(n, min_full_rows()):
         return Plan(_balanced(n, rows_full), vocab_size, True)
-    # Vocab chunks: per token, a float32 d_hidden accumulator and a partial in the input dtype.
-    per_row_dh = hidden_size * (4 + (0 if dh_in_gemm() else elem_bytes)) if need_dh else 0
+    # Vocab chunks: per token, a float32 d_hidden accumulator (each chunk's product is added
+    # into it by the GEMM itself, cuBLAS with a float32 output).
+    per_row_dh = hidden_size * 4 if need_dh else 0
     for rows in (2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
         rows = min(rows, n)
         cols = (avail - rows * per_row_dh) // (rows * elem_bytes)
@@ -307,11 +304,14 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
         buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
         acc = part = None
         if need_dh and not plan.full_rows:
-            # d_hidden over vocab chunks: each chunk's product (a GEMM in the input dtype, at
-            # cuBLAS's full speed; float32-output GEMMs run on slow kernels) is added into a
-            # float32 accumulator, so only the per-chunk partials are rounded.
+            # d_hidden over vocab chunks: each chunk's product is added into a float32
+            # accumulator by the GEMM (on CUDA, cuBLAS with bf16/fp16 inputs and a float32
+            # output: at Llama-3's 64 MiB setting 55.2 ms against 63.0 with a partial in the
+            # input dtype and a separate add). The CPU path keeps that partial (one more
+            # rows x H buffer in the input dtype, outside the plan) rather than float32 copies of
+            # both operands.
             acc = torch.empty(plan.rows, hidden_size, dtype=cdt, device=dev)
-            part = acc if hidden.dtype == cdt or (dev.type == "cuda" and dh_in_gemm()) else \
+            part = acc if hidden.dtype == cdt or dev.type == "cuda" else \
                 torch.empty(plan.rows, hidden_size, dtype=hidden.dtype, device=dev)
         m = s = None
         if not plan.full_rows:
