@@ -1,10 +1,11 @@
 """Plots linear_ce benchmark rows: time and extra memory per method and shape, and the
-extra-memory-vs-N curve when the run has one.
+extra-memory-vs-N curve when the runs have one.
 
-    python benchmarks/plot_linear_ce.py --run c3d1e595 benchmarks/results/linear_ce.png
+    python benchmarks/plot_linear_ce.py --run f44e8a84,c3d1e595 benchmarks/results/linear_ce.png
 
 Reads benchmarks/results/linear_ce.jsonl (or --results); --run takes one run id or several
-joined by commas (default: the file's last run).
+joined by commas (default: the file's last run): the shape rows come from the first run that has
+any (of one data mode), the curve from every run listed.
 """
 
 import argparse
@@ -23,6 +24,10 @@ def main(argv=None):
     rows = read_rows(args.results, args.run)
     curve = [r for r in rows if r["shape"] == "curve"]
     rows = [r for r in rows if r["shape"] != "curve"]
+    order = args.run.split(",") if args.run != "last" else []
+    first = next((run for run in order if any(r["run"] == run for r in rows)), None)
+    if first is not None:
+        rows = [r for r in rows if r["run"] == first]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     ncols = len(shapes) + (1 if curve else 0)
     fig, axes = plt.subplots(2, ncols, figsize=(5.5 * ncols, 7.5), squeeze=False)
@@ -55,7 +60,8 @@ def main(argv=None):
         ax.legend(fontsize=8)
         axes[1][-1].axis("off")
     r0 = (rows or curve)[0]
-    fig.suptitle(f"fused linear cross-entropy, bf16, {r0['gpu']}, torch {r0['torch']}, "
+    data = f", {r0['data']} logits" if r0.get("data") else ""
+    fig.suptitle(f"fused linear cross-entropy, bf16{data}, {r0['gpu']}, torch {r0['torch']}, "
                  f"git {r0['git']}, {r0['date']}")
     fig.tight_layout()
     fig.savefig(args.out, dpi=90)
