@@ -134,8 +134,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     * memory_budget_mib (default 512, or FUSEDOPS_LCE_MEMORY_MIB): scratch the mean/sum path may
       hold. That path (reduction "mean"/"sum", return_lse=False) computes the gradients during the
       forward pass through a token chunk of materialised logits (three GEMMs); budgets too small
-      for 512 whole rows (e.g. 64 at Llama-3's head) switch to vocab chunks (four GEMMs). Other calls
-      keep a recompute path with its own fixed ~N*H*2 + 32 MiB of scratch.
+      for 512 whole rows (e.g. 64 at Llama-3's head) switch to vocab chunks (four GEMMs). Other
+      calls keep a recompute path with its own fixed ~N*H*2 + 32 MiB of scratch.
     * Vocab parallel (tensor parallelism): with process_group (a torch.distributed ProcessGroup)
       weight and bias are this rank's rows [vocab_start, vocab_start + V_r) of the (V, H) head,
       V the sum over the group; hidden and target are the same on every rank. vocab_start
