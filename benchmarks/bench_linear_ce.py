@@ -5,6 +5,7 @@ benchmarks/results/linear_ce.jsonl (or <--out>/linear_ce.jsonl).
 
     python benchmarks/bench_linear_ce.py                  # Llama-3-8B LM head, bf16
     python benchmarks/bench_linear_ce.py --shapes llama3,gemma2,llama2 --out DIR
+    python benchmarks/bench_linear_ce.py --shapes llama3,gemma2,llama2 --data peaked --no-accuracy
     python benchmarks/bench_linear_ce.py --shapes llama3,llama3-4k \
         --methods fusedops,fusedops-sm90,fusedops-sm90-fused,fusedops-sm90-fused-520
     python benchmarks/bench_linear_ce.py --shapes llama3 \
@@ -16,6 +17,11 @@ count in the 512 MiB budget, so Llama-3's 8192 tokens go in 5 chunks of 1664 ins
 2048), "-520" the same at a 520 MiB budget, where both routes take 4 chunks of 2048;
 "fusedops-sm90-fused2" (-520) also drops the row kernel's dz pass (sm90-fused2: d_hidden and
 d_weight compute dz from z in their operand path).
+
+--data picks the logits: "dense" (random, std ~2, the default), "mild" (random, std ~0.5: every
+probability near 1 / V) or "peaked" (as a trained model's: the target's logit ~10 above the rest,
+where Cut Cross-Entropy's gradient filter skips most blocks); rows carry it as "data".
+"-fullrows" variants of the lowmem methods force whole-row chunks however few rows fit.
 
 "extra_mib" is peak memory above what was allocated before the step (inputs, weights) minus the
 bytes of the gradients the step returns (d_hidden, d_weight), i.e. the method's scratch. "ms" is
