@@ -10,6 +10,7 @@ benchmarks/results/linear_ce.jsonl (or <--out>/linear_ce.jsonl).
         --methods fusedops,fusedops-sm90,fusedops-sm90-fused,fusedops-sm90-fused-520
     python benchmarks/bench_linear_ce.py --shapes llama3 \
         --methods fusedops-sm90-fused-520,fusedops-sm90-fused2-520
+    python benchmarks/bench_linear_ce.py --shapes llama3,gemma2,llama2 --loss none
 
 "fusedops-sm90" runs the mean path's three GEMMs on our Hopper GEMMs (FUSEDOPS_LCE_GEMM=sm90),
 "fusedops-sm90-fused" also the statistics in the logits GEMM's epilogue (sm90-fused; its partials
@@ -22,6 +23,11 @@ d_weight compute dz from z in their operand path).
 probability near 1 / V) or "peaked" (as a trained model's: the target's logit ~10 above the rest,
 where Cut Cross-Entropy's gradient filter skips most blocks); rows carry it as "data".
 "-fullrows" variants of the lowmem methods force whole-row chunks however few rows fit.
+
+--loss picks what is differentiated: "mean" (the default), "none" (reduction "none", per-token
+losses summed with weight 1 / N: the statistics path's GEMMs, one in the forward and three in the
+backward) or "lse" (return_lse: mean loss + 1e-4 mean(lse^2)); rows carry reduction and
+return_lse. Liger and Cut Cross-Entropy run with the mean loss only.
 
 "extra_mib" is peak memory above what was allocated before the step (inputs, weights) minus the
 bytes of the gradients the step returns (d_hidden, d_weight), i.e. the method's scratch. "ms" is
@@ -81,27 +87,57 @@ def make_inputs(n: int, h: int, v: int, data: str):
     return x.bfloat16().requires_grad_(), w.requires_grad_(), t
 
 
-def eager_loss(x, w, t, softcap=None):
+# --loss: what the step differentiates. "mean": the mean loss. "none": per-token losses
+# (reduction "none") weighted by 1 / N and summed (the same gradients as the mean, through the
+# per-token path). "lse": per-token losses and lse (return_lse), mean loss + 1e-4 * mean(lse^2)
+# (a z-loss formed by the caller).
+LOSSES = ("mean", "none", "lse")
+Z_COEF = 1e-4
+
+
+def finish(out, kind: str):
+    """The scalar a step differentiates, from the loss function's output for --loss kind."""
+    if kind == "mean":
+        return out
+    if kind == "none":
+        return out.sum() / out.shape[0]
+    loss, lse = out
+    return loss.mean() + Z_COEF * lse.square().mean()
+
+
+def loss_options(kind: str) -> dict:
+    """linear_cross_entropy's reduction and return_lse for --loss kind."""
+    return dict(reduction="mean" if kind == "mean" else "none", return_lse=kind == "lse")
+
+
+def eager_loss(x, w, t, softcap=None, kind="mean"):
     z = (x @ w.T).float()
     if softcap:
         z = softcap * torch.tanh(z / softcap)
-    return F.cross_entropy(z, t)
+    if kind == "mean":
+        return F.cross_entropy(z, t)
+    loss = F.cross_entropy(z, t, reduction="none")
+    return finish(loss if kind == "none" else (loss, torch.logsumexp(z, -1)), kind)
 
 
 LOWMEM_MIB = 64  # the low-memory setting reported as "-lowmem"
 
 
-def methods(softcap):
+def methods(softcap, kind="mean"):
     from fusedops import dispatch
     from fusedops.linear_ce import linear_cross_entropy
 
+    opts = loss_options(kind)
+
     def fused(backend=None, budget=None):
-        return lambda x, w, t: linear_cross_entropy(x, w, t, softcap=softcap, backend=backend,
-                                                    check_targets=False, memory_budget_mib=budget)
+        return lambda x, w, t: finish(linear_cross_entropy(
+            x, w, t, softcap=softcap, backend=backend, check_targets=False,
+            memory_budget_mib=budget, **opts), kind)
 
     def recompute(x, w, t):  # the recompute algorithm: 4 fused GEMM kernels, no logits chunk
         with env_set("FUSEDOPS_LCE_ALGO", "recompute"):
-            return linear_cross_entropy(x, w, t, softcap=softcap, check_targets=False)
+            return finish(linear_cross_entropy(x, w, t, softcap=softcap, check_targets=False,
+                                               **opts), kind)
 
     def with_env(inner, name, value):
         def run(x, w, t):
@@ -125,7 +161,7 @@ def methods(softcap):
 
     out = {"fusedops": fused(), "fusedops-lowmem": fused(budget=LOWMEM_MIB)}
     from fusedops.linear_ce import gemm_sm90
-    if gemm_sm90.supported(torch.device("cuda")):
+    if gemm_sm90.supported(torch.device("cuda")) and kind == "mean":
         out["fusedops-sm90"] = with_gemm("sm90")
         if gemm_sm90.stats_op_available():
             out["fusedops-sm90-fused"] = with_gemm("sm90-fused")
@@ -146,9 +182,11 @@ def methods(softcap):
         # whole-row token chunks however few rows fit (three GEMMs)
         out[f"{name}-fullrows"] = with_env(out[name], "FUSEDOPS_LCE_MIN_FULL_ROWS", "1")
     out["fusedops-recompute"] = recompute
-    out["torch_eager"] = lambda x, w, t: eager_loss(x, w, t, softcap)
+    out["torch_eager"] = lambda x, w, t: eager_loss(x, w, t, softcap, kind)
     compiled = torch.compile(eager_loss)
-    out["torch_compile"] = lambda x, w, t: compiled(x, w, t, softcap)
+    out["torch_compile"] = lambda x, w, t: compiled(x, w, t, softcap, kind)
+    if kind != "mean":  # Liger and Cut Cross-Entropy: the mean loss only here
+        return out
     try:
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
         liger = LigerFusedLinearCrossEntropyLoss(softcap=softcap)
@@ -173,13 +211,13 @@ def rel_err(a, ref, rows=4096):
     return (num / den) ** 0.5 if den else float("nan")
 
 
-def reference_grads(x, w, t, softcap):
-    """float64 gradients of the mean loss (the torch backend in float64, the tests' oracle)."""
+def reference_grads(x, w, t, softcap, kind="mean"):
+    """float64 gradients of the step's loss (the torch backend in float64, the tests' oracle)."""
     from fusedops.linear_ce import linear_cross_entropy
     x64 = x.detach().double().requires_grad_()
     w64 = w.detach().double().requires_grad_()
-    linear_cross_entropy(x64, w64, t, softcap=softcap, backend="torch",
-                         check_targets=False).backward()
+    finish(linear_cross_entropy(x64, w64, t, softcap=softcap, backend="torch",
+                                check_targets=False, **loss_options(kind)), kind).backward()
     return x64.grad, w64.grad
 
 
@@ -246,6 +284,9 @@ def main():
                     help="logits of the inputs: dense (random, std ~2; the default), mild "
                          "(random, std ~0.5), peaked (as a trained model's, the target ~10 above "
                          "the rest)")
+    ap.add_argument("--loss", default="mean", choices=LOSSES,
+                    help="mean (the default), none (per-token losses, weighted sum) or lse "
+                         "(per-token losses and lse: mean loss + 1e-4 mean(lse^2))")
     ap.add_argument("--curve", default="",
                     help="comma list of N: extra memory vs N at H=4096, V=128256 (no timing)")
     args = ap.parse_args()
@@ -256,8 +297,8 @@ def main():
     for shape in args.shapes.split(","):
         n, h, v, softcap = SHAPES[shape]
         x, w, t = make_inputs(n, h, v, args.data)
-        ref = None if args.no_accuracy else reference_grads(x, w, t, softcap)
-        for name, fn in methods(softcap).items():
+        ref = None if args.no_accuracy else reference_grads(x, w, t, softcap, args.loss)
+        for name, fn in methods(softcap, args.loss).items():
             if args.methods and name not in args.methods.split(","):
                 continue
             rep = args.rep_ms if name not in ("fusedops-torch", "fusedops-recompute") else 100
@@ -269,7 +310,8 @@ def main():
                 print(f"{shape} {name}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
                 continue
             row = dict(op="linear_ce", method=name, shape=shape, N=n, H=h, V=v, softcap=softcap,
-                       dtype="bfloat16", data=args.data, ms=round(ms, 3), p20=round(p20, 3),
+                       dtype="bfloat16", data=args.data, **loss_options(args.loss),
+                       ms=round(ms, 3), p20=round(p20, 3),
                        p80=round(p80, 3),
                        tflops=round(6 * n * h * v / ms / 1e9, 1), extra_mib=round(extra, 1),
                        loss=round(loss, 6), err_dh=errs[0], err_dw=errs[1], **meta)

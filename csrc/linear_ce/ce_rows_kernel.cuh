@@ -9,7 +9,9 @@
 // Modes: 1 MERGE folds this vocab chunk's log-sum-exp into (m, s) and adds to zt, zsum; 2 DZ turns
 // z into dz = w((1 + 2 zl lse) softmax - (1 - eps) onehot - eps / V) (times the softcap derivative
 // 1 - (z / softcap)^2) using the final lse; 3 FULL_DZ (whole rows) writes lse, zt, zsum and then dz,
-// the row's second read mostly hitting L2; 4 FULL writes the statistics only.
+// the row's second read mostly hitting L2; 4 FULL writes the statistics only. 5 DZ_GRADS (run as
+// mode 2 with stat_grads set) takes any upstream gradients of the statistics instead of the loss's
+// weights: dz = w softmax + zt onehot + zsum with w, zt, zsum read as d_lse, d_zt, d_zsum.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -190,10 +192,11 @@ __global__ void __launch_bounds__(kThreads) ce_rows_kernel(const CeRowsParams p)
     }
     if constexpr (kMode == 2 || kMode == 3) {
       if constexpr (kMode == 2) lse = p.lse[row];
+      // The loss's per-token weight w, or (stat_grads) the gradients of lse, zt and zsum given.
       const float w = p.w[row];
-      const float d_lse = w * (1.f + 2.f * p.z_loss * lse);
-      const float d_zt = -w * (1.f - p.eps);
-      const float d_zs = -w * p.eps / static_cast<float>(p.vocab_size);
+      const float d_lse = p.stat_grads ? w : w * (1.f + 2.f * p.z_loss * lse);
+      const float d_zt = p.stat_grads ? p.zt[row] : -w * (1.f - p.eps);
+      const float d_zs = p.stat_grads ? p.zsum[row] : -w * p.eps / static_cast<float>(p.vocab_size);
       const float softcap = p.softcap;
       const float lse2 = lse * kLog2e;
       auto grad = [&](float zj, int64_t j) {

@@ -163,7 +163,7 @@ void ce_rows_cuda(const Tensor& z, const std::optional<Tensor>& bias, const Tens
   TORCH_CHECK_TYPE(z.scalar_type() == at::kHalf || z.scalar_type() == at::kBFloat16,
                    "z must be float16 or bfloat16, got ", z.scalar_type());
   check_arch(arch);  // 80: the sm80 family, 90: the sm90 one
-  TORCH_CHECK_VALUE(mode >= 1 && mode <= 4, "mode must be 1..4, got ", std::to_string(mode));
+  TORCH_CHECK_VALUE(mode >= 1 && mode <= 5, "mode must be 1..5, got ", std::to_string(mode));
   const int64_t rows = z.size(0), n_cols = z.size(1);
   TORCH_CHECK_VALUE(col0 >= 0 && col0 + n_cols <= vocab, "columns [", std::to_string(col0), ", ",
                     std::to_string(col0 + n_cols), ") are outside the vocabulary of ",
@@ -204,7 +204,8 @@ void ce_rows_cuda(const Tensor& z, const std::optional<Tensor>& bias, const Tens
   p.eps = static_cast<float>(eps);
   p.z_loss = static_cast<float>(zl);
   p.softcap = static_cast<float>(softcap);
-  p.mode = static_cast<int>(mode);
+  p.mode = mode == 5 ? 2 : static_cast<int>(mode);  // mode 5 is the dz pass of mode 2
+  p.stat_grads = mode == 5;
   p.is_bf16 = z.scalar_type() == at::kBFloat16;
   p.stream = c10::cuda::getCurrentCUDAStream(z.get_device()).stream();
   check_launch(arch == 90 ? ce_rows_sm90(p) : ce_rows_sm80(p), "ce_rows");

@@ -66,6 +66,7 @@ struct CeRowsParams {
   float z_loss = 0.f;
   float softcap = 0.f;  // 0 = none
   int mode = 0;
+  bool stat_grads = false;  // mode 2 with w, zt, zsum read as d_lse, d_zt, d_zsum (mode 5)
   bool is_bf16 = true;
   cudaStream_t stream = nullptr;
 };

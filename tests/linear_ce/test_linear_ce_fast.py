@@ -114,9 +114,11 @@ def test_upstream_gradient_scales_and_one_is_exact(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
-def test_mixed_precision_float32_weight(backend, device):
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_mixed_precision_float32_weight(backend, device, reduction):
     """float32 weight and bias with low-precision hidden: float32 d_weight, within the oracle rule
-    against eager's mixed-precision recipe (weights cast to the hidden dtype)."""
+    against eager's mixed-precision recipe (weights cast to the hidden dtype). "none" runs the
+    statistics path."""
     low = torch.float16 if (backend == "triton" and device == "cpu") else torch.bfloat16
     g = torch.Generator().manual_seed(5)
     n, h, v = 300, 64, 1000
@@ -125,24 +127,27 @@ def test_mixed_precision_float32_weight(backend, device):
     b = torch.randn(v, generator=g, dtype=torch.float64) * 0.5
     t = torch.randint(0, v, (n,), generator=g)
     t[::5] = -100
+    up = torch.randn(n, generator=g) if reduction == "none" else torch.tensor(0.7)
 
     def grads(fn, xd, wd):
         xx = x.to(device, xd).clone().requires_grad_()
         ww = w.to(device, wd).clone().requires_grad_()
         bb = b.to(device, wd).clone().requires_grad_()
         loss = fn(xx, ww, bb)
-        loss.backward(torch.tensor(0.7, device=device, dtype=loss.dtype))
+        loss.backward(up.to(device, loss.dtype))
         return loss.detach(), xx.grad, ww.grad, bb.grad
 
     def eager(xx, ww, bb):
-        return O.eager_loss(xx, ww.to(xx.dtype), t.to(device), bb.to(xx.dtype), reduction="mean",
-                            label_smoothing=0.0, softcap=None, z_loss=0.0, return_lse=False)
+        return O.eager_loss(xx, ww.to(xx.dtype), t.to(device), bb.to(xx.dtype),
+                            reduction=reduction, label_smoothing=0.0, softcap=None, z_loss=0.0,
+                            return_lse=False)
 
     ref = grads(lambda xx, ww, bb: linear_cross_entropy(xx, ww, t.to(device), bb,
-                                                        backend="torch"),
+                                                        reduction=reduction, backend="torch"),
                 torch.float64, torch.float64)
     base = grads(eager, low, torch.float32)
     got = grads(lambda xx, ww, bb: linear_cross_entropy(xx, ww, t.to(device), bb, backend=backend,
+                                                        reduction=reduction,
                                                         memory_budget_mib=2.3),
                 low, torch.float32)
     assert got[2].dtype == torch.float32 and got[3].dtype == torch.float32
@@ -185,8 +190,10 @@ def test_no_grad_forward_matches_and_returns_no_grads():
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda-sm90", "cuda-sm80", "triton"])
 @pytest.mark.parametrize("budget", [None, 64])
-def test_cuda_graph_capture(backend, budget):
-    """Forward + backward of the fast path, targets unchecked, captured and replayed."""
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cuda_graph_capture(backend, budget, reduction):
+    """Forward + backward of the fast path (mean) and of the statistics path (per-token losses
+    and lse), targets unchecked, captured and replayed."""
     sig = dispatch.InputSig("linear_ce", "cuda", 0, torch.bfloat16, 256)
     if dispatch.why_not(backend, sig) is not None:
         pytest.skip(dispatch.why_not(backend, sig))
@@ -196,9 +203,19 @@ def test_cuda_graph_capture(backend, budget):
     t = torch.randint(0, 32003, (1024,), device="cuda", generator=g)
     x.requires_grad_()
 
+    up = torch.rand(1024, device="cuda", generator=g)
+
+    def run(xx, ww):
+        if reduction == "mean":
+            return linear_cross_entropy(xx, ww, t, backend=backend, check_targets=False,
+                                        memory_budget_mib=budget, label_smoothing=0.1)
+        loss, lse = linear_cross_entropy(xx, ww, t, backend=backend, check_targets=False,
+                                         memory_budget_mib=budget, label_smoothing=0.1,
+                                         reduction="none", return_lse=True)
+        return (loss * up).sum() + 1e-2 * lse.square().sum()
+
     def step():
-        loss = linear_cross_entropy(x, w, t, backend=backend, check_targets=False,
-                                    memory_budget_mib=budget, label_smoothing=0.1)
+        loss = run(x, w)
         loss.backward()
         return loss
 
@@ -217,8 +234,7 @@ def test_cuda_graph_capture(backend, budget):
     t.copy_(torch.randint(0, 32003, (1024,), device="cuda", generator=g))  # new data, same graph
     graph.replay()
     xf, wf = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
-    fresh = linear_cross_entropy(xf, wf, t, backend=backend, check_targets=False,
-                                 memory_budget_mib=budget, label_smoothing=0.1)
+    fresh = run(xf, wf)
     fresh.backward()
     assert not torch.equal(loss, ref[0])
     torch.testing.assert_close(loss, fresh)
@@ -228,8 +244,11 @@ def test_cuda_graph_capture(backend, budget):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("budget", [None, 64])
-def test_extra_memory_within_budget(budget):
-    """Peak memory above inputs and returned gradients stays within the budget (default 512)."""
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_extra_memory_within_budget(budget, reduction):
+    """Peak memory above inputs and returned gradients stays within the budget (default 512), on
+    the fast path (mean) and the statistics path (none, whose kept logits chunk is the budget's
+    buffer)."""
     n, h, v = 4096, 1024, 128256
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, h, device="cuda", generator=g, dtype=torch.bfloat16).requires_grad_()
@@ -238,7 +257,9 @@ def test_extra_memory_within_budget(budget):
 
     def step():
         x.grad = w.grad = None
-        linear_cross_entropy(x, w, t, check_targets=False, memory_budget_mib=budget).backward()
+        loss = linear_cross_entropy(x, w, t, check_targets=False, memory_budget_mib=budget,
+                                    reduction=reduction)
+        loss.sum().backward()
 
     step()
     x.grad = w.grad = None

@@ -535,10 +535,11 @@ def test_gloo_shards_on_one_gpu(tmp_path):
 
 
 @pytest.mark.parametrize("backend,device", O.backend_params(O.available_backends()))
-def test_statistics_of_targets_outside_the_shard(backend, device):
-    """The statistics op on shard-relative targets: those of other shards (negative, or at and
-    past V, including the padding columns of the last vocab tile) have a target logit of 0 and
-    leave lse and the logit sum as they are."""
+@pytest.mark.parametrize("op", ["stats", "recompute"])
+def test_statistics_of_targets_outside_the_shard(backend, device, op):
+    """The statistics ops (the chunked path's and the recompute kernels') on shard-relative
+    targets: those of other shards (negative, or at and past V, including the padding columns of
+    the last vocab tile) have a target logit of 0 and leave lse and the logit sum as they are."""
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     g = torch.Generator().manual_seed(11)
     n, h, v = 48, 32, 77
@@ -548,7 +549,12 @@ def test_statistics_of_targets_outside_the_shard(backend, device):
     t = torch.randint(0, v, (n,), generator=g)
     t[1::2] = torch.cat([torch.arange(v, v + 16), -torch.arange(1, 9)])  # v itself included
     t = t.to(device)
-    lse, zt, zs = torch.ops.fusedops.linear_ce_fwd(x, w, b, t, -100, 0.0, False, backend)
+    if op == "stats":  # 2 chunks of whole rows
+        budget = (2 << 20) + 64 * n + 24 * v * x.element_size()
+        lse, zt, zs, _ = torch.ops.fusedops.linear_ce_stats(x, w, b, t, -100, 0.0, budget, False,
+                                                            True, False, backend)
+    else:
+        lse, zt, zs = torch.ops.fusedops.linear_ce_fwd(x, w, b, t, -100, 0.0, False, backend)
     z = (x.double() @ w.double().T + b.double()).cpu()
     t_cpu = t.cpu()
     hit = (t_cpu >= 0) & (t_cpu < v)

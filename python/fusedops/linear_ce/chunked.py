@@ -42,8 +42,9 @@ MIB = 1 << 20
 DEFAULT_BUDGET_MIB = 512.0
 # Row-kernel modes (same numbers in the CUDA and Triton kernels): MERGE folds a vocab chunk into
 # the running (m, s, zt, zsum); DZ turns z into dz given the final lse; FULL and FULL_DZ take
-# whole rows (cols == V), write lse, zt, zsum directly and, for FULL_DZ, then dz.
-MODE_MERGE, MODE_DZ, MODE_FULL_DZ, MODE_FULL = 1, 2, 3, 4
+# whole rows (cols == V), write lse, zt, zsum directly and, for FULL_DZ, then dz; DZ_GRADS is DZ
+# for any upstream gradients of the statistics (w, zt, zsum read as d_lse, d_zt, d_zsum).
+MODE_MERGE, MODE_DZ, MODE_FULL_DZ, MODE_FULL, MODE_DZ_GRADS = 1, 2, 3, 4, 5
 _CUDA = ("cuda-sm90", "cuda-sm80")
 # A full-row chunk must hold at least this many tokens, else vocab chunks. Full rows read and
 # write d_weight once per token chunk (its GEMM's inner dimension is the chunk), vocab chunks
@@ -143,7 +144,7 @@ def _rows_torch(z, bias, target, col0: int, vocab: int, w, lse, m, s, zt, zsum,
         t = target[r0:r1].long() - col0
         inside = (t >= 0) & (t < cols)
         col = torch.where(inside, t, 0)[:, None]
-        if mode != MODE_DZ:
+        if mode not in (MODE_DZ, MODE_DZ_GRADS):
             zt_c = torch.where(inside, zc.gather(1, col)[:, 0], 0.0)
             zs_c = zc.sum(1)
             bm = zc.amax(1)
@@ -159,12 +160,16 @@ def _rows_torch(z, bias, target, col0: int, vocab: int, w, lse, m, s, zt, zsum,
                 m[r0:r1] = m_new
                 zt[r0:r1] += zt_c
                 zsum[r0:r1] += zs_c
-        if mode in (MODE_DZ, MODE_FULL_DZ):
+        if mode in (MODE_DZ, MODE_FULL_DZ, MODE_DZ_GRADS):
             wr = w[r0:r1].to(cdt)
             lr = lse[r0:r1].to(cdt)
-            d_lse = wr * (1.0 + 2.0 * zl * lr)
-            dz = torch.exp(zc - lr[:, None]) * d_lse[:, None] - (wr * (eps / vocab))[:, None]
-            dz.scatter_add_(1, col, torch.where(inside, -wr * (1.0 - eps), 0.0)[:, None])
+            if mode == MODE_DZ_GRADS:
+                d_lse, d_zt, d_zs = wr, zt[r0:r1].to(cdt), zsum[r0:r1].to(cdt)
+            else:
+                d_lse = wr * (1.0 + 2.0 * zl * lr)
+                d_zt, d_zs = -wr * (1.0 - eps), -wr * (eps / vocab)
+            dz = torch.exp(zc - lr[:, None]) * d_lse[:, None] + d_zs[:, None]
+            dz.scatter_add_(1, col, torch.where(inside, d_zt, 0.0)[:, None])
             if softcap:
                 dz = dz * (1.0 - (zc / softcap) ** 2)
             z[r0:r1] = dz.to(z.dtype)
@@ -374,15 +379,7 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
                 _grads_from_dz(z, x, w_mm, v0, v1, None, d_weight if need_dw else None,
                                d_bias32, first_dw)
                 if need_dh:
-                    rows_acc = acc[: n1 - n0]
-                    if part is acc:
-                        _mm(rows_acc, z, w_mm[v0:v1], v0 > 0)
-                    else:
-                        torch.mm(z, w_mm[v0:v1], out=part[: n1 - n0])
-                        if v0 == 0:
-                            rows_acc.copy_(part[: n1 - n0])
-                        else:
-                            rows_acc.add_(part[: n1 - n0])
+                    _add_dh_chunk(acc, part, z, w_mm[v0:v1], v0 == 0)
             first_dw = False
             if need_dh:
                 d_hidden[n0:n1] = acc[: n1 - n0]
@@ -399,6 +396,21 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     return loss.to(cdt), lse, d_hidden, d_weight, d_bias
 
 
+def _add_dh_chunk(acc: Tensor, part: Tensor, dz: Tensor, w_chunk: Tensor, first: bool) -> None:
+    """acc[:rows] (=/+=) dz @ w_chunk, a vocab chunk's part of d_hidden in the float32
+    accumulator: through cuBLAS's float32 output (part is acc), or a partial in the input dtype
+    and an add (the CPU path)."""
+    rows = dz.shape[0]
+    if part is acc:
+        _mm(acc[:rows], dz, w_chunk, not first)
+        return
+    torch.mm(dz, w_chunk, out=part[:rows])
+    if first:
+        acc[:rows].copy_(part[:rows])
+    else:
+        acc[:rows].add_(part[:rows])
+
+
 def _grads_from_dz(dz, x, w_mm, v0, v1, dh_out, dw_out, db32, first_dw):
     if dh_out is not None:
         _mm(dh_out, dz, w_mm[v0:v1], False)
@@ -406,3 +418,111 @@ def _grads_from_dz(dz, x, w_mm, v0, v1, dh_out, dw_out, db32, first_dw):
         _mm(dw_out[v0:v1], dz.T, x, not first_dw)
     if db32 is not None:
         db32[v0:v1] += dz.sum(0, dtype=db32.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# The statistics path (any loss on top of lse, zt, zsum: reduction "none", return_lse, the
+# vocab-parallel shards): the forward's statistics by chunks of one GEMM each, the backward's
+# logits again (three GEMMs) for whatever upstream gradients the statistics receive.
+
+def statistics(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+               softcap: float, plan: Plan, backend: str, keep: bool = False):
+    """Per-token (lse, target logit, logit sum) of hidden @ weight.T (+ bias, softcap) by the
+    chunks of `plan`; targets outside [0, V) give a target logit of 0. With keep and a whole-row
+    plan, also returns the logits buffer (the plan's size), which then holds the last token
+    chunk's raw logits for grads_sweep; else None."""
+    n_tokens, vocab = hidden.shape[0], weight.shape[0]
+    dev = hidden.device
+    cdt = compute_dtype(hidden)
+    w_mm, b_in = gemm_operands(hidden, weight, bias, cdt)
+    lse = torch.empty(n_tokens, dtype=cdt, device=dev)
+    zt = torch.zeros(n_tokens, dtype=cdt, device=dev)
+    zsum = torch.zeros(n_tokens, dtype=cdt, device=dev)
+    if n_tokens == 0:
+        return lse, zt, zsum, None
+    unused = torch.zeros(n_tokens, dtype=cdt, device=dev)  # the dz modes' per-token weight
+    buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
+    m = s = lse
+    if not plan.full_rows:
+        m = torch.full((n_tokens,), -math.inf, dtype=cdt, device=dev)
+        s = torch.zeros(n_tokens, dtype=cdt, device=dev)
+    mode = MODE_FULL if plan.full_rows else MODE_MERGE
+    for n0 in range(0, n_tokens, plan.rows):
+        n1 = min(n0 + plan.rows, n_tokens)
+        for v0 in range(0, vocab, plan.cols):
+            v1 = min(v0 + plan.cols, vocab)
+            z = _flat_view(buf, n1 - n0, v1 - v0)
+            _mm(z, hidden[n0:n1], w_mm[v0:v1].T, False)
+            _rows(backend, z, None if b_in is None else b_in[v0:v1], target[n0:n1], v0, vocab,
+                  unused[n0:n1], lse[n0:n1], m[n0:n1], s[n0:n1], zt[n0:n1], zsum[n0:n1], 0.0,
+                  0.0, softcap, mode)
+    if not plan.full_rows:
+        torch.add(m, torch.log(s), out=lse)
+    return lse, zt, zsum, buf if keep and plan.full_rows else None
+
+
+def last_chunk_start(n_tokens: int, plan: Plan) -> int:
+    """First token of the last token chunk (the one a kept buffer holds)."""
+    return (max(n_tokens, 1) - 1) // plan.rows * plan.rows
+
+
+def grads_sweep(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                lse: Tensor, coef, plan: Plan, backend: str, need_dh: bool, need_dw: bool,
+                need_db: bool, mode: int = MODE_DZ_GRADS, vocab: int | None = None,
+                eps: float = 0.0, zl: float = 0.0, softcap: float = 0.0,
+                kept: Tensor | None = None):
+    """(d_hidden, d_weight, d_bias) through the logits recomputed chunk by chunk, each turned
+    into dz by the row kernel's `mode` with the final lse: MODE_DZ_GRADS, coef = (d_lse, d_zt,
+    d_zsum) the statistics' upstream gradients; MODE_DZ, coef = (w,) the loss's per-token
+    weights with label smoothing eps and z-loss zl over `vocab` columns (a vocab shard's rows
+    are columns of the full row). kept: statistics()'s buffer, whose last token chunk needs no
+    GEMM (it is overwritten). Gradients not asked for are empty tensors."""
+    n_tokens, hidden_size = hidden.shape
+    rows = weight.shape[0]
+    vocab = rows if vocab is None else vocab
+    dev = hidden.device
+    cdt = lse.dtype
+    w_mm, b_in = gemm_operands(hidden, weight, bias, cdt)
+    d_hidden = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
+    d_weight = torch.empty_like(weight) if need_dw else hidden.new_empty(0)
+    d_bias32 = torch.zeros(rows, dtype=cdt, device=dev) if need_db else None
+    if n_tokens == 0 or not (need_dh or need_dw or need_db):
+        d_weight.zero_()
+        return d_hidden, d_weight, d_bias32.to(bias.dtype) if need_db else hidden.new_empty(0)
+    w_arr = coef[0]
+    if mode == MODE_DZ_GRADS:
+        zt_arr, zs_arr = coef[1], coef[2]
+    else:
+        zt_arr = zs_arr = torch.zeros(n_tokens, dtype=cdt, device=dev)  # not read by MODE_DZ
+    kept = kept if kept is not None and plan.full_rows else None
+    buf = kept if kept is not None else \
+        torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
+    acc = part = None
+    if need_dh and not plan.full_rows:  # as fused_forward's vocab chunks
+        acc = torch.empty(plan.rows, hidden_size, dtype=cdt, device=dev)
+        part = acc if hidden.dtype == cdt or dev.type == "cuda" else \
+            torch.empty(plan.rows, hidden_size, dtype=hidden.dtype, device=dev)
+    # The last token chunk first, while a kept buffer still holds its logits (always, so that
+    # a recomputing second backward sums d_weight in the same order: the same bits).
+    starts = list(range(0, n_tokens, plan.rows))
+    starts = starts[-1:] + starts[:-1]
+    for i, n0 in enumerate(starts):
+        n1 = min(n0 + plan.rows, n_tokens)
+        x = hidden[n0:n1]
+        for v0 in range(0, rows, plan.cols):
+            v1 = min(v0 + plan.cols, rows)
+            z = _flat_view(buf, n1 - n0, v1 - v0)
+            if not (kept is not None and i == 0):
+                _mm(z, x, w_mm[v0:v1].T, False)
+            _rows(backend, z, None if b_in is None else b_in[v0:v1], target[n0:n1], v0, vocab,
+                  w_arr[n0:n1], lse[n0:n1], lse[n0:n1], lse[n0:n1], zt_arr[n0:n1],
+                  zs_arr[n0:n1], eps, zl, softcap, mode)
+            _grads_from_dz(z, x, w_mm, v0, v1,
+                           d_hidden[n0:n1] if need_dh and plan.full_rows else None,
+                           d_weight if need_dw else None, d_bias32, i == 0)
+            if acc is not None:
+                _add_dh_chunk(acc, part, z, w_mm[v0:v1], v0 == 0)
+        if acc is not None:
+            d_hidden[n0:n1] = acc[: n1 - n0]
+    d_bias = d_bias32.to(bias.dtype) if need_db else hidden.new_empty(0)
+    return d_hidden, d_weight, d_bias

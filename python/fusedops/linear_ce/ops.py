@@ -243,6 +243,116 @@ def fused_loss(hidden, weight, bias, target, ignore_index, reduction, label_smoo
                             chunked.budget_bytes(memory_budget_mib), check_targets, *need, backend)
 
 
+# ----------------------------------------------------------------------------------------------
+# The statistics path (fusedops.linear_ce.chunked.statistics / grads_sweep): any loss on the
+# per-token (lse, target logit, logit sum), reduction "none" and return_lse included. One GEMM
+# per chunk in the forward, three in the backward; the last token chunk's logits may be kept from
+# the forward for the backward (its GEMM is then not repeated).
+
+def _stats_plan(hidden: Tensor, weight: Tensor, budget_bytes: int, need_dh: bool):
+    return chunked.plan_chunks(hidden.shape[0], hidden.shape[1], weight.shape[0],
+                               hidden.element_size(), budget_bytes, need_dh)
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in ("torch", "triton") + _CUDA:
+        raise ValueError(f"unknown backend {backend!r}")
+
+
+@torch.library.custom_op("fusedops::linear_ce_stats", mutates_args=())
+def linear_ce_stats(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                    ignore_index: int, softcap: float, budget_bytes: int, check_targets: bool,
+                    need_dh: bool, keep: bool, backend: str) -> tuple[Tensor, Tensor, Tensor,
+                                                                      Tensor]:
+    """(lse, target logit, logit sum, kept): kept is the logits buffer holding the last token
+    chunk's logits when `keep` and whole rows fit the budget, else an empty tensor."""
+    if check_targets:
+        check_targets_in_range(target, weight.shape[0], ignore_index)
+    _check_backend(backend)
+    plan = _stats_plan(hidden, weight, budget_bytes, need_dh)
+    lse, zt, zsum, kept = chunked.statistics(hidden, weight, bias, target.long(), softcap, plan,
+                                             backend, keep)
+    return lse, zt, zsum, kept if kept is not None else hidden.new_empty(0)
+
+
+@linear_ce_stats.register_fake
+def _(hidden, weight, bias, target, ignore_index, softcap, budget_bytes, check_targets, need_dh,
+      keep, backend):
+    n = hidden.shape[0]
+    dt = _stat_dtype(hidden)
+    kept = 0
+    if keep and n > 0:
+        plan = _stats_plan(hidden, weight, budget_bytes, need_dh)
+        kept = plan.rows * plan.cols if plan.full_rows else 0
+    return (*(hidden.new_empty(n, dtype=dt) for _ in range(3)), hidden.new_empty(kept))
+
+
+@torch.library.custom_op("fusedops::linear_ce_stats_bwd", mutates_args=("kept",))
+def linear_ce_stats_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
+                        lse: Tensor, d_lse: Tensor, d_zt: Tensor, d_zsum: Tensor, kept: Tensor,
+                        softcap: float, budget_bytes: int, need_dh: bool, need_dw: bool,
+                        need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients for the statistics' upstream gradients; kept (linear_ce_stats' buffer, or
+    empty) is overwritten."""
+    _check_backend(backend)
+    plan = _stats_plan(hidden, weight, budget_bytes, need_dh)
+    coef = tuple(g.to(lse.dtype).contiguous() for g in (d_lse, d_zt, d_zsum))
+    return chunked.grads_sweep(hidden, weight, bias, target.long(), lse, coef, plan, backend,
+                               need_dh, need_dw, need_db and bias is not None,
+                               softcap=softcap, kept=kept if kept.numel() else None)
+
+
+@linear_ce_stats_bwd.register_fake
+def _(hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, kept, softcap, budget_bytes,
+      need_dh, need_dw, need_db, backend):
+    return _grad_shapes(hidden, weight, bias, need_dh, need_dw, need_db)
+
+
+class _StatsFn(torch.autograd.Function):
+    """(lse, zt, zsum) = linear_ce_stats(...); the backward runs linear_ce_stats_bwd. Eager mode
+    keeps the forward's last logits chunk as a plain ctx attribute, used (and dropped) by the
+    first backward; a second backward (retain_graph=True) recomputes it. Under torch.compile
+    nothing is kept."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index, softcap, budget,
+                check_targets, need_dh, need_dw, need_db, backend):
+        keep = (need_dh or need_dw or need_db) and not torch.compiler.is_compiling()
+        lse, zt, zsum, kept = linear_ce_stats(hidden, weight, bias, target, ignore_index,
+                                              softcap, budget, check_targets, need_dh, keep,
+                                              backend)
+        ctx.save_for_backward(hidden, weight, bias, target, lse)
+        ctx.kept = kept if kept.numel() else None
+        ctx.options = (softcap, budget, need_dh, need_dw, need_db, backend)
+        return lse, zt, zsum
+
+    @staticmethod
+    def backward(ctx, g_lse, g_zt, g_zsum):
+        hidden, weight, bias, target, lse = ctx.saved_tensors
+        softcap, budget, need_dh, need_dw, need_db, backend = ctx.options
+        kept, ctx.kept = ctx.kept, None
+        if kept is None:
+            kept = hidden.new_empty(0)
+        grads = [g if g is not None else torch.zeros_like(lse) for g in (g_lse, g_zt, g_zsum)]
+        dh, dw, db = linear_ce_stats_bwd(hidden, weight, bias, target, lse, *grads, kept,
+                                         softcap, budget, need_dh, need_dw, need_db, backend)
+        grads = (dh if need_dh else None, dw if need_dw else None, db if need_db else None)
+        if not torch.compiler.is_compiling():
+            grads = refuse_double_backward(DOUBLE_BACKWARD, (hidden, weight, bias, g_lse, g_zt,
+                                                             g_zsum), grads)
+        return (*grads, *([None] * 9))
+
+
+def stats(hidden, weight, bias, target, ignore_index, softcap, memory_budget_mib, check_targets,
+          backend):
+    """Per-token (lse, target logit, logit sum) through the statistics path, differentiable
+    for hidden, weight and bias."""
+    grad_on = torch.is_grad_enabled()
+    need = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
+    return _StatsFn.apply(hidden, weight, bias, target, ignore_index, softcap,
+                          chunked.budget_bytes(memory_budget_mib), check_targets, *need, backend)
+
+
 def loss_from_statistics(lse: Tensor, z_target: Tensor, z_sum: Tensor, valid: Tensor,
                          vocab_size: int, label_smoothing: float, z_loss: float, reduction: str,
                          lead_shape, return_lse: bool):

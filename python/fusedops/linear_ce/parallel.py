@@ -18,8 +18,10 @@ Two implementations of those passes, the same as on one device:
   fusedops.linear_ce.chunked, chunks sized by memory_budget_mib; the shard is a vocab chunk of
   the full row. One GEMM in the forward, three in the backward (one GEMM more than the one-device
   mean/sum path, which keeps dz from its single pass).
-* _ShardStats (return_lse=True, or FUSEDOPS_LCE_ALGO=recompute): the ops fusedops::linear_ce_fwd
-  and linear_ce_bwd, which serve any upstream gradient of lse.
+* _ShardStats (return_lse=True, any upstream gradient of lse): the statistics ops
+  fusedops::linear_ce_stats and linear_ce_stats_bwd (the same GEMMs and row kernels, for upstream
+  gradients of all three statistics), or with FUSEDOPS_LCE_ALGO=recompute the recompute kernels'
+  fusedops::linear_ce_fwd and linear_ce_bwd.
 """
 
 from __future__ import annotations
@@ -114,11 +116,16 @@ class _ShardStats(torch.autograd.Function):
     shard's d_weight, d_bias and the group's summed d_hidden."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, softcap, backend, group, comm_dev, need_dh):
+    def forward(ctx, hidden, weight, bias, target, softcap, backend, group, comm_dev, need_dh,
+                budget, recompute):
         import torch.distributed as dist
 
-        lse_r, zt, zsum = torch.ops.fusedops.linear_ce_fwd(hidden, weight, bias, target, 0,
-                                                           softcap, False, backend)
+        if recompute:
+            lse_r, zt, zsum = torch.ops.fusedops.linear_ce_fwd(hidden, weight, bias, target, 0,
+                                                               softcap, False, backend)
+        else:
+            lse_r, zt, zsum, _ = _ops.linear_ce_stats(hidden, weight, bias, target, 0, softcap,
+                                                      budget, False, need_dh, False, backend)
         if hidden.shape[0] > 0:
             m = _all_reduce_(lse_r.clone(), dist.ReduceOp.MAX, group, comm_dev)
             packed = torch.stack([torch.exp(lse_r - m), zt, zsum])
@@ -128,7 +135,7 @@ class _ShardStats(torch.autograd.Function):
         else:
             lse = lse_r
         ctx.save_for_backward(hidden, weight, bias, target, lse)
-        ctx.options = (softcap, backend, group, comm_dev, need_dh)
+        ctx.options = (softcap, backend, group, comm_dev, need_dh, budget, recompute)
         return lse, zt, zsum
 
     @staticmethod
@@ -136,21 +143,26 @@ class _ShardStats(torch.autograd.Function):
         import torch.distributed as dist
 
         hidden, weight, bias, target, lse = ctx.saved_tensors
-        softcap, backend, group, comm_dev, need_dh = ctx.options
+        softcap, backend, group, comm_dev, need_dh, budget, recompute = ctx.options
         need_dw = ctx.needs_input_grad[1]
         need_db = bias is not None and ctx.needs_input_grad[2]
         g = [x if x is not None else torch.zeros_like(lse) for x in (g_lse, g_zt, g_zsum)]
         with torch.no_grad():
             # need_dh is the same on every rank (checked), so every rank joins the all-reduce.
-            dh, dw, db = _ops.linear_ce_bwd(hidden, weight, bias, target, lse, *g, softcap,
-                                            need_dh, need_dw, need_db, backend)
+            if recompute:
+                dh, dw, db = _ops.linear_ce_bwd(hidden, weight, bias, target, lse, *g, softcap,
+                                                need_dh, need_dw, need_db, backend)
+            else:
+                dh, dw, db = _ops.linear_ce_stats_bwd(hidden, weight, bias, target, lse, *g,
+                                                      hidden.new_empty(0), softcap, budget,
+                                                      need_dh, need_dw, need_db, backend)
             if need_dh and dh.numel() > 0:
                 _all_reduce_(dh, dist.ReduceOp.SUM, group, comm_dev)
         grads = (dh if need_dh and ctx.needs_input_grad[0] else None,
                  dw if need_dw else None, db if need_db else None)
         grads = refuse_double_backward(_ops.DOUBLE_BACKWARD,
                                        (hidden, weight, bias, g_lse, g_zt, g_zsum), grads)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, *([None] * 8))
 
 
 class _ShardLoss(torch.autograd.Function):
@@ -170,36 +182,10 @@ class _ShardLoss(torch.autograd.Function):
         import torch.distributed as dist
 
         n_tokens, hidden_size = hidden.shape
-        rows = weight.shape[0]
-        dev = hidden.device
-        cdt = chunked.compute_dtype(hidden)
-        w_mm, b_in = chunked.gemm_operands(hidden, weight, bias, cdt)
-        lse = torch.empty(n_tokens, dtype=cdt, device=dev)
-        zt = torch.zeros(n_tokens, dtype=cdt, device=dev)
-        zsum = torch.zeros(n_tokens, dtype=cdt, device=dev)
-        unused = torch.zeros(n_tokens, dtype=cdt, device=dev)  # the dz modes' per-token weight
-        plan = chunked.plan_chunks(n_tokens, hidden_size, rows, hidden.element_size(), budget,
-                                   need_dh)
+        plan = chunked.plan_chunks(n_tokens, hidden_size, weight.shape[0], hidden.element_size(),
+                                   budget, need_dh)
+        lse, zt, zsum, _ = chunked.statistics(hidden, weight, bias, target, cap, plan, backend)
         if n_tokens > 0:
-            buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
-            m = s = lse
-            if not plan.full_rows:
-                m = torch.full((n_tokens,), -float("inf"), dtype=cdt, device=dev)
-                s = torch.zeros(n_tokens, dtype=cdt, device=dev)
-            mode = chunked.MODE_FULL if plan.full_rows else chunked.MODE_MERGE
-            for n0 in range(0, n_tokens, plan.rows):
-                n1 = min(n0 + plan.rows, n_tokens)
-                for v0 in range(0, rows, plan.cols):
-                    v1 = min(v0 + plan.cols, rows)
-                    z = chunked._flat_view(buf, n1 - n0, v1 - v0)
-                    chunked._mm(z, hidden[n0:n1], w_mm[v0:v1].T, False)
-                    chunked._rows(backend, z, None if b_in is None else b_in[v0:v1],
-                                  target[n0:n1], v0, vocab, unused[n0:n1], lse[n0:n1],
-                                  m[n0:n1], s[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap,
-                                  mode)
-            del buf
-            if not plan.full_rows:
-                torch.add(m, torch.log(s), out=lse)
             gmax = _all_reduce_(lse.clone(), dist.ReduceOp.MAX, group, comm_dev)
             packed = torch.stack([torch.exp(lse - gmax), zt, zsum])
             _all_reduce_(packed, dist.ReduceOp.SUM, group, comm_dev)
@@ -222,66 +208,16 @@ class _ShardLoss(torch.autograd.Function):
         need_dw = ctx.needs_input_grad[1]
         need_db = bias is not None and ctx.needs_input_grad[2]
         with torch.no_grad():
-            dh, dw, db = _shard_grads(hidden, weight, bias, target, lse,
-                                      (g.to(lse.dtype) * valid).contiguous(), vocab, eps, zl,
-                                      cap, plan, backend, need_dh, need_dw, need_db)
+            w_tok = (g.to(lse.dtype) * valid).contiguous()
+            dh, dw, db = chunked.grads_sweep(hidden, weight, bias, target, lse, (w_tok,), plan,
+                                             backend, need_dh, need_dw, need_db, chunked.MODE_DZ,
+                                             vocab, eps, zl, cap)
             if need_dh and dh.numel() > 0:
                 _all_reduce_(dh, dist.ReduceOp.SUM, group, comm_dev)
         grads = (dh if need_dh and ctx.needs_input_grad[0] else None,
                  dw if need_dw else None, db if need_db else None)
         grads = refuse_double_backward(_ops.DOUBLE_BACKWARD, (hidden, weight, bias, g), grads)
         return (*grads, *([None] * 11))
-
-
-def _shard_grads(hidden, weight, bias, target, lse, w_tok, vocab, eps, zl, cap, plan, backend,
-                 need_dh, need_dw, need_db):
-    """d_hidden (this shard's part), d_weight and d_bias of the shard for per-token weights
-    w_tok, by the chunks of `plan`; the layout of chunked.fused_forward's gradient sweep."""
-    n_tokens, hidden_size = hidden.shape
-    rows = weight.shape[0]
-    dev = hidden.device
-    cdt = lse.dtype
-    w_mm, b_in = chunked.gemm_operands(hidden, weight, bias, cdt)
-    d_hidden = torch.empty_like(hidden) if need_dh else hidden.new_empty(0)
-    d_weight = torch.zeros_like(weight) if need_dw else hidden.new_empty(0)
-    d_bias32 = torch.zeros(rows, dtype=cdt, device=dev) if need_db else None
-    if n_tokens > 0:
-        # m, s, zt, zsum of the statistics modes, not read by the dz mode
-        unused = torch.zeros(4, n_tokens, dtype=cdt, device=dev).unbind(0)
-        buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
-        acc = part = None
-        if need_dh and not plan.full_rows:
-            acc = torch.empty(plan.rows, hidden_size, dtype=cdt, device=dev)
-            part = acc if hidden.dtype == cdt else torch.empty(plan.rows, hidden_size,
-                                                               dtype=hidden.dtype, device=dev)
-        for n0 in range(0, n_tokens, plan.rows):
-            n1 = min(n0 + plan.rows, n_tokens)
-            x = hidden[n0:n1]
-            for v0 in range(0, rows, plan.cols):
-                v1 = min(v0 + plan.cols, rows)
-                z = chunked._flat_view(buf, n1 - n0, v1 - v0)
-                chunked._mm(z, x, w_mm[v0:v1].T, False)
-                chunked._rows(backend, z, None if b_in is None else b_in[v0:v1], target[n0:n1],
-                              v0, vocab, w_tok[n0:n1], lse[n0:n1], *(t[n0:n1] for t in unused),
-                              eps, zl, cap, chunked.MODE_DZ)
-                full = plan.full_rows
-                chunked._grads_from_dz(z, x, w_mm, v0, v1, d_hidden[n0:n1] if need_dh and full
-                                       else None, d_weight if need_dw else None, d_bias32,
-                                       n0 == 0)
-                if need_dh and not full:
-                    rows_acc = acc[: n1 - n0]
-                    if part is acc:
-                        chunked._mm(rows_acc, z, w_mm[v0:v1], v0 > 0)
-                    else:
-                        torch.mm(z, w_mm[v0:v1], out=part[: n1 - n0])
-                        if v0 == 0:
-                            rows_acc.copy_(part[: n1 - n0])
-                        else:
-                            rows_acc.add_(part[: n1 - n0])
-            if need_dh and not plan.full_rows:
-                d_hidden[n0:n1] = acc[: n1 - n0]
-    d_bias = d_bias32.to(bias.dtype) if need_db else hidden.new_empty(0)
-    return d_hidden, d_weight, d_bias
 
 
 def _fingerprint(h2: Tensor, t1: Tensor) -> Tensor:
@@ -396,7 +332,8 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     t_local = t1 - vocab_start
     need_dh = bool(rows_meta[rank][6])
     valid = t1 != ignore_index
-    if not return_lse and os.environ.get("FUSEDOPS_LCE_ALGO", "auto") != "recompute":
+    recompute = os.environ.get("FUSEDOPS_LCE_ALGO", "auto") == "recompute"
+    if not return_lse and not recompute:
         per_tok = _ShardLoss.apply(h2, w, b, t_local.long(), valid, vocab_size,
                                    float(label_smoothing), float(z_loss), float(softcap or 0.0),
                                    chunked.budget_bytes(memory_budget_mib), name, group,
@@ -406,11 +343,12 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
         if reduction == "sum":
             return per_tok.sum()
         return per_tok.view(lead_shape)
-    if w.dtype != h2.dtype:  # mixed precision: the GEMMs in hidden's dtype (autograd casts back)
-        w = w.to(h2.dtype)
+    if recompute and w.dtype != h2.dtype:  # mixed precision: the GEMMs in hidden's dtype
+        w = w.to(h2.dtype)                  # (autograd casts back)
         b = None if b is None else b.to(h2.dtype)
-    lse, z_target, z_sum = _ShardStats.apply(h2, w, b, t_local, float(softcap or 0.0), name,
-                                             group, comm_dev, need_dh)
+    lse, z_target, z_sum = _ShardStats.apply(h2, w, b, t_local.long(), float(softcap or 0.0),
+                                             name, group, comm_dev, need_dh,
+                                             chunked.budget_bytes(memory_budget_mib), recompute)
     return _ops.loss_from_statistics(lse, z_target, z_sum, valid, vocab_size, label_smoothing,
                                      z_loss, reduction, lead_shape, return_lse)
 

@@ -352,9 +352,11 @@ def linear_ce_bwd(hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, softca
 # cuBLAS; one program per row streams it in BLOCK-column pieces. Modes as in chunked.py:
 # 1 MERGE (online log-sum-exp of this vocab chunk folded into m, s; zt, zsum accumulated),
 # 2 DZ (z -> dz in place from the final lse), 3 FULL_DZ (whole rows: lse, zt, zsum, then dz; the
-# second read of the row mostly hits L2), 4 FULL (whole rows, statistics only).
-# dz = w * ((1 + 2 zl lse) softmax(z) - (1 - eps) onehot(target) - eps / V), times the softcap
-# derivative 1 - (z / softcap)^2; w is the token's weight in the loss (0 when ignored).
+# second read of the row mostly hits L2), 4 FULL (whole rows, statistics only), 5 DZ_GRADS (as 2,
+# for given gradients of the statistics: dz = w softmax(z) + zt onehot(target) + zsum, with W, ZT,
+# ZS read as d_lse, d_zt, d_zsum).
+# Otherwise dz = w * ((1 + 2 zl lse) softmax(z) - (1 - eps) onehot(target) - eps / V), times the
+# softcap derivative 1 - (z / softcap)^2; w is the token's weight in the loss (0 when ignored).
 
 @triton.jit
 def _row_logits(Z, B, cols, mask, softcap, HAS_BIAS: tl.constexpr, SOFTCAP: tl.constexpr):
@@ -372,7 +374,7 @@ def _ce_rows_kernel(Z, B, T, W, LSE, M, S, ZT, ZS, n_cols, col0, vocab, eps, zl,
     z_row = Z + row.to(tl.int64) * n_cols
     t = tl.load(T + row).to(tl.int64) - col0
     t_in = (t >= 0) & (t < n_cols)
-    if MODE != 2:
+    if MODE != 2 and MODE != 5:
         m = tl.max(tl.full((BLOCK,), -float("inf"), tl.float32), axis=0)
         s_vec = tl.zeros((BLOCK,), dtype=tl.float32)
         zs_vec = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -405,13 +407,18 @@ def _ce_rows_kernel(Z, B, T, W, LSE, M, S, ZT, ZS, n_cols, col0, vocab, eps, zl,
             tl.store(LSE + row, lse)
             tl.store(ZT + row, zt)
             tl.store(ZS + row, zs)
-    if MODE == 2 or MODE == 3:
-        if MODE == 2:  # MODE 3 keeps its own lse in registers (re-reading the store would race)
+    if MODE == 2 or MODE == 3 or MODE == 5:
+        if MODE != 3:  # MODE 3 keeps its own lse in registers (re-reading the store would race)
             lse = tl.load(LSE + row)
         w = tl.load(W + row)
-        d_lse = w * (1.0 + 2.0 * zl * lse)
-        d_zt = -w * (1.0 - eps)
-        d_zs = -w * eps / vocab
+        if MODE == 5:  # the gradients of the statistics, given
+            d_lse = w
+            d_zt = tl.load(ZT + row)
+            d_zs = tl.load(ZS + row)
+        else:
+            d_lse = w * (1.0 + 2.0 * zl * lse)
+            d_zt = -w * (1.0 - eps)
+            d_zs = -w * eps / vocab
         for c0 in range(0, n_cols, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             mask = cols < n_cols
