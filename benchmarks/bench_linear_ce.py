@@ -23,6 +23,7 @@ d_weight compute dz from z in their operand path).
 probability near 1 / V) or "peaked" (as a trained model's: the target's logit ~10 above the rest,
 where Cut Cross-Entropy's gradient filter skips most blocks); rows carry it as "data".
 "-fullrows" variants of the lowmem methods force whole-row chunks however few rows fit.
+"fusedops-b<MiB>" (named in --methods only) runs the default backend at that memory budget.
 
 --loss picks what is differentiated: "mean" (the default), "none" (reduction "none", per-token
 losses summed with weight 1 / N: the statistics path's GEMMs, one in the forward and three in the
@@ -123,6 +124,14 @@ def eager_loss(x, w, t, softcap=None, kind="mean"):
 LOWMEM_MIB = 64  # the low-memory setting reported as "-lowmem"
 
 
+def fused_fn(softcap, kind, backend=None, budget_mib=None):
+    """fusedops.linear_cross_entropy as a step's loss for --loss kind."""
+    from fusedops.linear_ce import linear_cross_entropy
+    return lambda x, w, t: finish(linear_cross_entropy(
+        x, w, t, softcap=softcap, backend=backend, check_targets=False,
+        memory_budget_mib=budget_mib, **loss_options(kind)), kind)
+
+
 def methods(softcap, kind="mean"):
     from fusedops import dispatch
     from fusedops.linear_ce import linear_cross_entropy
@@ -130,9 +139,7 @@ def methods(softcap, kind="mean"):
     opts = loss_options(kind)
 
     def fused(backend=None, budget=None):
-        return lambda x, w, t: finish(linear_cross_entropy(
-            x, w, t, softcap=softcap, backend=backend, check_targets=False,
-            memory_budget_mib=budget, **opts), kind)
+        return fused_fn(softcap, kind, backend, budget)
 
     def recompute(x, w, t):  # the recompute algorithm: 4 fused GEMM kernels, no logits chunk
         with env_set("FUSEDOPS_LCE_ALGO", "recompute"):
@@ -298,8 +305,13 @@ def main():
         n, h, v, softcap = SHAPES[shape]
         x, w, t = make_inputs(n, h, v, args.data)
         ref = None if args.no_accuracy else reference_grads(x, w, t, softcap, args.loss)
-        for name, fn in methods(softcap, args.loss).items():
-            if args.methods and name not in args.methods.split(","):
+        wanted = args.methods.split(",") if args.methods else []
+        table = methods(softcap, args.loss)
+        for name in wanted:  # fusedops-b<MiB>: the default backend at that memory budget
+            if name.startswith("fusedops-b") and name[10:].isdigit():
+                table[name] = fused_fn(softcap, args.loss, None, int(name[10:]))
+        for name, fn in table.items():
+            if args.methods and name not in wanted:
                 continue
             rep = args.rep_ms if name not in ("fusedops-torch", "fusedops-recompute") else 100
             t0 = time.time()

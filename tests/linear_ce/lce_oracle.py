@@ -154,12 +154,17 @@ def rel_err(x, ref):
     return diff if denom == 0 else diff / denom
 
 
+def _big(case: Case) -> bool:
+    """An oracle of gigabytes (the 1000 x 4096 x 32003 and x 128256 GPU cases)."""
+    return math.prod(case.lead) * case.hidden_size * case.vocab_size > 10**11
+
+
 def check(case: Case, impl, oracle_cache=None):
     """Asserts impl(h, w, t, b, **kwargs) meets the oracle rule; returns the error table."""
     inp = make_inputs(case)
     key = (case.lead, case.hidden_size, case.vocab_size, case.dtype, case.device, case.bias,
            case.ignore_frac, case.reduction, case.label_smoothing, case.softcap, case.z_loss,
-           case.return_lse, case.noncontig, case.seed)
+           case.return_lse, case.noncontig, case.seed, _big(case))
     if oracle_cache is not None and key in oracle_cache:
         ref, eager = oracle_cache[key]
     else:
@@ -167,6 +172,9 @@ def check(case: Case, impl, oracle_cache=None):
                   torch.float64)
         eager = run(eager_loss, inp, case)
         if oracle_cache is not None:
+            if _big(case):  # at most one such entry (~6 GiB each at 1000 x 4096 x 128256)
+                for k in [k for k in oracle_cache if k[-1]]:
+                    del oracle_cache[k]
             oracle_cache[key] = (ref, eager)
     got = run(impl, inp, case)
     table = {}
