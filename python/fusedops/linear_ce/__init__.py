@@ -131,11 +131,14 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     * Mixed precision: float32 weight (and bias) with float16/bfloat16 hidden (what torch.autocast
       training holds) runs the GEMMs in hidden's dtype and returns float32 d_weight, accumulated
       in float32. Under torch.autocast, float32 hidden is cast to the autocast dtype first.
-    * memory_budget_mib (default 512, or FUSEDOPS_LCE_MEMORY_MIB): scratch the mean/sum path may
-      hold. That path (reduction "mean"/"sum", return_lse=False) computes the gradients during the
-      forward pass through a token chunk of materialised logits (three GEMMs); budgets too small
-      for 512 whole rows (e.g. 64 at Llama-3's head) switch to vocab chunks (four GEMMs). Other
-      calls keep a recompute path with its own fixed ~N*H*2 + 32 MiB of scratch.
+    * memory_budget_mib (default 512, or FUSEDOPS_LCE_MEMORY_MIB): the scratch a call may hold, a
+      chunk of materialised logits. Reduction "mean"/"sum" with return_lse=False computes the
+      gradients during the forward pass (three GEMMs); reduction "none" or return_lse=True
+      computes per-token statistics in the forward (one GEMM) and recomputes the logits in the
+      backward (three more; the forward's last chunk is kept for it, so when one chunk holds all
+      tokens there are three in all). Budgets too small for 512 whole rows (e.g. 64 at Llama-3's
+      head) switch to vocab chunks (one GEMM more). FUSEDOPS_LCE_ALGO=recompute selects the
+      recompute kernels instead (~N*H*2 + 32 MiB of scratch, slower).
     * Vocab parallel (tensor parallelism): with process_group (a torch.distributed ProcessGroup)
       weight and bias are this rank's rows [vocab_start, vocab_start + V_r) of the (V, H) head,
       V the sum over the group; hidden and target are the same on every rank. vocab_start

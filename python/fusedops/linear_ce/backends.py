@@ -17,15 +17,15 @@ def _cuda_limits(sig: InputSig) -> str | None:
 
 BACKENDS = (
     Backend("cuda-sm90", "cuda", _HALF, arch=90, cc_range=((9, 0), (9, 0)), limits=_cuda_limits,
-            summary="cuBLAS GEMMs and the Hopper-tuned row kernel (mean/sum losses); the "
-                    "mma.sync kernels with a 4-stage pipeline (reduction='none', return_lse)"),
+            summary="cuBLAS GEMMs and the Hopper-tuned row kernel; the mma.sync kernels "
+                    "with a 4-stage pipeline (FUSEDOPS_LCE_ALGO=recompute)"),
     Backend("cuda-sm80", "cuda", _HALF, arch=80, cc_range=((8, 0), (9, 0)),
             limits=_cuda_limits,
-            summary="cuBLAS GEMMs and the row kernel (mean/sum losses); mma.sync + cp.async "
-                    "kernels (reduction='none', return_lse)"),
+            summary="cuBLAS GEMMs and the row kernel; mma.sync + cp.async kernels "
+                    "(FUSEDOPS_LCE_ALGO=recompute)"),
     Backend("triton", "triton", (torch.float32, torch.float16, torch.bfloat16),
-            summary="cuBLAS GEMMs and a Triton row kernel (mean/sum losses); Triton GEMM "
-                    "kernels (reduction='none', return_lse)"),
+            summary="cuBLAS GEMMs and a Triton row kernel; Triton GEMM kernels "
+                    "(FUSEDOPS_LCE_ALGO=recompute)"),
     Backend("torch", "torch", (torch.float32, torch.float16, torch.bfloat16, torch.float64),
             summary="plain PyTorch in chunks: the CPU path and the test oracle"),
 )
