@@ -212,3 +212,21 @@ def test_torch_compile_fullgraph_per_token(device):
     torch.testing.assert_close(compiled, eager)
     for p, q in zip(a, c, strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_kept_buffer_of_another_plan_is_not_used(monkeypatch):
+    """A plan switch between forward and backward (FUSEDOPS_LCE_MIN_FULL_ROWS, a measurement
+    switch read at each call) leaves the kept buffer unused: the gradients stay right."""
+    params, t, up, lse_up = _inputs("cpu", torch.float32, n=120, v=5003)
+    ref = _grads(params, t, up, lse_up, 2.05)
+    assert not chunked.plan_chunks(120, 64, 5003, 4, chunked.budget_bytes(2.05), True).full_rows
+    monkeypatch.setenv("FUSEDOPS_LCE_MIN_FULL_ROWS", "1")
+    assert chunked.plan_chunks(120, 64, 5003, 4, chunked.budget_bytes(2.05), True).full_rows
+    leaves = [p.detach().clone().requires_grad_() for p in params]
+    loss, lse = linear_cross_entropy(leaves[0], leaves[1], t, leaves[2], reduction="none",
+                                     return_lse=True, memory_budget_mib=2.05)
+    monkeypatch.delenv("FUSEDOPS_LCE_MIN_FULL_ROWS")
+    total = (loss * up.to(loss.dtype)).sum() + (lse * lse_up.to(lse.dtype)).sum()
+    got = torch.autograd.grad(total, leaves)
+    for a, r in zip(got, ref[2], strict=True):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-6)

@@ -494,7 +494,8 @@ def grads_sweep(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Ten
         zt_arr, zs_arr = coef[1], coef[2]
     else:
         zt_arr = zs_arr = torch.zeros(n_tokens, dtype=cdt, device=dev)  # not read by MODE_DZ
-    kept = kept if kept is not None and plan.full_rows else None
+    if kept is not None and not (plan.full_rows and kept.numel() == plan.rows * plan.cols):
+        kept = None  # not this plan's buffer (the plan changed since the forward)
     buf = kept if kept is not None else \
         torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
     acc = part = None
