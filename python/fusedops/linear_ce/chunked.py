@@ -307,17 +307,7 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
             if dz_in_gemm:
                 db_chunk = torch.empty(vocab, dtype=torch.float32, device=dev)
         buf = torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
-        acc = part = None
-        if need_dh and not plan.full_rows:
-            # d_hidden over vocab chunks: each chunk's product is added into a float32
-            # accumulator by the GEMM (on CUDA, cuBLAS with bf16/fp16 inputs and a float32
-            # output: at Llama-3's 64 MiB setting 55.2 ms against 63.0 with a partial in the
-            # input dtype and a separate add). The CPU path keeps that partial (one more
-            # rows x H buffer in the input dtype, outside the plan) rather than float32 copies of
-            # both operands.
-            acc = torch.empty(plan.rows, hidden_size, dtype=cdt, device=dev)
-            part = acc if hidden.dtype == cdt or dev.type == "cuda" else \
-                torch.empty(plan.rows, hidden_size, dtype=hidden.dtype, device=dev)
+        acc, part = _dh_accumulator(plan, hidden, cdt, need_dh)
         m = s = None
         if not plan.full_rows:
             m = torch.empty(n_tokens, dtype=cdt, device=dev)
@@ -396,6 +386,22 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     return loss.to(cdt), lse, d_hidden, d_weight, d_bias
 
 
+def _dh_accumulator(plan: Plan, hidden: Tensor, cdt: torch.dtype, need_dh: bool):
+    """(acc, part) for d_hidden over vocab chunks, or (None, None) with whole rows or no d_hidden.
+    Each chunk's product is added into the float32 accumulator acc by the GEMM (on CUDA, cuBLAS
+    with bf16/fp16 inputs and a float32 output: at Llama-3's 64 MiB setting 55.2 ms against 63.0
+    with a partial in the input dtype and a separate add), part is acc then. The CPU path keeps
+    that partial (one more rows x H buffer in the input dtype, outside the plan) rather than
+    float32 copies of both operands."""
+    if not need_dh or plan.full_rows:
+        return None, None
+    rows, hidden_size = plan.rows, hidden.shape[1]
+    acc = torch.empty(rows, hidden_size, dtype=cdt, device=hidden.device)
+    if hidden.dtype == cdt or hidden.is_cuda:
+        return acc, acc
+    return acc, torch.empty(rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
+
+
 def _add_dh_chunk(acc: Tensor, part: Tensor, dz: Tensor, w_chunk: Tensor, first: bool) -> None:
     """acc[:rows] (=/+=) dz @ w_chunk, a vocab chunk's part of d_hidden in the float32
     accumulator: through cuBLAS's float32 output (part is acc), or a partial in the input dtype
@@ -461,11 +467,6 @@ def statistics(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tens
     return lse, zt, zsum, buf if keep and plan.full_rows else None
 
 
-def last_chunk_start(n_tokens: int, plan: Plan) -> int:
-    """First token of the last token chunk (the one a kept buffer holds)."""
-    return (max(n_tokens, 1) - 1) // plan.rows * plan.rows
-
-
 def grads_sweep(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                 lse: Tensor, coef, plan: Plan, backend: str, need_dh: bool, need_dw: bool,
                 need_db: bool, mode: int = MODE_DZ_GRADS, vocab: int | None = None,
@@ -477,7 +478,7 @@ def grads_sweep(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Ten
     weights with label smoothing eps and z-loss zl over `vocab` columns (a vocab shard's rows
     are columns of the full row). kept: statistics()'s buffer, whose last token chunk needs no
     GEMM (it is overwritten). Gradients not asked for are empty tensors."""
-    n_tokens, hidden_size = hidden.shape
+    n_tokens = hidden.shape[0]
     rows = weight.shape[0]
     vocab = rows if vocab is None else vocab
     dev = hidden.device
@@ -498,11 +499,7 @@ def grads_sweep(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Ten
         kept = None  # not this plan's buffer (the plan changed since the forward)
     buf = kept if kept is not None else \
         torch.empty(plan.rows * plan.cols, dtype=hidden.dtype, device=dev)
-    acc = part = None
-    if need_dh and not plan.full_rows:  # as fused_forward's vocab chunks
-        acc = torch.empty(plan.rows, hidden_size, dtype=cdt, device=dev)
-        part = acc if hidden.dtype == cdt or dev.type == "cuda" else \
-            torch.empty(plan.rows, hidden_size, dtype=hidden.dtype, device=dev)
+    acc, part = _dh_accumulator(plan, hidden, cdt, need_dh)
     # The last token chunk first, while a kept buffer still holds its logits (always, so that
     # a recomputing second backward sums d_weight in the same order: the same bits).
     starts = list(range(0, n_tokens, plan.rows))

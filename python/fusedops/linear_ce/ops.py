@@ -151,6 +151,11 @@ if _ext.available():
 _REDUCTION_NAMES = ("mean", "sum")
 
 
+def _check_backend(backend: str) -> None:
+    if backend not in ("torch", "triton") + _CUDA:
+        raise ValueError(f"unknown backend {backend!r}")
+
+
 @torch.library.custom_op("fusedops::linear_ce_fused", mutates_args=())
 def linear_ce_fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                     ignore_index: int, reduction: str, label_smoothing: float, softcap: float,
@@ -161,8 +166,7 @@ def linear_ce_fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, target:
         check_targets_in_range(target, weight.shape[0], ignore_index)
     if reduction not in _REDUCTION_NAMES:
         raise ValueError(f"reduction must be one of {_REDUCTION_NAMES} here, got {reduction!r}")
-    if backend not in ("torch", "triton") + _CUDA:
-        raise ValueError(f"unknown backend {backend!r}")
+    _check_backend(backend)
     return chunked.fused_forward(hidden, weight, bias, target.long(), ignore_index, reduction,
                                  label_smoothing, softcap, z_loss, budget_bytes, need_dh, need_dw,
                                  need_db and bias is not None, backend)
@@ -252,11 +256,6 @@ def fused_loss(hidden, weight, bias, target, ignore_index, reduction, label_smoo
 def _stats_plan(hidden: Tensor, weight: Tensor, budget_bytes: int, need_dh: bool):
     return chunked.plan_chunks(hidden.shape[0], hidden.shape[1], weight.shape[0],
                                hidden.element_size(), budget_bytes, need_dh)
-
-
-def _check_backend(backend: str) -> None:
-    if backend not in ("torch", "triton") + _CUDA:
-        raise ValueError(f"unknown backend {backend!r}")
 
 
 @torch.library.custom_op("fusedops::linear_ce_stats", mutates_args=())
