@@ -70,6 +70,17 @@ def fused_config(config, num_splits=None):
     return fn
 
 
+def triton_pdl(mode):
+    """Triton with FUSEDOPS_ATTN_DECODE_PDL set to `mode` for each call (0: no programmatic
+    dependent launch; 2: the partial kernel too; methods triton-pdlN)."""
+    inner = fused("triton")
+
+    def fn(*args):
+        with env_set("FUSEDOPS_ATTN_DECODE_PDL", str(mode)):
+            return inner(*args)
+    return fn
+
+
 def cuda(name, num_splits=None):
     """The CUDA kernel (cuda-sm90: its sm_90a build on a 9.0 GPU; cuda-sm80 the same source)."""
     from fusedops.attention.kvcache_backends import CUDA_ENABLED
@@ -110,6 +121,51 @@ def fa4():
         out = flash_attn_varlen_func(q, kc, vc, seqused_k=lens, page_table=pt, causal=True,
                                      num_splits=splits)
         return out[0] if isinstance(out, tuple) else out
+    return fn
+
+
+def read_floor():
+    """A lower bound for any split-KV decode kernel on a contiguous cache: a Triton kernel with
+    the Triton decode's grid, split count, key blocks, warps and stages that only reads each
+    program's K and V rows and writes one sum per program (no products, no softmax, no
+    combine). Rows with method "read"."""
+    import triton
+    import triton.language as tl
+
+    from fusedops.attention import kvcache_triton
+    from fusedops.attention.kvcache import num_splits_heuristic, sm_count
+
+    @triton.jit
+    def read_kernel(K, V, OUT, ctx, stride_kb, stride_ks, stride_kh, BLOCK_N: tl.constexpr,
+                    HEAD_DIM: tl.constexpr):
+        split, kvh, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        chunk = tl.cdiv(tl.cdiv(ctx, tl.num_programs(0)), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(ctx, lo + chunk)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        acc = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
+        base = b.to(tl.int64) * stride_kb + kvh.to(tl.int64) * stride_kh
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + offs_n
+            off = base + cols.to(tl.int64)[:, None] * stride_ks + offs_d[None, :]
+            keep = (cols < hi)[:, None]
+            acc += tl.load(K + off, mask=keep, other=0.0).to(tl.float32)
+            acc += tl.load(V + off, mask=keep, other=0.0).to(tl.float32)
+        tl.store(OUT + (b * tl.num_programs(1) + kvh) * tl.num_programs(0) + split, tl.sum(acc))
+
+    def fn(q, kc, vc, lens, pt):
+        if pt is not None:
+            raise NotImplementedError("the read floor is for contiguous caches")
+        b, ctx, hkv, d = kc.shape
+        sms = sm_count(q.device)
+        block_n, warps, stages = kvcache_triton._config(d, q.dtype, False, b * hkv, sms)
+        splits = num_splits_heuristic(b, hkv, ctx, sms, block_n, False)
+        out = torch.empty(b * hkv * splits, device=q.device, dtype=torch.float32)
+        read_kernel[(splits, hkv, b)](kc, vc, out, ctx, kc.stride(0), kc.stride(1), kc.stride(2),
+                                      BLOCK_N=block_n, HEAD_DIM=d, num_warps=warps,
+                                      num_stages=stages)
+        return out
     return fn
 
 
@@ -191,7 +247,7 @@ def check(fns, page_size: int) -> None:
         ref = attention_with_kvcache(q.double(), kc.double(), vc.double(), lens,
                                      page_table=pt, backend="torch")
         for name, fn in list(fns.items()):
-            if name == "sdpa" and (paged or ragged):
+            if name == "read" or name == "sdpa" and (paged or ragged):
                 continue
             try:
                 out = fn(q, kc, vc, lens, pt)
@@ -213,7 +269,9 @@ def main():
     ap.add_argument("--contexts", default="1024,2048,4096,8192,16384,32768,65536,131072")
     ap.add_argument("--methods", default="triton,cuda-sm90,torch,sdpa,fa4",
                     help="of triton, cuda-sm90, cuda-sm80 (on a 9.0 GPU the same code as "
-                         "cuda-sm90), torch, sdpa, fa4")
+                         "cuda-sm90), torch, sdpa, fa4, read (a read-only kernel with the "
+                         "Triton decode's grid: the floor of its time), triton-pdl0 and "
+                         "triton-pdl2 (FUSEDOPS_ATTN_DECODE_PDL=0 or 2)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--torch-max-keys", type=int, default=8 * 16384,
                     help="the torch reference runs only where B * ctx is at most this")
@@ -241,7 +299,8 @@ def main():
     path = results_path("attention_decode", args.out)
     makers = {"triton": lambda: fused("triton"), "cuda-sm90": lambda: cuda("cuda-sm90"),
               "cuda-sm80": lambda: cuda("cuda-sm80"), "torch": lambda: fused("torch"),
-              "sdpa": sdpa, "fa4": fa4}
+              "sdpa": sdpa, "fa4": fa4, "read": read_floor,
+              "triton-pdl0": lambda: triton_pdl(0), "triton-pdl2": lambda: triton_pdl(2)}
     fns = {}
     for m in args.methods.split(","):
         try:
@@ -289,7 +348,7 @@ def main():
                 n_layers = layer_count(kv_bytes, args.layers)
                 layers = [make_cache(b, ctx, paged, args.page_size) for _ in range(n_layers)]
                 for name, fn in fns.items():
-                    if name == "sdpa" and paged:
+                    if name in ("sdpa", "read") and paged:
                         continue
                     if name == "torch" and b * ctx > args.torch_max_keys:
                         continue

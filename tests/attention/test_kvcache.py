@@ -854,6 +854,71 @@ def test_graphs_captured_on_one_stream_replay_in_any_order(backend):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged64"])
+def test_programmatic_dependent_launch_modes_agree(paged, monkeypatch):
+    """The Triton kernels with programmatic dependent launch off (0), on the combine (1, the
+    default) and on both kernels (2): eager calls and replays of a graph holding a chain of
+    dependent steps (each step's query is the last one's output, each appends a key first, so
+    a kernel that read before its predecessor finished would see stale values) give the same
+    bits as mode 0 eager, and agree with the float64 oracle."""
+    torch.manual_seed(11)
+    dev, dt = "cuda", torch.bfloat16
+    b, hq, hkv, d, cap, ps = 2, 32, 8, 128, 8192, 64
+    if paged:
+        pages = torch.randperm(b * cap // ps, device=dev).to(torch.int32).view(b, cap // ps)
+        shape = (b * cap // ps, ps, hkv, d)
+    else:
+        pages, shape = None, (b, cap, hkv, d)
+    kc0, vc0 = (torch.randn(shape, device=dev, dtype=dt) for _ in range(2))
+    q0 = torch.randn(b, 1, hq, d, device=dev, dtype=dt)
+    kn = torch.randn(b, 1, hkv, d, device=dev, dtype=dt)
+    vn = torch.randn(b, 1, hkv, d, device=dev, dtype=dt)
+    lens0 = torch.tensor([7000, 3000], dtype=torch.int32, device=dev)
+
+    def chain(q, kc, vc, lens, backend="triton", steps=3):
+        for t in range(steps):
+            q = attention_with_kvcache(q, kc, vc, lens + t, k_new=kn * (t + 1), v_new=vn,
+                                       page_table=pages, backend=backend, check=False)
+        return q
+
+    results = {}
+    for mode in ("0", "1", "2"):
+        monkeypatch.setenv("FUSEDOPS_ATTN_DECODE_PDL", mode)
+        kc, vc = kc0.clone(), vc0.clone()
+        results[mode, "eager"] = chain(q0, kc, vc, lens0)
+        kc, vc, q, lens = kc0.clone(), vc0.clone(), q0.clone(), lens0.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # compile outside the capture
+            chain(q, kc.clone(), vc.clone(), lens)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(q, kc, vc, lens)
+        for _ in range(2):
+            kc.copy_(kc0)
+            vc.copy_(vc0)
+            out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            results[mode, "graph"] = out.clone()
+    for key, out in results.items():
+        assert torch.equal(out, results["0", "eager"]), key
+    want = chain(q0.double(), kc0.double(), vc0.double(), lens0, backend="torch")
+    torch.testing.assert_close(results["0", "eager"].double(), want, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="the Triton kernels on the CPU")
+def test_unknown_programmatic_launch_mode_is_refused(monkeypatch):
+    monkeypatch.setenv("FUSEDOPS_ATTN_DECODE_PDL", "yes")
+    q = torch.randn(1, 1, 4, 16)
+    kc, vc = torch.randn(1, 32, 1, 16), torch.randn(1, 32, 1, 16)
+    with pytest.raises(ValueError, match="FUSEDOPS_ATTN_DECODE_PDL"):
+        attention_with_kvcache(q, kc, vc, torch.tensor([20], dtype=torch.int32),
+                               backend="triton")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_CUDA_DECODE)])
 def test_windows_wider_than_the_cache_are_unlimited(backend):
     """Window sides of 2**31 - 1 and 2**32 keys (past int32 arithmetic) give the unlimited

@@ -21,6 +21,8 @@ Constraints: head dim <= 256 (padded to a power of two with masks); last dimensi
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -38,15 +40,26 @@ def _row_offsets(rows, b, kvh, GROUP: tl.constexpr, stride_b, stride_s, stride_h
 
 
 @triton.jit
-def _key_offsets(cols, keep, b, PT, stride_pt, page_size, num_pages, stride_kb, stride_ks,
-                 PAGED: tl.constexpr):
-    """Offsets of logical keys `cols` of sequence b in the cache (pages through the table)."""
+def _kv_offsets(start_n, cols, keep, b, PT, stride_pt, page_size, num_pages, stride_kb,
+                stride_ks, stride_vb, stride_vs, PAGED: tl.constexpr, PAGE_BLOCK: tl.constexpr):
+    """Offsets of the K and V rows of logical keys `cols` (= start_n + 0..BLOCK_N-1) of sequence
+    b in the caches. Paged: each key's page from the table (one read serves K and V), or with
+    PAGE_BLOCK (the page size a multiple of BLOCK_N, so that the block lies in one page) one
+    scalar read for the block; page numbers clamped into [0, num_pages)."""
     if PAGED:
-        page = tl.load(PT + b.to(tl.int64) * stride_pt + cols // page_size, mask=keep, other=0)
-        page = tl.minimum(tl.maximum(page, 0), num_pages - 1)
-        return page.to(tl.int64) * stride_kb + (cols % page_size).to(tl.int64) * stride_ks
+        if PAGE_BLOCK:
+            page = tl.load(PT + b.to(tl.int64) * stride_pt + start_n // page_size)
+            slot = (start_n % page_size + cols - start_n).to(tl.int64)
+        else:
+            page = tl.load(PT + b.to(tl.int64) * stride_pt + cols // page_size, mask=keep,
+                           other=0)
+            slot = (cols % page_size).to(tl.int64)
+        page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+        return page * stride_kb + slot * stride_ks, page * stride_vb + slot * stride_vs
     else:
-        return b.to(tl.int64) * stride_kb + cols.to(tl.int64) * stride_ks
+        c = cols.to(tl.int64)
+        b64 = b.to(tl.int64)
+        return b64 * stride_kb + c * stride_ks, b64 * stride_vb + c * stride_vs
 
 
 @triton.jit
@@ -57,7 +70,12 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
-                    PAGED: tl.constexpr, FINAL: tl.constexpr):
+                    PAGED: tl.constexpr, PAGE_BLOCK: tl.constexpr, FINAL: tl.constexpr,
+                    GDC_WAIT: tl.constexpr, GDC_LAUNCH: tl.constexpr):
+    # GDC_WAIT: launched as a programmatic dependent of the kernel before it, so nothing that
+    # kernel may write (q, the caches, the lengths) is read before its grid has completed.
+    if GDC_WAIT:
+        tl.extra.cuda.gdc_wait()
     # torch.compile's traced launch passes Python floats as float64 scalars: the softmax's
     # loop-carried statistics stay float32 only if the scalars are cast here.
     sm_scale = tl.cast(sm_scale, tl.float32)
@@ -94,8 +112,8 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
     for start_n in range(s_lo, s_hi, BLOCK_N):
         cols = start_n + offs_n
         keep = cols < s_hi
-        koff = _key_offsets(cols, keep, b, PT, stride_pt, page_size, num_pages, stride_kb,
-                            stride_ks, PAGED)
+        koff, voff = _kv_offsets(start_n, cols, keep, b, PT, stride_pt, page_size, num_pages,
+                                 stride_kb, stride_ks, stride_vb, stride_vs, PAGED, PAGE_BLOCK)
         k = tl.load(K + koff[:, None] + kvh.to(tl.int64) * stride_kh + offs_d[None, :],
                     mask=keep[:, None] & d_ok[None, :], other=0.0)
         s = scores_log2(q, k, sm_scale, softcap, SOFTCAP, IEEE)  # log2 units from here on
@@ -111,9 +129,6 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        # k_cache and v_cache may have different strides (one page-table read each; cached)
-        voff = _key_offsets(cols, keep, b, PT, stride_pt, page_size, num_pages, stride_vb,
-                            stride_vs, PAGED)
         v = tl.load(V + voff[:, None] + kvh.to(tl.int64) * stride_vh + offs_d[None, :],
                     mask=keep[:, None] & d_ok[None, :], other=0.0)
         if IEEE:
@@ -121,6 +136,10 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
         else:
             acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
+    # GDC_LAUNCH: the combine kernel (a programmatic dependent) may start launching once every
+    # program is here; it waits for this grid's completion before reading the partials.
+    if GDC_LAUNCH:
+        tl.extra.cuda.gdc_launch_dependents()
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) / LOG2E, float("-inf"))
@@ -141,11 +160,13 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
 def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, n_mb, stride_ob, stride_os,
                     stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_MC: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_DC: tl.constexpr):
+                    BLOCK_DC: tl.constexpr, GDC_WAIT: tl.constexpr):
     # One program per (rows of a KV head's group, sequence, BLOCK_DC columns of the head dim);
     # BLOCK_MC covers the real rows of its BLOCK_M. The splits are read BLOCK_S at a time as
-    # one [splits, rows, columns] tile, so a call costs a few dependent memory round trips
-    # rather than one per split.
+    # one [splits, rows, columns] tile together with their lse, merged by a running maximum
+    # (one pass), so a call costs one dependent memory round trip per BLOCK_S splits.
+    if GDC_WAIT:  # a programmatic dependent of the partial kernel: wait for its grid
+        tl.extra.cuda.gdc_wait()
     kvh = tl.program_id(0) // n_mb
     mb = tl.program_id(0) % n_mb
     b = tl.program_id(1)
@@ -158,23 +179,22 @@ def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, n_mb, stride_ob, strid
     offs_d = dc * BLOCK_DC + tl.arange(0, BLOCK_DC)
     d_ok = offs_d < HEAD_DIM
     m_i = tl.full((BLOCK_MC,), float("-inf"), tl.float32)
-    for s0 in range(0, n_splits, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        base = ((offs_s[:, None] * batch + b).to(tl.int64) * n_kv + kvh) * m + rows[None, :]
-        ok = (offs_s[:, None] < n_splits) & row_ok[None, :]
-        m_i = tl.maximum(m_i, tl.max(tl.load(LSE_P + base, mask=ok, other=float("-inf")), 0))
-    m_use = tl.where(m_i == float("-inf"), 0.0, m_i)  # rows no split saw
     l_i = tl.zeros((BLOCK_MC,), tl.float32)
     acc = tl.zeros((BLOCK_MC, BLOCK_DC), tl.float32)
     for s0 in range(0, n_splits, BLOCK_S):
         offs_s = s0 + tl.arange(0, BLOCK_S)
         base = ((offs_s[:, None] * batch + b).to(tl.int64) * n_kv + kvh) * m + rows[None, :]
         ok = (offs_s[:, None] < n_splits) & row_ok[None, :]
-        w = tl.exp(tl.load(LSE_P + base, mask=ok, other=float("-inf")) - m_use[None, :])
+        lse_s = tl.load(LSE_P + base, mask=ok, other=float("-inf"))
         o = tl.load(OUT_P + base[:, :, None] * HEAD_DIM + offs_d[None, None, :],
                     mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
-        l_i += tl.sum(w, 0)
-        acc += tl.sum(o * w[:, :, None], 0)
+        m_new = tl.maximum(m_i, tl.max(lse_s, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows no split saw so far
+        alpha = tl.exp(m_i - m_use)
+        w = tl.exp(lse_s - m_use[None, :])
+        l_i = l_i * alpha + tl.sum(w, 0)
+        acc = acc * alpha[:, None] + tl.sum(o * w[:, :, None], 0)
+        m_i = m_new
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     o_ptrs = OUT + _row_offsets(rows, b, kvh, GROUP, stride_ob, stride_os, stride_oh)
@@ -210,6 +230,34 @@ def _config(head_dim: int, dtype: torch.dtype, paged: bool, programs: int, sms: 
     return 64, 4, (3 if 4 * programs <= sms else 2)
 
 
+def _launch_pdl_supported() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+_PDL_OPTION = not INTERPRET and _launch_pdl_supported()
+
+
+def _pdl_mode(device: torch.device) -> int:
+    """Programmatic dependent launch (compute capability 9.0 and later): 1 (the default) launches
+    the combine kernel as a dependent of the partial kernel, so that its launch overlaps the
+    partial kernel's last programs; 2 also launches the partial kernel as a dependent of the
+    kernel before it on the stream (for measurement: that gains only where the kernel before
+    releases its dependents early); 0 neither. FUSEDOPS_ATTN_DECODE_PDL, read at each call.
+    Off under the interpreter, under torch.compile (its traced launch takes no launch_pdl),
+    where Triton has no launch_pdl option, and below compute capability 9.0."""
+    mode = os.environ.get("FUSEDOPS_ATTN_DECODE_PDL", "1")
+    if mode not in ("0", "1", "2"):
+        raise ValueError(f"FUSEDOPS_ATTN_DECODE_PDL={mode!r}: expected 0, 1 or 2")
+    if (mode == "0" or not _PDL_OPTION or torch.compiler.is_compiling()
+            or torch.cuda.get_device_capability(device)[0] < 9):
+        return 0
+    return int(mode)
+
+
 def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal: bool,
                left: int, right: int, softcap: float, num_splits: int | None = None):
     batch, sq, hq, head_dim = q.shape
@@ -236,6 +284,8 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
                             device=q.device)
         lse_p = torch.empty((num_splits, batch, hkv, m), dtype=torch.float32, device=q.device)
     pt = page_table if paged else seqlens_k  # a placeholder pointer when contiguous
+    pdl = _pdl_mode(q.device)
+    pdl_partial = dict(launch_pdl=True) if pdl == 2 else {}
     block_d = max(16, triton.next_power_of_2(head_dim))
     meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m)
     _partial_kernel[(num_splits, hkv * n_mb, batch)](
@@ -245,8 +295,10 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
         k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), out.stride(2), pt.stride(0),
         BLOCK_N=block_n, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=bool(softcap),
-        IEEE=q.dtype == torch.float32, PAGED=paged, FINAL=final, num_warps=warps,
-        num_stages=stages, **meta)
+        IEEE=q.dtype == torch.float32, PAGED=paged,
+        PAGE_BLOCK=paged and k_cache.shape[1] % block_n == 0, FINAL=final, GDC_WAIT=pdl == 2,
+        GDC_LAUNCH=pdl > 0 and not final, num_warps=warps, num_stages=stages, **pdl_partial,
+        **meta)
     if not final:
         block_dc = min(block_d, 32)
         block_mc = min(block_m, max(2, triton.next_power_of_2(m)))
@@ -255,5 +307,6 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
         _combine_kernel[(hkv * n_mb, batch, block_d // block_dc)](
             out_p, lse_p, out, lse, num_splits, sq, n_mb, out.stride(0), out.stride(1),
             out.stride(2), GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_MC=block_mc,
-            BLOCK_S=block_s, BLOCK_DC=block_dc, num_warps=1 if INTERPRET else 4)
+            BLOCK_S=block_s, BLOCK_DC=block_dc, GDC_WAIT=pdl > 0,
+            num_warps=1 if INTERPRET else 4, **(dict(launch_pdl=True) if pdl else {}))
     return out, lse
