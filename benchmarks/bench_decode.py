@@ -124,11 +124,12 @@ def fa4():
     return fn
 
 
-def read_floor():
+def read_floor(config=None, splits=None):
     """A lower bound for any split-KV decode kernel on a contiguous cache: a Triton kernel with
     the Triton decode's grid, split count, key blocks, warps and stages that only reads each
     program's K and V rows and writes one sum per program (no products, no softmax, no
-    combine). Rows with method "read"."""
+    combine). Rows with method "read"; with `config` (BLOCK_N, warps, stages) and `splits` in
+    place of the decode's (--read-variants), "read-cBxWxS-sN"."""
     import triton
     import triton.language as tl
 
@@ -159,10 +160,11 @@ def read_floor():
             raise NotImplementedError("the read floor is for contiguous caches")
         b, ctx, hkv, d = kc.shape
         sms = sm_count(q.device)
-        block_n, warps, stages = kvcache_triton._config(d, q.dtype, False, b * hkv, sms)
-        splits = num_splits_heuristic(b, hkv, ctx, sms, block_n, False)
-        out = torch.empty(b * hkv * splits, device=q.device, dtype=torch.float32)
-        read_kernel[(splits, hkv, b)](kc, vc, out, ctx, kc.stride(0), kc.stride(1), kc.stride(2),
+        block_n, warps, stages = config or kvcache_triton._config(d, q.dtype, False, b * hkv,
+                                                                  sms)
+        n = splits or num_splits_heuristic(b, hkv, ctx, sms, block_n, False)
+        out = torch.empty(b * hkv * n, device=q.device, dtype=torch.float32)
+        read_kernel[(n, hkv, b)](kc, vc, out, ctx, kc.stride(0), kc.stride(1), kc.stride(2),
                                       BLOCK_N=block_n, HEAD_DIM=d, num_warps=warps,
                                       num_stages=stages)
         return out
@@ -247,7 +249,7 @@ def check(fns, page_size: int) -> None:
         ref = attention_with_kvcache(q.double(), kc.double(), vc.double(), lens,
                                      page_table=pt, backend="torch")
         for name, fn in list(fns.items()):
-            if name == "read" or name == "sdpa" and (paged or ragged):
+            if name.startswith("read") or name == "sdpa" and (paged or ragged):
                 continue
             try:
                 out = fn(q, kc, vc, lens, pt)
@@ -290,6 +292,9 @@ def main():
                     help="comma list of BLOCK_NxWARPSxSTAGES: also time Triton with each kernel "
                          "configuration (methods triton-cBxWxS[-sN], at the heuristic's split "
                          "count and at each --num-splits; rows with config)")
+    ap.add_argument("--read-variants", default="",
+                    help="comma list of BLOCK_NxWARPSxSTAGES:SPLITS: also time the read floor "
+                         "with that configuration and split count (methods read-cBxWxS-sN)")
     ap.add_argument("--layers", type=int, default=0,
                     help="calls per timed graph, each on its own cache (0: enough for about "
                          "1 GiB of K/V, 1 to 16; 1: one call per replay)")
@@ -334,6 +339,9 @@ def main():
             fns[name], configs[name] = fused_config(config, n), c
             if n:
                 splits[name] = n
+    for v in filter(None, args.read_variants.split(",")):
+        c, n = v.split(":")
+        fns[f"read-c{c}-s{n}"] = read_floor(tuple(int(x) for x in c.split("x")), int(n))
     if args.check:
         check(fns, args.page_size)
     copy = copy_gbps(args.rep_ms)
@@ -348,7 +356,7 @@ def main():
                 n_layers = layer_count(kv_bytes, args.layers)
                 layers = [make_cache(b, ctx, paged, args.page_size) for _ in range(n_layers)]
                 for name, fn in fns.items():
-                    if name in ("sdpa", "read") and paged:
+                    if (name == "sdpa" or name.startswith("read")) and paged:
                         continue
                     if name == "torch" and b * ctx > args.torch_max_keys:
                         continue

@@ -876,8 +876,9 @@ def test_programmatic_dependent_launch_modes_agree(paged, monkeypatch):
     lens0 = torch.tensor([7000, 3000], dtype=torch.int32, device=dev)
 
     def chain(q, kc, vc, lens, backend="triton", steps=3):
+        k1, v1 = kn.to(q.dtype), vn.to(q.dtype)
         for t in range(steps):
-            q = attention_with_kvcache(q, kc, vc, lens + t, k_new=kn * (t + 1), v_new=vn,
+            q = attention_with_kvcache(q, kc, vc, lens + t, k_new=k1 * (t + 1), v_new=v1,
                                        page_table=pages, backend=backend, check=False)
         return q
 

@@ -344,7 +344,10 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         lse = q.new_full((batch, hq, sq), float("-inf"), dtype=reference.compute_dtype(q.dtype))
     else:
         q = q if q.stride(-1) == 1 else q.contiguous()
-        out, lse = _run(q, k_cache, v_cache, seqlens_k, page_table, scale, causal,
-                        int(window_size[0]), int(window_size[1]), float(softcap or 0.0),
-                        num_splits, name)
+        # A window side of capacity + Sq keys or more sees every key: unlimited (-1), which
+        # keeps the kernels' index arithmetic within int32.
+        cap = page_table.shape[1] * k_cache.shape[1] if page_table is not None else k_cache.shape[1]
+        left, right = (-1 if int(w) >= cap + sq else int(w) for w in window_size)
+        out, lse = _run(q, k_cache, v_cache, seqlens_k, page_table, scale, causal, left, right,
+                        float(softcap or 0.0), num_splits, name)
     return (out, lse) if return_lse else out
