@@ -11,19 +11,25 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_decode import cuda, fused, make_cache
+from bench_decode import cuda, fused, make_cache, read_floor
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--method", default="cuda-sm90", help="triton, cuda-sm90 or cuda-sm80")
+    ap.add_argument("--method", default="cuda-sm90",
+                    help="triton, cuda-sm90, cuda-sm80 or read (the read-only floor of "
+                         "bench_decode.py)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--paged", action="store_true")
     ap.add_argument("--num-splits", type=int, default=None)
     args = ap.parse_args()
-    fn = (fused("triton", args.num_splits) if args.method == "triton"
-          else cuda(args.method, args.num_splits))
+    if args.method == "triton":
+        fn = fused("triton", args.num_splits)
+    elif args.method == "read":
+        fn = read_floor(splits=args.num_splits)
+    else:
+        fn = cuda(args.method, args.num_splits)
     inputs = make_cache(args.batch, args.ctx, args.paged, 64)
     for _ in range(3):
         fn(*inputs)

@@ -302,8 +302,9 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
     if not final:
         block_dc = min(block_d, 32)
         block_mc = min(block_m, max(2, triton.next_power_of_2(m)))
-        # about 4096 partial-output elements a load: 32 a thread at 4 warps
-        block_s = max(1, min(triton.next_power_of_2(num_splits), 4096 // (block_mc * block_dc)))
+        # about 8192 partial-output elements a load (64 a thread at 4 warps): one pass over up
+        # to 64 splits of a 4-row group (batch 1, 4:1 GQA)
+        block_s = max(1, min(triton.next_power_of_2(num_splits), 8192 // (block_mc * block_dc)))
         _combine_kernel[(hkv * n_mb, batch, block_d // block_dc)](
             out_p, lse_p, out, lse, num_splits, sq, n_mb, out.stride(0), out.stride(1),
             out.stride(2), GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_MC=block_mc,
