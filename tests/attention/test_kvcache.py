@@ -635,6 +635,19 @@ def test_cuda_num_splits():
     assert cuda_num_splits(1, 1, 10**6, 132) == 128
 
 
+def _gpu_cache(b, cap, hkv, d, paged, ps=64):
+    """bf16 K and V caches on the GPU with cap keys per sequence, contiguous or in pages of ps
+    (a random page table), and the page table (None when contiguous)."""
+    dev = "cuda"
+    if paged:
+        pages = torch.randperm(b * cap // ps, device=dev).to(torch.int32).view(b, cap // ps)
+        shape = (b * cap // ps, ps, hkv, d)
+    else:
+        pages, shape = None, (b, cap, hkv, d)
+    kc, vc = (torch.randn(shape, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    return kc, vc, pages
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["triton", pytest.param("cuda-sm80", marks=NEEDS_CUDA_DECODE)])
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged64"])
@@ -643,13 +656,8 @@ def test_cuda_graph_capture_of_a_decode_step(paged, backend):
     lengths copied into the static tensors: the replays equal eager calls."""
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
-    b, hq, hkv, d, cap, ps = 4, 32, 8, 128, 4096, 64
-    if paged:
-        pages = torch.randperm(b * cap // ps, device=dev).to(torch.int32).view(b, cap // ps)
-        shape = (b * cap // ps, ps, hkv, d)
-    else:
-        pages, shape = None, (b, cap, hkv, d)
-    kc, vc = (torch.randn(shape, device=dev, dtype=dt) for _ in range(2))
+    b, hq, hkv, d = 4, 32, 8, 128
+    kc, vc, pages = _gpu_cache(b, 4096, hkv, d, paged)
     kc_eager, vc_eager = kc.clone(), vc.clone()
     q = torch.randn(b, 1, hq, d, device=dev, dtype=dt)
     kn, vn = (torch.randn(b, 1, hkv, d, device=dev, dtype=dt) for _ in range(2))
@@ -863,13 +871,8 @@ def test_programmatic_dependent_launch_modes_agree(paged, monkeypatch):
     bits as mode 0 eager, and agree with the float64 oracle."""
     torch.manual_seed(11)
     dev, dt = "cuda", torch.bfloat16
-    b, hq, hkv, d, cap, ps = 2, 32, 8, 128, 8192, 64
-    if paged:
-        pages = torch.randperm(b * cap // ps, device=dev).to(torch.int32).view(b, cap // ps)
-        shape = (b * cap // ps, ps, hkv, d)
-    else:
-        pages, shape = None, (b, cap, hkv, d)
-    kc0, vc0 = (torch.randn(shape, device=dev, dtype=dt) for _ in range(2))
+    b, hq, hkv, d = 2, 32, 8, 128
+    kc0, vc0, pages = _gpu_cache(b, 8192, hkv, d, paged)
     q0 = torch.randn(b, 1, hq, d, device=dev, dtype=dt)
     kn = torch.randn(b, 1, hkv, d, device=dev, dtype=dt)
     vn = torch.randn(b, 1, hkv, d, device=dev, dtype=dt)
