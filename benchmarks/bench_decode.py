@@ -70,18 +70,6 @@ def fused_config(config, num_splits=None):
     return fn
 
 
-def triton_fma(config=None, num_splits=None):
-    """Triton with FUSEDOPS_ATTN_DECODE_PRODUCTS=fma for each call (products on the FMA pipe),
-    with the kernel configuration replaced when `config` is given (methods triton-fma and
-    triton-fma-cBxWxS[-sN], --fma-configs)."""
-    inner = fused_config(config, num_splits) if config else fused("triton", num_splits)
-
-    def fn(*args):
-        with env_set("FUSEDOPS_ATTN_DECODE_PRODUCTS", "fma"):
-            return inner(*args)
-    return fn
-
-
 def triton_pdl(mode):
     """Triton with FUSEDOPS_ATTN_DECODE_PDL set to `mode` for each call (0: no programmatic
     dependent launch; 2: the partial kernel too; methods triton-pdlN)."""
@@ -285,8 +273,7 @@ def main():
                     help="of triton, cuda-sm90, cuda-sm80 (on a 9.0 GPU the same code as "
                          "cuda-sm90), torch, sdpa, fa4, read (a read-only kernel with the "
                          "Triton decode's grid: the floor of its time), triton-pdl0 and "
-                         "triton-pdl2 (FUSEDOPS_ATTN_DECODE_PDL=0 or 2), triton-fma "
-                         "(FUSEDOPS_ATTN_DECODE_PRODUCTS=fma)")
+                         "triton-pdl2 (FUSEDOPS_ATTN_DECODE_PDL=0 or 2)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--torch-max-keys", type=int, default=8 * 16384,
                     help="the torch reference runs only where B * ctx is at most this")
@@ -305,10 +292,6 @@ def main():
                     help="comma list of BLOCK_NxWARPSxSTAGES: also time Triton with each kernel "
                          "configuration (methods triton-cBxWxS[-sN], at the heuristic's split "
                          "count and at each --num-splits; rows with config)")
-    ap.add_argument("--fma-configs", default="",
-                    help="comma list of BLOCK_NxWARPSxSTAGES[:SPLITS]: also time Triton with "
-                         "the products on the FMA pipe in that configuration (methods "
-                         "triton-fma-cBxWxS[-sN])")
     ap.add_argument("--read-variants", default="",
                     help="comma list of BLOCK_NxWARPSxSTAGES:SPLITS: also time the read floor "
                          "with that configuration and split count (methods read-cBxWxS-sN)")
@@ -322,8 +305,7 @@ def main():
     makers = {"triton": lambda: fused("triton"), "cuda-sm90": lambda: cuda("cuda-sm90"),
               "cuda-sm80": lambda: cuda("cuda-sm80"), "torch": lambda: fused("torch"),
               "sdpa": sdpa, "fa4": fa4, "read": read_floor,
-              "triton-pdl0": lambda: triton_pdl(0), "triton-pdl2": lambda: triton_pdl(2),
-              "triton-fma": triton_fma}
+              "triton-pdl0": lambda: triton_pdl(0), "triton-pdl2": lambda: triton_pdl(2)}
     fns = {}
     for m in args.methods.split(","):
         try:
@@ -357,13 +339,6 @@ def main():
             fns[name], configs[name] = fused_config(config, n), c
             if n:
                 splits[name] = n
-    for v in filter(None, args.fma_configs.split(",")):
-        c, _, n = v.partition(":")
-        name = f"triton-fma-c{c}" + (f"-s{n}" if n else "")
-        fns[name] = triton_fma(tuple(int(x) for x in c.split("x")), int(n) if n else None)
-        configs[name] = c
-        if n:
-            splits[name] = int(n)
     for v in filter(None, args.read_variants.split(",")):
         c, n = v.split(":")
         fns[f"read-c{c}-s{n}"] = read_floor(tuple(int(x) for x in c.split("x")), int(n))

@@ -38,12 +38,6 @@ def scores_log2(q, k, sm_scale, softcap, SOFTCAP: tl.constexpr, IEEE: tl.constex
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    return to_log2(s, sm_scale, softcap, SOFTCAP)
-
-
-@triton.jit
-def to_log2(s, sm_scale, softcap, SOFTCAP: tl.constexpr):
-    """Raw scores q k^T in log2 units: scaled, soft-capped when SOFTCAP, times log2(e)."""
     s = s * sm_scale
     if SOFTCAP:
         s = softcap * tanh(s / softcap)

@@ -19,8 +19,6 @@ HAS_GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 try:
     import triton  # noqa: F401
-
-    from fusedops.attention import kvcache_triton
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
@@ -228,9 +226,6 @@ GPU_CASES = {
                            capacity=4096, n_new=3, page_size=64, window=(511, 0), softcap=30.0),
     "batch64-one-split": dict(lens=tuple(range(0, 64 * 60, 60)), sq=1, heads_q=32, heads_kv=8,
                               head_dim=128, capacity=4096, n_new=1, page_size=64),
-    "window-softcap-sq2": dict(lens=(0, 700, 4094), sq=2, heads_q=32, heads_kv=8, head_dim=128,
-                               capacity=4096, n_new=2, page_size=64, window=(300, 0),
-                               softcap=20.0),
     # MQA with 4 queries: 128 rows per KV head, two Triton programs of 64 rows (CUDA: too many)
     "mqa-sq4-128rows": dict(lens=(0, 333, 2044), sq=4, heads_q=32, heads_kv=1, head_dim=128,
                             capacity=2048, n_new=4, page_size=16),
@@ -266,37 +261,6 @@ def _params():
 @pytest.mark.parametrize("backend,device,dtype,name,cases", _params())
 def test_parity(backend, device, dtype, name, cases):
     check(Case(**cases[name], dtype=dtype, device=device), backend)
-
-
-def _fma_params():
-    out = []
-    if not HAS_TRITON:
-        return out
-    if INTERPRET and HAS_TRITON and not HAS_GPU:
-        out += [pytest.param("cpu", torch.float32, name, CPU_CASES, id=f"cpu-float32-{name}")
-                for name, c in CPU_CASES.items() if _rows(c) <= kvcache_triton.FMA_MAX_ROWS]
-    out += [pytest.param("cuda", dtype, name, GPU_CASES, marks=pytest.mark.gpu,
-                         id=f"cuda-{str(dtype)[6:]}-{name}")
-            for dtype in (torch.bfloat16, torch.float16) for name, c in GPU_CASES.items()
-            if _rows(c) <= kvcache_triton.FMA_MAX_ROWS and c["head_dim"] <= 128]
-    return out
-
-
-@pytest.mark.parametrize("device,dtype,name,cases", _fma_params())
-def test_parity_of_products_on_the_fma_pipe(device, dtype, name, cases, monkeypatch):
-    """The Triton partial kernel with q k^T and p v on the FMA pipe (groups of at most
-    FMA_MAX_ROWS query rows), every feature of the cases, against the float64 oracle."""
-    monkeypatch.setenv("FUSEDOPS_ATTN_DECODE_PRODUCTS", "fma")
-    c = Case(**cases[name], dtype=dtype, device=device)
-    assert kvcache_triton._fma_products(_rows(cases[name]), c.head_dim)
-    check(c, "triton")
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_unknown_products_mode_is_refused(monkeypatch):
-    monkeypatch.setenv("FUSEDOPS_ATTN_DECODE_PRODUCTS", "tensor")
-    with pytest.raises(ValueError, match="FUSEDOPS_ATTN_DECODE_PRODUCTS"):
-        kvcache_triton._fma_products(4, 128)
 
 
 def test_rows_no_split_saw_in_every_column_program():

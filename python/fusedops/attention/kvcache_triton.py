@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops._triton import INTERPRET, LOG2E, scores_log2, to_log2
+from fusedops._triton import INTERPRET, LOG2E, scores_log2
 from fusedops.attention.kvcache import num_splits_heuristic, sm_count
 
 
@@ -71,7 +71,7 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
                     PAGED: tl.constexpr, PAGE_BLOCK: tl.constexpr, FINAL: tl.constexpr,
-                    FMA: tl.constexpr, GDC_WAIT: tl.constexpr, GDC_LAUNCH: tl.constexpr):
+                    GDC_WAIT: tl.constexpr, GDC_LAUNCH: tl.constexpr):
     # GDC_WAIT: launched as a programmatic dependent of the kernel before it, so nothing that
     # kernel may write (q, the caches, the lengths) is read before its grid has completed.
     if GDC_WAIT:
@@ -95,8 +95,6 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
     d_ok = offs_d < HEAD_DIM
     q = tl.load(Q + _row_offsets(rows, b, kvh, GROUP, stride_qb, stride_qs, stride_qh)[:, None]
                 + offs_d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if FMA:  # products on the FMA pipe, in float32: K and V stay in registers
-        q = q.to(tl.float32)
     lk = tl.minimum(tl.load(SEQLENS + b), capacity)
     off = lk - sq  # query i sits at position i + off
     lo = 0
@@ -118,11 +116,7 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
                                  stride_kb, stride_ks, stride_vb, stride_vs, PAGED, PAGE_BLOCK)
         k = tl.load(K + koff[:, None] + kvh.to(tl.int64) * stride_kh + offs_d[None, :],
                     mask=keep[:, None] & d_ok[None, :], other=0.0)
-        if FMA:
-            s = to_log2(tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], 2), sm_scale,
-                        softcap, SOFTCAP)
-        else:
-            s = scores_log2(q, k, sm_scale, softcap, SOFTCAP, IEEE)  # log2 units from here on
+        s = scores_log2(q, k, sm_scale, softcap, SOFTCAP, IEEE)  # log2 units from here on
         valid = row_ok[:, None] & keep[None, :]
         if HAS_RIGHT:
             valid &= cols[None, :] <= qi[:, None] + off + right
@@ -137,9 +131,7 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
         acc = acc * alpha[:, None]
         v = tl.load(V + voff[:, None] + kvh.to(tl.int64) * stride_vh + offs_d[None, :],
                     mask=keep[:, None] & d_ok[None, :], other=0.0)
-        if FMA:
-            acc += tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-        elif IEEE:
+        if IEEE:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
             acc = tl.dot(p.to(v.dtype), v, acc)
@@ -220,23 +212,7 @@ def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, n_mb, stride_ob, strid
 MAX_BLOCK_M = 16 if INTERPRET else 64
 
 
-# Query rows of a KV head (G * Sq) up to which the products may run on the FMA pipe.
-FMA_MAX_ROWS = 8
-
-
-def _fma_products(rows: int, head_dim: int) -> bool:
-    """Whether the partial kernel computes q k^T and p v on the FMA pipe in float32 (a tile of
-    at most FMA_MAX_ROWS query rows, loads into registers) rather than with tl.dot (16 rows at
-    least, K and V staged in shared memory). FUSEDOPS_ATTN_DECODE_PRODUCTS=auto|dot|fma, read at
-    each call; fma applies only up to FMA_MAX_ROWS rows and head dim 128."""
-    mode = os.environ.get("FUSEDOPS_ATTN_DECODE_PRODUCTS", "auto")
-    if mode not in ("auto", "dot", "fma"):
-        raise ValueError(f"FUSEDOPS_ATTN_DECODE_PRODUCTS={mode!r}: expected auto, dot or fma")
-    return mode == "fma" and rows <= FMA_MAX_ROWS and head_dim <= 128
-
-
-def _config(head_dim: int, dtype: torch.dtype, paged: bool, programs: int, sms: int,
-            fma: bool = False):
+def _config(head_dim: int, dtype: torch.dtype, paged: bool, programs: int, sms: int):
     """(BLOCK_N, warps, stages) for `programs` (split, KV head, row block, sequence) programs
     before splitting. From the H200 sweeps (benchmarks/results/attention_decode.jsonl, rows with
     config; bf16, D=128, page 64): 64-key blocks and 4 warps, with 2 stages once the programs
@@ -247,8 +223,6 @@ def _config(head_dim: int, dtype: torch.dtype, paged: bool, programs: int, sms: 
     keys); 32 keys above D=128 or in float32, whose tiles are larger."""
     if INTERPRET:
         return 16, 1, 1
-    if fma:
-        return 32, 4, 2
     if head_dim > 128 or dtype == torch.float32:
         return 32, 4, 2
     if programs >= sms:
@@ -292,11 +266,10 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
     paged = page_table is not None
     cap = page_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     m = group * sq
-    fma = _fma_products(m, head_dim)
-    block_m = max(2 if fma else 16, min(MAX_BLOCK_M, triton.next_power_of_2(m)))
+    block_m = max(16, min(MAX_BLOCK_M, triton.next_power_of_2(m)))
     n_mb = triton.cdiv(m, block_m)
     sms = sm_count(q.device)
-    block_n, warps, stages = _config(head_dim, q.dtype, paged, batch * hkv * n_mb, sms, fma)
+    block_n, warps, stages = _config(head_dim, q.dtype, paged, batch * hkv * n_mb, sms)
     if num_splits is None:
         num_splits = num_splits_heuristic(batch, hkv * n_mb, cap, sms, block_n, paged)
     out = torch.empty_like(q) if q.is_contiguous() else torch.empty(
@@ -323,8 +296,7 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
         out.stride(0), out.stride(1), out.stride(2), pt.stride(0),
         BLOCK_N=block_n, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=bool(softcap),
         IEEE=q.dtype == torch.float32, PAGED=paged,
-        PAGE_BLOCK=paged and k_cache.shape[1] % block_n == 0, FINAL=final, FMA=fma,
-        GDC_WAIT=pdl == 2,
+        PAGE_BLOCK=paged and k_cache.shape[1] % block_n == 0, FINAL=final, GDC_WAIT=pdl == 2,
         GDC_LAUNCH=pdl > 0 and not final, num_warps=warps, num_stages=stages, **pdl_partial,
         **meta)
     if not final:
