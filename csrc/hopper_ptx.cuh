@@ -125,6 +125,15 @@ __device__ __forceinline__ void st_shared_v4_u32(uint32_t addr, uint32_t a, uint
                "r"(c), "r"(d)
                : "memory");
 }
+// Four 8 x 8 b16 matrices from registers to shared memory (sm_90): register k of every lane
+// holds matrix k's row lane / 4, columns 2 (lane % 4) and + 1 (the mma / wgmma accumulator
+// fragment layout); lanes 8 k .. 8 k + 7 give the 16-byte-aligned addresses of matrix k's rows.
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
+                                            uint32_t d) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+}
 __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");

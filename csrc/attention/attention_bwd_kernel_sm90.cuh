@@ -477,21 +477,17 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       to_frag(dpt, dsa);
       // dS^T into buffer it & 1: key row kr of the block at byte 128 kr of the column block of
       // its query c (BN rows x 128 bytes each), 16-byte chunk (c % 64) / 8 at chunk ^ (kr % 8)
-      // (kr % 8 == g) -- the layout TMA writes, which the dQ wgmma reads as an MN-major A.
-      // The chunk bits (4-6) of ds_lane are g, so that XOR with (ni % 8) << 4 swizzles: one
-      // LOP3 per chunk, row kr0 + 8 an immediate 1024 further.
-      const uint32_t ds_lane = sDs_b + kr0 * 128 + (g << 4) + 4 * tq;
+      // -- the layout TMA writes, which the dQ wgmma reads as an MN-major A. One stmatrix.x4
+      // per 16 queries: its matrices are dsa[kk][0..3], i.e. (rows + 8 r, query block 2 kk +
+      // half) for k = 2 half + r; lane L gives the address of row L % 8 of matrix L / 8, whose
+      // chunk is (2 kk % 8) ^ half ^ (L % 8): the lane's part (half ^ L % 8) sits in lane_x's
+      // chunk bits (4-6), so each kk is one XOR with a constant (plus a column block at D=64).
+      const int ds_row = 64 * cw + 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
+      const uint32_t lane_x = sDs_b + ds_row * 128 + ((((lane >> 4) ^ lane) & 7) << 4);
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int ni = 2 * kk + half;
-            const uint32_t addr =
-                (ds_lane ^ ((ni % 8) << 4)) + (ni / 8) * BN * 128 + r * 8 * 128;
-            st_shared_u32(addr, dsa[kk][2 * half + r]);
-          }
+        stmatrix_x4((lane_x ^ (((2 * kk) % 8) << 4)) + ((2 * kk) / 8) * BN * 128, dsa[kk][0],
+                    dsa[kk][1], dsa[kk][2], dsa[kk][3]);
       fence_proxy_async_smem();  // the stores, before the wgmmas (async proxy) read them
       named_bar_sync<256>(1);    // both consumer warpgroups' halves of dS^T are written
 
