@@ -162,7 +162,8 @@ def read_floor(config=None, splits=None):
         sms = sm_count(q.device)
         block_n, warps, stages = config or kvcache_triton._config(d, q.dtype, False, b * hkv,
                                                                   sms)
-        n = splits or num_splits_heuristic(b, hkv, ctx, sms, block_n, False)
+        n = splits or num_splits_heuristic(b, hkv, ctx, sms, block_n,
+                                           per_sm=kvcache_triton._per_sm(stages, False))
         out = torch.empty(b * hkv * n, device=q.device, dtype=torch.float32)
         read_kernel[(n, hkv, b)](kc, vc, out, ctx, kc.stride(0), kc.stride(1), kc.stride(2),
                                       BLOCK_N=block_n, HEAD_DIM=d, num_warps=warps,

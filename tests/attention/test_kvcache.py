@@ -19,6 +19,8 @@ HAS_GPU = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 try:
     import triton  # noqa: F401
+
+    from fusedops.attention import kvcache_triton
     HAS_TRITON = True
 except ImportError:
     HAS_TRITON = False
@@ -612,16 +614,27 @@ def test_no_query_heads_or_queries_give_empty_outputs():
 
 def test_num_splits_heuristic():
     from fusedops.attention.kvcache import num_splits_heuristic
-    # H200 (132 SMs), 8 KV heads, 64-key blocks
-    assert num_splits_heuristic(1, 8, 131072, 132, 64) == 33
-    assert num_splits_heuristic(8, 8, 8192, 132, 64) == 5
+    # H200 (132 SMs), 8 KV heads, 64-key blocks: one wave of per_sm programs on each SM
+    assert num_splits_heuristic(1, 8, 131072, 132, 64, per_sm=2) == 33
+    assert num_splits_heuristic(8, 8, 8192, 132, 64) == 8
+    assert num_splits_heuristic(16, 8, 8192, 132, 64) == 4
+    assert num_splits_heuristic(32, 8, 8192, 132, 64) == 2
     assert num_splits_heuristic(64, 8, 131072, 132, 64) == 1
+    assert num_splits_heuristic(128, 8, 131072, 132, 64) == 1
     assert num_splits_heuristic(1, 8, 256, 132, 64) == 1  # four blocks: one split
+    assert num_splits_heuristic(1, 8, 8192, 132, 64) == 32  # capped at four blocks a split
     assert num_splits_heuristic(1, 1, 10**6, 132, 64) == 64
-    # paged: about eight programs per SM
-    assert num_splits_heuristic(8, 8, 32768, 132, 64, paged=True) == 17
-    assert num_splits_heuristic(1, 8, 8192, 132, 64, paged=True) == 32
-    assert num_splits_heuristic(64, 8, 8192, 132, 128, paged=True) == 1
+    assert num_splits_heuristic(2, 8, 32768, 132, 64, per_sm=2) == 16
+
+
+def test_split_heuristic_inputs_of_the_triton_kernel():
+    """What decode_fwd passes the heuristic: two programs per SM with three stages, four with
+    two, and four on paged caches whatever the stages."""
+    if not HAS_TRITON:
+        pytest.skip("needs triton")
+    assert kvcache_triton._per_sm(3, False) == 2
+    assert kvcache_triton._per_sm(2, False) == 4
+    assert kvcache_triton._per_sm(3, True) == 4
 
 
 def test_cuda_num_splits():

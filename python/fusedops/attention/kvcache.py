@@ -185,22 +185,22 @@ def sm_count(device: torch.device) -> int:
 
 
 def num_splits_heuristic(batch: int, heads_kv: int, capacity: int, num_sms: int,
-                         block_n: int, paged: bool = False) -> int:
+                         block_n: int, per_sm: int = 4) -> int:
     """Splits per sequence from static sizes only (no lengths: they stay on the device).
 
-    Enough programs (batch * Hkv * splits; heads_kv counts every program row of a sequence) for
-    about two per SM on a contiguous cache and eight on a paged one (each key block waits on its
-    page-table read first, so more programs in flight hide that latency), each split at least
-    four key blocks of the capacity, at most 64; one split when batch * Hkv already fills the
-    GPU. From the H200 sweeps of split counts (benchmarks/results/attention_decode.jsonl, rows
-    with num_splits): at batch 8 with 32k keys, paged, 16-17 splits reach 0.86-0.95 of the copy
-    bandwidth where 5 reached 0.76; contiguous, 5 splits 0.93 and 16 0.88-0.93; at batch 1,
-    paged, 128 splits 0.40 and 64 0.59.
+    One wave: as many programs (batch * Hkv * splits; heads_kv counts every program row of a
+    sequence) as fit on the GPU at once, `per_sm` on each SM (the Triton kernel's: 4 with two
+    stages of 64-key blocks, bounded by registers; 2 with three, bounded by shared memory), each
+    split at least four key blocks of the capacity, at most 64; one split once batch * Hkv
+    programs fill half the wave or more. A second, partial wave costs more than the splits
+    gain: from the H200 sweeps (benchmarks/results/attention_decode.jsonl, rows with
+    num_splits; 8 KV heads, 8k-32k keys, two stages) at batch 8, 8 splits (512 programs) read
+    at 0.90-0.98 of the copy bandwidth, 5 at 0.85-0.93, 12 (1.45 waves) at 0.76-0.81; paged,
+    8 splits 0.89-0.97 and 17 0.86-0.93; at batch 16 paged, 4 splits 0.95-1.01 and 9
+    0.87-0.89; at batch 32, 2 splits 1.01-1.08 (paged 0.93-1.00) and 1 0.88-0.95 (0.91-0.96).
     """
     work = batch * heads_kv
-    if work >= num_sms:
-        return 1
-    want = -(-(8 if paged else 2) * num_sms // work)
+    want = max(1, per_sm * num_sms // work)
     most = max(1, -(-capacity // block_n) // 4)
     return max(1, min(want, most, 64))
 
