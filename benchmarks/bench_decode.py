@@ -70,26 +70,13 @@ def fused_config(config, num_splits=None):
     return fn
 
 
-def triton_combine():
-    """Triton with FUSEDOPS_ATTN_DECODE_MERGE=kernel for each call: the splits merged by the
-    combine kernel rather than by the last partial program (method triton-combine)."""
-    inner = fused("triton")
-
-    def fn(*args):
-        with env_set("FUSEDOPS_ATTN_DECODE_MERGE", "kernel"):
-            return inner(*args)
-    return fn
-
-
 def triton_pdl(mode):
-    """Triton with the combine kernel (FUSEDOPS_ATTN_DECODE_MERGE=kernel) and
-    FUSEDOPS_ATTN_DECODE_PDL set to `mode` for each call (0: no programmatic dependent launch;
-    2: the partial kernel too; methods triton-pdlN)."""
+    """Triton with FUSEDOPS_ATTN_DECODE_PDL set to `mode` for each call (0: no programmatic
+    dependent launch; 2: the partial kernel too; methods triton-pdlN)."""
     inner = fused("triton")
 
     def fn(*args):
-        with env_set("FUSEDOPS_ATTN_DECODE_MERGE", "kernel"), \
-                env_set("FUSEDOPS_ATTN_DECODE_PDL", str(mode)):
+        with env_set("FUSEDOPS_ATTN_DECODE_PDL", str(mode)):
             return inner(*args)
     return fn
 
@@ -287,8 +274,7 @@ def main():
                     help="of triton, cuda-sm90, cuda-sm80 (on a 9.0 GPU the same code as "
                          "cuda-sm90), torch, sdpa, fa4, read (a read-only kernel with the "
                          "Triton decode's grid: the floor of its time), triton-pdl0 and "
-                         "triton-pdl2 (FUSEDOPS_ATTN_DECODE_PDL=0 or 2, with the combine kernel), "
-                         "triton-combine (FUSEDOPS_ATTN_DECODE_MERGE=kernel)")
+                         "triton-pdl2 (FUSEDOPS_ATTN_DECODE_PDL=0 or 2)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--torch-max-keys", type=int, default=8 * 16384,
                     help="the torch reference runs only where B * ctx is at most this")
@@ -320,8 +306,7 @@ def main():
     makers = {"triton": lambda: fused("triton"), "cuda-sm90": lambda: cuda("cuda-sm90"),
               "cuda-sm80": lambda: cuda("cuda-sm80"), "torch": lambda: fused("torch"),
               "sdpa": sdpa, "fa4": fa4, "read": read_floor,
-              "triton-pdl0": lambda: triton_pdl(0), "triton-pdl2": lambda: triton_pdl(2),
-              "triton-combine": triton_combine}
+              "triton-pdl0": lambda: triton_pdl(0), "triton-pdl2": lambda: triton_pdl(2)}
     fns = {}
     for m in args.methods.split(","):
         try:

@@ -898,8 +898,6 @@ def test_programmatic_dependent_launch_modes_agree(paged, monkeypatch):
                                        page_table=pages, backend=backend, check=False)
         return q
 
-    # the combine kernel is the programmatic dependent
-    monkeypatch.setenv("FUSEDOPS_ATTN_DECODE_MERGE", "kernel")
     results = {}
     for mode in ("0", "1", "2"):
         monkeypatch.setenv("FUSEDOPS_ATTN_DECODE_PDL", mode)
@@ -925,39 +923,6 @@ def test_programmatic_dependent_launch_modes_agree(paged, monkeypatch):
         assert torch.equal(out, results["0", "eager"]), key
     want = chain(q0.double(), kc0.double(), vc0.double(), lens0, backend="torch")
     torch.testing.assert_close(results["0", "eager"].double(), want, rtol=3e-2, atol=3e-2)
-
-
-def _merge_params():
-    out = []
-    if INTERPRET and HAS_TRITON and not HAS_GPU:
-        out += [pytest.param("cpu", torch.float32, name, CPU_CASES, id=f"cpu-{name}")
-                for name in ("gqa-sq1", "splits-5", "combine-d24-splits20", "everything-mqa-paged")]
-    out += [pytest.param("cuda", torch.bfloat16, name, GPU_CASES, marks=pytest.mark.gpu,
-                         id=f"cuda-{name}")
-            for name in ("contig-sq1", "paged64-sq3", "window-softcap")]
-    return out
-
-
-@pytest.mark.parametrize("device,dtype,name,cases", _merge_params())
-@pytest.mark.parametrize("merge", ["last", "kernel"])
-def test_split_merge_in_the_partial_kernel_and_by_the_combine_kernel(merge, device, dtype, name,
-                                                                      cases, monkeypatch):
-    """Both ways of merging the splits (the last partial program, or the combine kernel) against
-    the float64 oracle, three calls in a row (the counters must come back to zero: a call that
-    found them nonzero would merge too early or never), and the counters zero afterwards."""
-    monkeypatch.setenv("FUSEDOPS_ATTN_DECODE_MERGE", merge)
-    c = Case(**cases[name], dtype=dtype, device=device)
-    for _ in range(3):
-        check(c, "triton")
-    for key, buf in kvcache_triton._COUNTERS.items():
-        assert int(buf.count_nonzero()) == 0, key
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-def test_unknown_merge_mode_is_refused(monkeypatch):
-    monkeypatch.setenv("FUSEDOPS_ATTN_DECODE_MERGE", "atomic")
-    with pytest.raises(ValueError, match="FUSEDOPS_ATTN_DECODE_MERGE"):
-        kvcache_triton._merge_in_partial()
 
 
 @pytest.mark.skipif(not (HAS_TRITON and INTERPRET), reason="the Triton kernels on the CPU")

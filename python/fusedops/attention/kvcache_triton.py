@@ -63,7 +63,7 @@ def _kv_offsets(start_n, cols, keep, b, PT, stride_pt, page_size, num_pages, str
 
 
 @triton.jit
-def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P, CNT,
+def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P,
                     sm_scale, softcap, left, right, sq, n_mb, capacity, page_size, num_pages,
                     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh,
                     stride_vb, stride_vs, stride_vh, stride_ob, stride_os, stride_oh, stride_pt,
@@ -71,7 +71,6 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P, CNT,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, IEEE: tl.constexpr,
                     PAGED: tl.constexpr, PAGE_BLOCK: tl.constexpr, FINAL: tl.constexpr,
-                    MERGE: tl.constexpr, BLOCK_MC: tl.constexpr, BLOCK_S: tl.constexpr,
                     GDC_WAIT: tl.constexpr, GDC_LAUNCH: tl.constexpr):
     # GDC_WAIT: launched as a programmatic dependent of the kernel before it, so nothing that
     # kernel may write (q, the caches, the lengths) is read before its grid has completed.
@@ -155,31 +154,25 @@ def _partial_kernel(Q, K, V, SEQLENS, PT, OUT, LSE, OUT_P, LSE_P, CNT,
         tl.store(OUT_P + base[:, None] * HEAD_DIM + offs_d[None, :], out,
                  mask=row_ok[:, None] & d_ok[None, :])
         tl.store(LSE_P + base, lse, mask=row_ok)
-        if MERGE:
-            # The last program of the (sequence, KV head, row block) to finish merges its
-            # splits: every thread's stores, then (after the barrier) one acq_rel increment at
-            # GPU scope releases them and, for the last one, acquires everybody else's. It
-            # resets the counter, so that the next call on the stream starts from zero.
-            tl.debug_barrier()
-            cnt = CNT + (b * n_kv + kvh) * n_mb + mb
-            if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == n_splits - 1:
-                tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
-                _merge_splits(OUT_P, LSE_P, OUT, LSE, n_splits, sq, b, kvh, mb, 0, n_kv, batch,
-                              stride_ob, stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_M,
-                              BLOCK_MC, BLOCK_S, BLOCK_D, True)
 
 
 @triton.jit
-def _merge_splits(OUT_P, LSE_P, OUT, LSE, n_splits, sq, b, kvh, mb, dc, n_kv, batch, stride_ob,
-                  stride_os, stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_MC: tl.constexpr, BLOCK_S: tl.constexpr,
-                  BLOCK_DC: tl.constexpr, CG: tl.constexpr):
-    """The output and lse of one (rows of a KV head's group, sequence, BLOCK_DC columns of the
-    head dim) from the splits' normalised partial outputs and lse: BLOCK_MC covers the real rows
-    of the BLOCK_M block; the splits are read BLOCK_S at a time as one [splits, rows, columns]
-    tile together with their lse, merged by a running maximum (one pass), so it costs one
-    dependent memory round trip per BLOCK_S splits. CG: loads that bypass L1 (the partials were
-    written by other SMs during this kernel)."""
+def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, n_mb, stride_ob, stride_os,
+                    stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_MC: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_DC: tl.constexpr, GDC_WAIT: tl.constexpr):
+    # One program per (rows of a KV head's group, sequence, BLOCK_DC columns of the head dim);
+    # BLOCK_MC covers the real rows of its BLOCK_M. The splits are read BLOCK_S at a time as
+    # one [splits, rows, columns] tile together with their lse, merged by a running maximum
+    # (one pass), so a call costs one dependent memory round trip per BLOCK_S splits.
+    if GDC_WAIT:  # a programmatic dependent of the partial kernel: wait for its grid
+        tl.extra.cuda.gdc_wait()
+    kvh = tl.program_id(0) // n_mb
+    mb = tl.program_id(0) % n_mb
+    b = tl.program_id(1)
+    dc = tl.program_id(2)
+    n_kv = tl.num_programs(0) // n_mb
+    batch = tl.num_programs(1)
     m = GROUP * sq
     rows = mb * BLOCK_M + tl.arange(0, BLOCK_MC)
     row_ok = rows < m
@@ -192,15 +185,9 @@ def _merge_splits(OUT_P, LSE_P, OUT, LSE, n_splits, sq, b, kvh, mb, dc, n_kv, ba
         offs_s = s0 + tl.arange(0, BLOCK_S)
         base = ((offs_s[:, None] * batch + b).to(tl.int64) * n_kv + kvh) * m + rows[None, :]
         ok = (offs_s[:, None] < n_splits) & row_ok[None, :]
-        if CG:
-            lse_s = tl.load(LSE_P + base, mask=ok, other=float("-inf"), cache_modifier=".cg")
-            o = tl.load(OUT_P + base[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                        mask=ok[:, :, None] & d_ok[None, None, :], other=0.0,
-                        cache_modifier=".cg")
-        else:
-            lse_s = tl.load(LSE_P + base, mask=ok, other=float("-inf"))
-            o = tl.load(OUT_P + base[:, :, None] * HEAD_DIM + offs_d[None, None, :],
-                        mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
+        lse_s = tl.load(LSE_P + base, mask=ok, other=float("-inf"))
+        o = tl.load(OUT_P + base[:, :, None] * HEAD_DIM + offs_d[None, None, :],
+                    mask=ok[:, :, None] & d_ok[None, None, :], other=0.0)
         m_new = tl.maximum(m_i, tl.max(lse_s, 0))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows no split saw so far
         alpha = tl.exp(m_i - m_use)
@@ -218,20 +205,6 @@ def _merge_splits(OUT_P, LSE_P, OUT, LSE, n_splits, sq, b, kvh, mb, dc, n_kv, ba
         qi = rows // GROUP
         h = kvh * GROUP + rows % GROUP
         tl.store(LSE + (b.to(tl.int64) * n_kv * GROUP + h) * sq + qi, lse, mask=row_ok)
-
-
-@triton.jit
-def _combine_kernel(OUT_P, LSE_P, OUT, LSE, n_splits, sq, n_mb, stride_ob, stride_os,
-                    stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_MC: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_DC: tl.constexpr, GDC_WAIT: tl.constexpr):
-    # One program per (rows of a KV head's group, sequence, BLOCK_DC columns of the head dim).
-    if GDC_WAIT:  # a programmatic dependent of the partial kernel: wait for its grid
-        tl.extra.cuda.gdc_wait()
-    _merge_splits(OUT_P, LSE_P, OUT, LSE, n_splits, sq, tl.program_id(1),
-                  tl.program_id(0) // n_mb, tl.program_id(0) % n_mb, tl.program_id(2),
-                  tl.num_programs(0) // n_mb, tl.num_programs(1), stride_ob, stride_os,
-                  stride_oh, GROUP, HEAD_DIM, BLOCK_M, BLOCK_MC, BLOCK_S, BLOCK_DC, False)
 
 
 # Rows of one program's query tile: 64 rows x 128 columns of float32 accumulator is 64
@@ -294,40 +267,6 @@ def _pdl_mode(device: torch.device) -> int:
     return int(mode)
 
 
-def _merge_in_partial() -> bool:
-    """Whether the last partial program of each (sequence, KV head, row block) merges its splits
-    ("last", the default) rather than a combine kernel launched after the partial kernel
-    ("kernel"). FUSEDOPS_ATTN_DECODE_MERGE, read at each call. The combine kernel also runs
-    under torch.compile (the counters live in a cache the compiler would not see) and for
-    groups of more than 16 query rows at head dim 128 (the merge tile would hold too few
-    splits)."""
-    mode = os.environ.get("FUSEDOPS_ATTN_DECODE_MERGE", "last")
-    if mode not in ("last", "kernel"):
-        raise ValueError(f"FUSEDOPS_ATTN_DECODE_MERGE={mode!r}: expected last or kernel")
-    return mode == "last" and not torch.compiler.is_compiling()
-
-
-# Split counters of the merge in the partial kernel: one int32 per (sequence, KV head, row
-# block), per (device, stream), zero between calls (the merging program resets its own), so a
-# call on the stream needs no memset. A buffer that grows is replaced, never freed: a captured
-# graph may hold the old one's address. As for the CUDA decode kernel's counters, two graphs
-# captured on one stream must not be replayed at the same time on two streams.
-_COUNTERS: dict = {}
-_COUNTERS_RETIRED: list = []
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _COUNTERS_RETIRED.append(buf)
-        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
 def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal: bool,
                left: int, right: int, softcap: float, num_splits: int | None = None):
     batch, sq, hq, head_dim = q.shape
@@ -355,30 +294,24 @@ def decode_fwd(q, k_cache, v_cache, seqlens_k, page_table, scale: float, causal:
                             device=q.device)
         lse_p = torch.empty((num_splits, batch, hkv, m), dtype=torch.float32, device=q.device)
     pt = page_table if paged else seqlens_k  # a placeholder pointer when contiguous
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    block_mc = min(block_m, max(2, triton.next_power_of_2(m)))
-    # The merge in the partial kernel reads the splits as [splits, rows, head dim] tiles of
-    # 8192 elements (64 a thread at 4 warps): at least 4 splits a tile.
-    merge = not final and block_mc * block_d <= 2048 and _merge_in_partial()
-    pdl = 0 if merge else _pdl_mode(q.device)
+    pdl = _pdl_mode(q.device)
     pdl_partial = dict(launch_pdl=True) if pdl == 2 else {}
-    cnt = _split_counters(q.device, batch * hkv * n_mb) if merge else seqlens_k
-    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m,
-                BLOCK_MC=block_mc)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    meta = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=block_m)
     _partial_kernel[(num_splits, hkv * n_mb, batch)](
-        q, k_cache, v_cache, seqlens_k, pt, out, lse, out_p, lse_p, cnt, float(scale),
-        float(softcap), max(left, 0), max(right, 0), sq, n_mb, cap, k_cache.shape[1],
-        k_cache.shape[0], q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2), pt.stride(0),
+        q, k_cache, v_cache, seqlens_k, pt, out, lse, out_p, lse_p, float(scale), float(softcap),
+        max(left, 0), max(right, 0), sq, n_mb, cap, k_cache.shape[1], k_cache.shape[0],
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1),
+        k_cache.stride(2), v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), pt.stride(0),
         BLOCK_N=block_n, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, SOFTCAP=bool(softcap),
         IEEE=q.dtype == torch.float32, PAGED=paged,
-        PAGE_BLOCK=paged and k_cache.shape[1] % block_n == 0, FINAL=final, MERGE=merge,
-        BLOCK_S=max(1, min(triton.next_power_of_2(num_splits), 8192 // (block_mc * block_d))),
-        GDC_WAIT=pdl == 2, GDC_LAUNCH=pdl > 0 and not final, num_warps=warps,
-        num_stages=stages, **pdl_partial, **meta)
-    if not final and not merge:
+        PAGE_BLOCK=paged and k_cache.shape[1] % block_n == 0, FINAL=final, GDC_WAIT=pdl == 2,
+        GDC_LAUNCH=pdl > 0 and not final, num_warps=warps, num_stages=stages, **pdl_partial,
+        **meta)
+    if not final:
         block_dc = min(block_d, 32)
+        block_mc = min(block_m, max(2, triton.next_power_of_2(m)))
         # about 8192 partial-output elements a load (64 a thread at 4 warps): one pass over up
         # to 64 splits of a 4-row group (batch 1, 4:1 GQA)
         block_s = max(1, min(triton.next_power_of_2(num_splits), 8192 // (block_mc * block_dc)))
