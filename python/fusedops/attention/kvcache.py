@@ -190,7 +190,7 @@ def num_splits_heuristic(batch: int, heads_kv: int, capacity: int, num_sms: int,
 
     One wave: as many programs (batch * Hkv * splits; heads_kv counts every program row of a
     sequence) as fit on the GPU at once, `per_sm` on each SM (the Triton kernel's: 4 with two
-    stages of 64-key blocks, bounded by registers; 2 with three, bounded by shared memory), each
+    stages of 64-key blocks, 2 with three; kvcache_triton._per_sm), each
     split at least four key blocks of the capacity, at most 64; one split once batch * Hkv
     programs fill half the wave or more. A second, partial wave costs more than the splits
     gain: from the H200 sweeps (benchmarks/results/attention_decode.jsonl, rows with
