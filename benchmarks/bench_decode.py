@@ -307,6 +307,9 @@ def main():
               "cuda-sm80": lambda: cuda("cuda-sm80"), "torch": lambda: fused("torch"),
               "sdpa": sdpa, "fa4": fa4, "read": read_floor,
               "triton-pdl0": lambda: triton_pdl(0), "triton-pdl2": lambda: triton_pdl(2)}
+    unknown = [m for m in args.methods.split(",") if m not in makers]
+    if unknown:
+        ap.error(f"--methods: unknown {', '.join(unknown)} (known: {', '.join(makers)})")
     fns = {}
     for m in args.methods.split(","):
         try:

@@ -31,9 +31,10 @@
 // Deterministic mode (kDet, p.dq_sem set; serial schedule): every 64 x 64 dQ piece (query
 // block, query head, consumer warpgroup) is added by the contributing CTAs in one fixed order,
 // key blocks ascending or (p.dq_desc) descending, through a counter per piece: the warpgroup
-// waits (ld.acquire.gpu) until the counter equals its turn, adds, fences (fence.acq_rel.gpu per
-// thread), meets at a 128-thread named barrier, and one thread increments the counter
-// (red.release.gpu). Float addition in a fixed order is bit-identical run to run. The
+// waits (relaxed polls, then fence.acq_rel.gpu) until the counter equals its turn, adds, and at
+// the next step's top (once that step's S^T and dP^T are issued) fences per thread, meets at a
+// 128-thread named barrier, and one thread increments the counter (red.release.gpu). Float
+// addition in a fixed order is bit-identical run to run. The
 // contributors of a query block are the key blocks that see any of its queries, a contiguous
 // range [klo / BN, (khi - 1) / BN] of Seq::keys_of (the same relation KeySteps walks from the
 // keys' side), so a turn is an offset in that range and a key block that sees none of the
@@ -99,9 +100,9 @@ __device__ __forceinline__ int64_t dq_sem_index_sm90(const AttnParams& p, int q_
   return 32 + (static_cast<int64_t>(h) * tiles + t) * 2 + piece;
 }
 
-__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+__device__ __forceinline__ int ld_relaxed_gpu(const int* ptr) {
   int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
   return v;
 }
 __device__ __forceinline__ void red_release_gpu_add(int* ptr, int v) {
@@ -342,6 +343,32 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
 
     if (n_it > 0) sm90::mbar_wait(bar_kv, 0);
     int h = hk * group, m = t_lo * BM;
+
+    // kDet: the counter of this step's piece (the address is recomputed where needed: nothing
+    // extra stays live across the reductions; at D=128 that spilled), the warpgroup's own
+    // named barrier, and the hand-over of the piece whose reductions the previous step
+    // issued: every thread's reductions performed at gpu scope (fence), the warpgroup met,
+    // one increment with release semantics. It runs at the top of the next step, after S^T
+    // and dP^T are issued, so that the fence waits while the tensor cores work (right after
+    // the reductions it waited for all of them to reach L2 on the step's critical path); the
+    // next contributor in adding order reaches the piece a step later in the common case.
+    // The counter's address waits in shared memory for the warpgroup's first thread.
+    auto sem_at = [&] {
+      return p.dq_sem + dq_sem_index_sm90<BM>(p, sq.q_start, cta_b(), h, m, cw);
+    };
+    auto wg_bar = [&] {
+      if (cw == 0)
+        named_bar_sync<128>(2);
+      else
+        named_bar_sync<128>(3);
+    };
+    int** const pending =
+        reinterpret_cast<int**>(smem_raw + (base - raw_u32) + C::kPendingOff) + cw;
+    auto pass_turn = [&] {
+      fence_acq_rel_gpu();
+      wg_bar();
+      if (threadIdx.x % 128 == 0) red_release_gpu_add(*pending, 1);
+    };
     for (int it = 0; it < n_it; ++it) {
       const int s = it % S;
       const uint32_t sDs_b = sDs + (it & 1) * C::kDsBytes;
@@ -366,6 +393,15 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       if constexpr (kOverlap) wgmma_commit();  // S^T and dP^T as two groups
       keys_by_queries(dpt, dV_km, dDo_km + s * C::kQBytes);
       wgmma_commit();
+      // kDet: hand the previous step's piece over, then (D=128) a first look at this step's
+      // counter (warp 0's lane 0; the load's latency runs under the products and the softmax;
+      // at D=64 the value held across them spilled).
+      constexpr bool kFirstLook = D == 128;
+      int first_look = 0;
+      if constexpr (kDet) {
+        if (it > 0) pass_turn();
+        if (kFirstLook && warp == 0 && lane == 0) first_look = ld_relaxed_gpu(sem_at());
+      }
 
       // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
       const float* l_s = stats_lse(s);
@@ -509,20 +545,11 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       wgmma_commit();
 
       // kDet: wait for this piece's turn -- the offset of key block nb among the query block's
-      // contributors [klo / BN, (khi - 1) / BN], counted in adding order. Warp 0 polls (lane 0
-      // loads, the warp exits together), the named barrier (2 + cw) passes the acquire on. At
-      // D=128 the wait runs while dQ_part's products do; at D=64 that spilled (8 bytes), so it
-      // follows their wait there. The counter's address is recomputed where needed: nothing
-      // extra stays live across the reductions (at D=128 that spilled).
-      auto sem_at = [&] {
-        return p.dq_sem + dq_sem_index_sm90<BM>(p, sq.q_start, cta_b(), h, m, cw);
-      };
-      auto wg_bar = [&] {
-        if (cw == 0)
-          named_bar_sync<128>(2);
-        else
-          named_bar_sync<128>(3);
-      };
+      // contributors [klo / BN, (khi - 1) / BN], counted in adding order. Warp 0 polls with
+      // relaxed loads (lane 0 loads, at D=128 the first value is the step's first look; the
+      // warp exits together); the fence after the poll makes it an acquire, and the named
+      // barrier (2 + cw) passes it on. At D=128 the wait runs while dQ_part's products do; at
+      // D=64 that spilled (8 bytes), so it follows their wait there.
       auto wait_turn = [&] {
         if (warp == 0) {
           int klo, khi;
@@ -531,10 +558,13 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
           const int turn = p.dq_desc ? (khi - 1) / BN - nb : nb - klo / BN;
           const int* sem = sem_at();
           for (uint32_t polls = 0;; ++polls) {
-            const int v = __shfl_sync(0xffffffffu, lane == 0 ? ld_acquire_gpu(sem) : 0, 0);
+            int seen = 0;
+            if (lane == 0) seen = kFirstLook && polls == 0 ? first_look : ld_relaxed_gpu(sem);
+            const int v = __shfl_sync(0xffffffffu, seen, 0);
             if (v == turn) break;
             if (polls == (1u << 25)) __trap();  // a turn that never comes: an error, not a hang
           }
+          fence_acq_rel_gpu();
         }
         wg_bar();
       };
@@ -562,17 +592,18 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
             red_add2(dst_r + n8 * 64, dq[n8][2 * r], dq[n8][2 * r + 1]);
         }
       }
-      // kDet: pass the turn on once every thread's reductions are performed at gpu scope.
+      // kDet: the turn passes on at the next step's top (pass_turn), or after the loop.
       if constexpr (kDet) {
-        fence_acq_rel_gpu();
-        wg_bar();
-        if (threadIdx.x % 128 == 0) red_release_gpu_add(sem_at(), 1);
+        if (threadIdx.x % 128 == 0) *pending = sem_at();
       }
       wgmma_wait<0>();
       reg_fence(dv);
       reg_fence(dk);
       release(bar_empty(s));  // Q, dO and the stats of stage s are no longer read
       next_step<BM>(h, m, t_lo, n_tiles);
+    }
+    if constexpr (kDet) {
+      if (n_it > 0) pass_turn();
     }
 
     // ---- epilogue: dK (scaled) and dV of keys < lk, 4-byte stores from registers ----

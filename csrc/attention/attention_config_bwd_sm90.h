@@ -52,9 +52,11 @@ struct TilesBwdSm90 {
   static constexpr int kBarOff = kStatsOff + kStages * 2 * kBlockM * 4;
   // Barriers: K/V full; per stage Q/dO full, Q/dO empty.
   static constexpr int kNumBars = 1 + 2 * kStages;
-  // The deterministic mode's ticket (attention_bwd_kernel_sm90.cuh), 16 bytes.
+  // The deterministic mode's ticket (attention_bwd_kernel_sm90.cuh), 16 bytes, then each
+  // consumer warpgroup's counter of the piece it still has to pass on (a pointer each).
   static constexpr int kTicketOff = kBarOff + kNumBars * 8;
-  static constexpr size_t kSmem = kTicketOff + 16 + 1024;  // + 1024: base alignment
+  static constexpr int kPendingOff = kTicketOff + 16;
+  static constexpr size_t kSmem = kPendingOff + 16 + 1024;  // + 1024: base alignment
   static_assert(kQBytes % 1024 == 0 && kKvBytes % 1024 == 0 && kDsBytes % 1024 == 0);
   static_assert(kSmem <= 227 * 1024, "exceeds Hopper's shared memory per block");
 };
