@@ -365,7 +365,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     int** const pending =
         reinterpret_cast<int**>(smem_raw + (base - raw_u32) + C::kPendingOff) + cw;
     auto pass_turn = [&] {
-      fence_acq_rel_gpu();
+      if (!(p.dq_probe & 1)) fence_acq_rel_gpu();
       wg_bar();
       if (threadIdx.x % 128 == 0) red_release_gpu_add(*pending, 1);
     };
@@ -557,7 +557,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
           const int nb = cta_nb();
           const int turn = p.dq_desc ? (khi - 1) / BN - nb : nb - klo / BN;
           const int* sem = sem_at();
-          for (uint32_t polls = 0;; ++polls) {
+          for (uint32_t polls = 0; !(p.dq_probe & 2); ++polls) {
             int seen = 0;
             if (lane == 0) seen = kFirstLook && polls == 0 ? first_look : ld_relaxed_gpu(sem);
             const int v = __shfl_sync(0xffffffffu, seen, 0);

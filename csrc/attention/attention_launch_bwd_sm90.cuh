@@ -51,6 +51,8 @@ template <typename T, int D>
 cudaError_t run_bwd_sm90(const AttnParams& params) {
   AttnParams p = params;
   p.dq_desc = p.dq_sem != nullptr && sm90_bwd_dq_descending(p);
+  if (const char* probe = std::getenv("FUSEDOPS_ATTN_SM90_BWD_DET_PROBE"))
+    p.dq_probe = std::atoi(probe);
   using C = TilesBwdSm90<D>;
   static_assert(sizeof(T) == C::kElem);
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;

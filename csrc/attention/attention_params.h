@@ -28,6 +28,9 @@ struct AttnParams {
   // launcher).
   int* dq_sem = nullptr;
   bool dq_desc = false;
+  // Measurement only (FUSEDOPS_ATTN_SM90_BWD_DET_PROBE): parts of the ordered reductions left
+  // out to time them (bit 0 the hand-over's fence, bit 1 the wait for a turn); wrong results.
+  int dq_probe = 0;
   // The sm90 forward's tile scheduler: two counters (next tile, CTAs done) on the launch's
   // stream, zero before the launch and left at zero by its last CTA
   // (attention_fwd_kernel_sm90.cuh); null: the static order only.
