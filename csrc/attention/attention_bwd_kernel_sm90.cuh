@@ -28,13 +28,13 @@
 // was last read by step - 2's dQ products, which both warpgroups finished before the named
 // barrier of step - 1.
 // dK is scaled by p.scale here, dQ by dq_convert_kernel.
-// Deterministic mode (kDet, p.dq_sem set; serial schedule): every 64 x 64 dQ piece (query
-// block, query head, consumer warpgroup) is added by the contributing CTAs in one fixed order,
-// key blocks ascending or (p.dq_desc) descending, through a counter per piece: the warpgroup
-// waits (relaxed polls, then fence.acq_rel.gpu) until the counter equals its turn, adds, and at
-// the next step's top (once that step's S^T and dP^T are issued) fences per thread, meets at a
-// 128-thread named barrier, and one thread increments the counter (red.release.gpu). Float
-// addition in a fixed order is bit-identical run to run. The
+// Deterministic mode (kDet, p.dq_sem set; serial schedule): every 16 x 64 dQ piece (query
+// block, query head, consumer warp) is added by the contributing CTAs in one fixed order, key
+// blocks ascending or (p.dq_desc) descending, through a counter per piece: the warp waits
+// (relaxed polls, then fence.acq_rel.gpu) until the counter equals its turn, adds, and at the
+// next step's top (once that step's S^T and dP^T are issued) fences per lane, meets at
+// __syncwarp, and lane 0 increments the counter (red.release.gpu). Float addition in a fixed
+// order is bit-identical run to run. The
 // contributors of a query block are the key blocks that see any of its queries, a contiguous
 // range [klo / BN, (khi - 1) / BN] of Seq::keys_of (the same relation KeySteps walks from the
 // keys' side), so a turn is an offset in that range and a key block that sees none of the
@@ -91,13 +91,13 @@ __device__ __forceinline__ int64_t stats_start_sm90(int q_start, int b) {
 }
 
 // The deterministic mode's counters (attention_params.h: dq_sem_count_sm90): p.dq_sem[0] the
-// ticket, then one per (query head, BM-row block of the stats layout, consumer warpgroup).
+// ticket, then one per (query head, BM-row block of the stats layout, consumer warp: 8).
 template <int BM>
 __device__ __forceinline__ int64_t dq_sem_index_sm90(const AttnParams& p, int q_start, int b,
                                                      int h, int m, int piece) {
   const int64_t tiles = stats_rows_sm90(p) / BM;
   const int64_t t = stats_start_sm90<BM>(q_start, b) / BM + m / BM;
-  return 32 + (static_cast<int64_t>(h) * tiles + t) * 2 + piece;
+  return 32 + (static_cast<int64_t>(h) * tiles + t) * 8 + piece;
 }
 
 __device__ __forceinline__ int ld_relaxed_gpu(const int* ptr) {
@@ -135,8 +135,7 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
   if (i >= (sq.lq + BM - 1) / BM * BM) return;  // all the row's threads alike
   if (p.dq_sem != nullptr && i % BM == 0 && c == 0) {
     const int64_t at = dq_sem_index_sm90<BM>(p, sq.q_start, b, h, i, 0);
-    p.dq_sem[at] = 0;
-    p.dq_sem[at + 1] = 0;
+    for (int piece = 0; piece < 8; ++piece) p.dq_sem[at + piece] = 0;
   }
   float acc = 0.f;
   const int64_t row = sq.q_start + i;
@@ -344,30 +343,25 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     if (n_it > 0) sm90::mbar_wait(bar_kv, 0);
     int h = hk * group, m = t_lo * BM;
 
-    // kDet: the counter of this step's piece (the address is recomputed where needed: nothing
-    // extra stays live across the reductions; at D=128 that spilled), the warpgroup's own
-    // named barrier, and the hand-over of the piece whose reductions the previous step
-    // issued: every thread's reductions performed at gpu scope (fence), the warpgroup met,
-    // one increment with release semantics. It runs at the top of the next step, after S^T
-    // and dP^T are issued, so that the fence waits while the tensor cores work (right after
-    // the reductions it waited for all of them to reach L2 on the step's critical path); the
-    // next contributor in adding order reaches the piece a step later in the common case.
-    // The counter's address waits in shared memory for the warpgroup's first thread.
+    // kDet: the counter of this step's piece -- each warp's 16 rows of the warpgroup's dQ
+    // piece have their own, so that no warp waits for another (the address is recomputed where
+    // needed: nothing extra stays live across the reductions; at D=128 that spilled) -- and
+    // the hand-over of the piece whose reductions the previous step issued: every lane's
+    // reductions performed at gpu scope (fence), the warp met, lane 0's increment with release
+    // semantics. It runs at the top of the next step, after S^T and dP^T are issued, so that
+    // the fence waits while the tensor cores work (right after the reductions it waited for
+    // them to reach L2 on the step's critical path); the next contributor in adding order
+    // reaches the piece a step later in the common case. The counter's address waits in
+    // shared memory for the warp's lane 0.
     auto sem_at = [&] {
-      return p.dq_sem + dq_sem_index_sm90<BM>(p, sq.q_start, cta_b(), h, m, cw);
-    };
-    auto wg_bar = [&] {
-      if (cw == 0)
-        named_bar_sync<128>(2);
-      else
-        named_bar_sync<128>(3);
+      return p.dq_sem + dq_sem_index_sm90<BM>(p, sq.q_start, cta_b(), h, m, 4 * cw + warp);
     };
     int** const pending =
-        reinterpret_cast<int**>(smem_raw + (base - raw_u32) + C::kPendingOff) + cw;
+        reinterpret_cast<int**>(smem_raw + (base - raw_u32) + C::kPendingOff) + 4 * cw + warp;
     auto pass_turn = [&] {
       if (!(p.dq_probe & 1)) fence_acq_rel_gpu();
-      wg_bar();
-      if (threadIdx.x % 128 == 0) red_release_gpu_add(*pending, 1);
+      __syncwarp();
+      if (lane == 0) red_release_gpu_add(*pending, 1);
     };
     for (int it = 0; it < n_it; ++it) {
       const int s = it % S;
@@ -393,14 +387,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       if constexpr (kOverlap) wgmma_commit();  // S^T and dP^T as two groups
       keys_by_queries(dpt, dV_km, dDo_km + s * C::kQBytes);
       wgmma_commit();
-      // kDet: hand the previous step's piece over, then (D=128) a first look at this step's
-      // counter (warp 0's lane 0; the load's latency runs under the products and the softmax;
-      // at D=64 the value held across them spilled).
-      constexpr bool kFirstLook = D == 128;
-      int first_look = 0;
+      // kDet: hand the previous step's piece over.
       if constexpr (kDet) {
         if (it > 0) pass_turn();
-        if (kFirstLook && warp == 0 && lane == 0) first_look = ld_relaxed_gpu(sem_at());
       }
 
       // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
@@ -545,28 +534,25 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       wgmma_commit();
 
       // kDet: wait for this piece's turn -- the offset of key block nb among the query block's
-      // contributors [klo / BN, (khi - 1) / BN], counted in adding order. Warp 0 polls with
-      // relaxed loads (lane 0 loads, at D=128 the first value is the step's first look; the
-      // warp exits together); the fence after the poll makes it an acquire, and the named
-      // barrier (2 + cw) passes it on. At D=128 the wait runs while dQ_part's products do; at
-      // D=64 that spilled (8 bytes), so it follows their wait there.
+      // contributors [klo / BN, (khi - 1) / BN], counted in adding order. Each warp's lane 0
+      // polls its counter with relaxed loads (a first look at the step's top, held across the
+      // softmax, spilled at D=128); the fence after the poll makes it an acquire, and
+      // __syncwarp passes it on to the other lanes. At D=128 the wait runs while dQ_part's products do; at D=64 that
+      // spilled (8 bytes), so it follows their wait there.
       auto wait_turn = [&] {
-        if (warp == 0) {
-          int klo, khi;
-          sq.keys_of(m, min(m + BM, sq.lq), p, klo, khi);
-          const int nb = cta_nb();
-          const int turn = p.dq_desc ? (khi - 1) / BN - nb : nb - klo / BN;
-          const int* sem = sem_at();
-          for (uint32_t polls = 0; !(p.dq_probe & 2); ++polls) {
-            int seen = 0;
-            if (lane == 0) seen = kFirstLook && polls == 0 ? first_look : ld_relaxed_gpu(sem);
-            const int v = __shfl_sync(0xffffffffu, seen, 0);
-            if (v == turn) break;
-            if (polls == (1u << 25)) __trap();  // a turn that never comes: an error, not a hang
-          }
-          fence_acq_rel_gpu();
+        int klo, khi;
+        sq.keys_of(m, min(m + BM, sq.lq), p, klo, khi);
+        const int nb = cta_nb();
+        const int turn = p.dq_desc ? (khi - 1) / BN - nb : nb - klo / BN;
+        const int* sem = sem_at();
+        for (uint32_t polls = 0;; ++polls) {  // the warp loops together
+          int seen = 0;
+          if (lane == 0) seen = ld_relaxed_gpu(sem);
+          if (__shfl_sync(0xffffffffu, seen, 0) == turn) break;
+          if (polls == (1u << 25)) __trap();  // a turn that never comes: an error, not a hang
         }
-        wg_bar();
+        if (lane == 0) fence_acq_rel_gpu();
+        __syncwarp();
       };
       constexpr bool kEarlyTurn = D == 128;
       if constexpr (kDet && kEarlyTurn) wait_turn();
@@ -594,7 +580,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       }
       // kDet: the turn passes on at the next step's top (pass_turn), or after the loop.
       if constexpr (kDet) {
-        if (threadIdx.x % 128 == 0) *pending = sem_at();
+        if (lane == 0) *pending = sem_at();
       }
       wgmma_wait<0>();
       reg_fence(dv);

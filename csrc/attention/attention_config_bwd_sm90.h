@@ -53,10 +53,10 @@ struct TilesBwdSm90 {
   // Barriers: K/V full; per stage Q/dO full, Q/dO empty.
   static constexpr int kNumBars = 1 + 2 * kStages;
   // The deterministic mode's ticket (attention_bwd_kernel_sm90.cuh), 16 bytes, then each
-  // consumer warpgroup's counter of the piece it still has to pass on (a pointer each).
+  // consumer warp's counter of the piece it still has to pass on (a pointer each).
   static constexpr int kTicketOff = kBarOff + kNumBars * 8;
   static constexpr int kPendingOff = kTicketOff + 16;
-  static constexpr size_t kSmem = kPendingOff + 16 + 1024;  // + 1024: base alignment
+  static constexpr size_t kSmem = kPendingOff + 8 * 4 * kConsumerWarpgroups + 1024;  // + 1024: base alignment
   static_assert(kQBytes % 1024 == 0 && kKvBytes % 1024 == 0 && kDsBytes % 1024 == 0);
   static_assert(kSmem <= 227 * 1024, "exceeds Hopper's shared memory per block");
 };

@@ -29,7 +29,7 @@ struct AttnParams {
   int* dq_sem = nullptr;
   bool dq_desc = false;
   // Measurement only (FUSEDOPS_ATTN_SM90_BWD_DET_PROBE): parts of the ordered reductions left
-  // out to time them (bit 0 the hand-over's fence, bit 1 the wait for a turn); wrong results.
+  // out to time them (bit 0: the hand-over's fence); results then not ordered.
   int dq_probe = 0;
   // The sm90 forward's tile scheduler: two counters (next tile, CTAs done) on the launch's
   // stream, zero before the launch and left at zero by its last CTA
@@ -64,10 +64,10 @@ cudaError_t attention_bwd_sm90(AttnParams& p);
 // False under FUSEDOPS_ATTN_SM90_BWD=sm80 (read at every call).
 bool attention_bwd_sm90_enabled();
 // Counters the sm90 backward's deterministic mode needs in p.dq_sem: one ticket (padded to 32)
-// and one per (query head, 64-row block of the padded statistics layout, consumer warpgroup).
+// and one per (query head, 64-row block of the padded statistics layout, consumer warp: 8).
 inline int64_t dq_sem_count_sm90(int64_t total_q, int64_t hq, int64_t batch) {
   const int64_t stats_rows = (total_q + 128 * batch + 127) / 128 * 128;
-  return 32 + 2 * hq * (stats_rows / 64);
+  return 32 + 8 * hq * (stats_rows / 64);
 }
 // Whether the kernel of the sm80 atomic-dQ backward fits the current device's shared memory
 // (Hopper: yes; Ampere: no, and the backward computes dQ in its own pass instead).
