@@ -97,7 +97,7 @@ __device__ __forceinline__ int64_t dq_sem_index_sm90(const AttnParams& p, int q_
                                                      int h, int m, int piece) {
   const int64_t tiles = stats_rows_sm90(p) / BM;
   const int64_t t = stats_start_sm90<BM>(q_start, b) / BM + m / BM;
-  return 32 + (static_cast<int64_t>(h) * tiles + t) * 8 + piece;
+  return 32 + (static_cast<int64_t>(h) * tiles + t) * kDqSemPiecesSm90 + piece;
 }
 
 __device__ __forceinline__ int ld_relaxed_gpu(const int* ptr) {
@@ -135,7 +135,7 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
   if (i >= (sq.lq + BM - 1) / BM * BM) return;  // all the row's threads alike
   if (p.dq_sem != nullptr && i % BM == 0 && c == 0) {
     const int64_t at = dq_sem_index_sm90<BM>(p, sq.q_start, b, h, i, 0);
-    for (int piece = 0; piece < 8; ++piece) p.dq_sem[at + piece] = 0;
+    for (int piece = 0; piece < kDqSemPiecesSm90; ++piece) p.dq_sem[at + piece] = 0;
   }
   float acc = 0.f;
   const int64_t row = sq.q_start + i;
@@ -535,10 +535,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
 
       // kDet: wait for this piece's turn -- the offset of key block nb among the query block's
       // contributors [klo / BN, (khi - 1) / BN], counted in adding order. Each warp's lane 0
-      // polls its counter with relaxed loads (a first look at the step's top, held across the
-      // softmax, spilled at D=128); the fence after the poll makes it an acquire, and
-      // __syncwarp passes it on to the other lanes. At D=128 the wait runs while dQ_part's products do; at D=64 that
-      // spilled (8 bytes), so it follows their wait there.
+      // polls its counter with relaxed loads; the fence after the poll makes it an acquire,
+      // and __syncwarp passes it on to the other lanes. At D=128 the wait runs while dQ_part's
+      // products do; at D=64 that spilled (8 bytes), so it follows their wait there.
       auto wait_turn = [&] {
         int klo, khi;
         sq.keys_of(m, min(m + BM, sq.lq), p, klo, khi);

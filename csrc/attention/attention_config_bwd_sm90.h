@@ -56,7 +56,8 @@ struct TilesBwdSm90 {
   // consumer warp's counter of the piece it still has to pass on (a pointer each).
   static constexpr int kTicketOff = kBarOff + kNumBars * 8;
   static constexpr int kPendingOff = kTicketOff + 16;
-  static constexpr size_t kSmem = kPendingOff + 8 * 4 * kConsumerWarpgroups + 1024;  // + 1024: base alignment
+  // + 1024: base alignment
+  static constexpr size_t kSmem = kPendingOff + sizeof(int*) * 4 * kConsumerWarpgroups + 1024;
   static_assert(kQBytes % 1024 == 0 && kKvBytes % 1024 == 0 && kDsBytes % 1024 == 0);
   static_assert(kSmem <= 227 * 1024, "exceeds Hopper's shared memory per block");
 };

@@ -65,9 +65,10 @@ cudaError_t attention_bwd_sm90(AttnParams& p);
 bool attention_bwd_sm90_enabled();
 // Counters the sm90 backward's deterministic mode needs in p.dq_sem: one ticket (padded to 32)
 // and one per (query head, 64-row block of the padded statistics layout, consumer warp: 8).
+constexpr int kDqSemPiecesSm90 = 8;  // consumer warps of a CTA
 inline int64_t dq_sem_count_sm90(int64_t total_q, int64_t hq, int64_t batch) {
   const int64_t stats_rows = (total_q + 128 * batch + 127) / 128 * 128;
-  return 32 + 8 * hq * (stats_rows / 64);
+  return 32 + kDqSemPiecesSm90 * hq * (stats_rows / 64);
 }
 // Whether the kernel of the sm80 atomic-dQ backward fits the current device's shared memory
 // (Hopper: yes; Ampere: no, and the backward computes dQ in its own pass instead).
