@@ -28,25 +28,27 @@
 // was last read by step - 2's dQ products, which both warpgroups finished before the named
 // barrier of step - 1.
 // dK is scaled by p.scale here, dQ by dq_convert_kernel.
-// Deterministic mode (kDet, p.dq_sem set; serial schedule): every 16 x 64 dQ piece (query
-// block, query head, consumer warp) is added by the contributing CTAs in one fixed order, key
-// blocks ascending or (p.dq_desc) descending, through a counter per piece: the warp waits
-// (relaxed polls, then fence.acq_rel.gpu) until the counter equals its turn, adds, and at the
-// next step's top (once that step's S^T and dP^T are issued) fences per lane, meets at
-// __syncwarp, and lane 0 increments the counter (red.release.gpu). Float addition in a fixed
-// order is bit-identical run to run. The
+// Deterministic mode (kDet, p.dq_sem set; serial schedule): each step's dQ block (BM queries of
+// one query head, all D columns) is added by the contributing CTAs in one fixed order, key
+// blocks ascending or (p.dq_desc) descending, through a counter per block. The consumers do not
+// add it themselves: they stage their pieces in shared memory (two buffers, dq_stage) and go on;
+// warp 1 of the producer warpgroup, the dQ writer, waits for the block's turn (relaxed polls,
+// then fence.acq_rel.gpu), adds the block to p.dq_acc (bulk reductions, or red.global where a
+// sequence's rows do not start on an 8-row tile), waits for them to complete, and increments the
+// counter (red.release.gpu). The consumers wait only for a staging buffer that the writer has not
+// read yet, two steps back. Float addition in a fixed order is bit-identical run to run. The
 // contributors of a query block are the key blocks that see any of its queries, a contiguous
 // range [klo / BN, (khi - 1) / BN] of Seq::keys_of (the same relation KeySteps walks from the
 // keys' side), so a turn is an offset in that range and a key block that sees none of the
 // block's queries neither waits nor holds a turn (causal, windows, varlen). Deadlock freedom:
 // a CTA takes a ticket (an atomic counter) on entry and works on the (key block, KV head,
-// sequence) that the ticket names, key blocks in adding order, so that every CTA it waits for
-// holds a smaller ticket, which it took while running -- it is resident or done, whatever order
-// the hardware starts CTAs in, however few fit at once; the running CTA with the smallest
-// ticket waits on nobody unfinished, so it always progresses. (GQA: a CTA's steps run head by
-// head; each (piece, head) has its own counter and the same order, so the argument holds per
-// step.) A counter that never reaches a turn (a bug) traps after about 2^25 polls instead of
-// hanging.
+// sequence) that the ticket names, key blocks in adding order, so that every CTA its writer
+// waits for holds a smaller ticket, which it took while running -- it is resident or done,
+// whatever order the hardware starts CTAs in, however few fit at once; the running CTA with the
+// smallest ticket waits on nobody unfinished, so it always progresses. (GQA: a CTA's steps run
+// head by head; each (block, head) has its own counter and the same order, so the argument
+// holds per step.) A counter that never reaches a turn (a bug) traps after about 2^25 polls
+// instead of hanging.
 //
 // Constraints: T is __half or __nv_bfloat16; D is 64 or 128 (TilesBwdSm90); the packed layout
 // of attention_params.h with row strides that are multiples of 8 elements, rows that do not
@@ -110,6 +112,23 @@ __device__ __forceinline__ void red_release_gpu_add(int* ptr, int v) {
 }
 __device__ __forceinline__ void fence_acq_rel_gpu() {
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+}
+// Orders this thread's generic-proxy and async-proxy (bulk copy) accesses of global memory.
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+// dst[0, bytes / 4) += the floats at shared-memory address src, by the copy engine (a bulk group
+// of this thread; bytes a multiple of 16, both addresses 16-byte aligned).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+      "r"(src), "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void red_add4(float* dst, float4 v) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y),
+               "f"(v.z), "f"(v.w)
+               : "memory");
 }
 
 // Preprocess: the statistics above, delta = rowsum(dO * O), and the dQ accumulator set to zero
@@ -223,6 +242,14 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
   const uint32_t bar_kv = bars;
   auto bar_full = [&](int s) { return bars + 8u * (1 + s); };
   auto bar_empty = [&](int s) { return bars + 8u * (1 + S + s); };
+  // kDet: dQ staging buffer f full (the consumers' pieces written), empty (the writer has read it).
+  auto bar_dq_full = [&](int f) { return bars + 8u * (1 + 2 * S + f); };
+  auto bar_dq_empty = [&](int f) { return bars + 8u * (3 + 2 * S + f); };
+  // ... and its address: a BM x D float32 block, 8-row runs of 32 D bytes (dq_acc_index's tile
+  // order, so that each run is contiguous in dq_acc too).
+  auto dq_stage = [&](int f) {
+    return C::kDqInDs ? sDs + f * C::kDsBytes : base + C::kDqOff + f * C::kDqBytes;
+  };
   // Stage s's lse2 (BM floats) and delta (BM floats).
   auto stats_lse = [&](int s) { return stats + s * 2 * BM; };
   auto stats_delta = [&](int s) { return stats + s * 2 * BM + BM; };
@@ -261,6 +288,12 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       sm90::mbar_init(bar_full(s), 1);                            // the TMA thread
       sm90::mbar_init(bar_empty(s), 128 * C::kConsumerWarpgroups);  // every consumer thread
     }
+    if constexpr (kDet) {
+      for (int f = 0; f < 2; ++f) {
+        sm90::mbar_init(bar_dq_full(f), 128 * C::kConsumerWarpgroups);
+        sm90::mbar_init(bar_dq_empty(f), 1);  // the writer warp's lane 0
+      }
+    }
     mbar_init_fence();
   }
   __syncthreads();
@@ -269,7 +302,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
   const int lane = threadIdx.x & 31;
   if (wg == 0) {
     // ---- producer ----
-    setmaxnreg_dec<C::kProducerRegs>();
+    setmaxnreg_dec<kDet ? C::kProducerRegsDet : C::kProducerRegs>();
     const int warp = threadIdx.x / 32;
     if (warp == 0 && lane == 0 && n_it > 0) {
       tma_prefetch_desc(&tm_q);
@@ -304,10 +337,73 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
         bulk_load_1d(dst + BM * 4, src + delta_off, BM * 4, bar_full(s));
         next_step<BM>(h, m, t_lo, n_tiles);
       }
+    } else if (kDet && warp == 1 && n_it > 0) {
+      // ---- kDet: the dQ writer ----
+      // Per step, once the consumers have staged its dQ block: wait for the block's turn
+      // (lane 0 polls the counter with relaxed loads, the fence after it is the acquire), add
+      // the block to dq_acc, and once the additions are performed pass the turn on (release).
+      // Sequences whose rows start on an 8-row tile of dq_acc take one bulk reduction per
+      // 8-row run (2 or 4 KiB, contiguous there); others red.global.add.v4 from every lane.
+      // Runs (rows) past the sequence's end are not added; the rows >= lq inside the last run
+      // hold exact zeros (P = dS = 0 there).
+      const bool bulk = sq.q_start % 8 == 0;
+      int h = hk * group, m = t_lo * BM;
+      for (int it = 0; it < n_it; ++it) {
+        const int f = it & 1;
+        const uint32_t src = dq_stage(f);
+        int klo, khi;
+        sq.keys_of(m, min(m + BM, sq.lq), p, klo, khi);
+        const int nb = cta_nb();
+        const int turn = p.dq_desc ? (khi - 1) / BN - nb : nb - klo / BN;
+        int* const sem = p.dq_sem + dq_sem_index_sm90<BM>(p, sq.q_start, b, h, m, 0);
+        const int rows = min(BM, sq.lq - m);
+        sm90::mbar_wait(bar_dq_full(f), (it >> 1) & 1);
+        if (lane == 0 && !(p.dq_probe & 1)) {
+          for (uint32_t polls = 0; ld_relaxed_gpu(sem) != turn; ++polls)
+            if (polls == (1u << 25)) __trap();  // a turn that never comes: an error, not a hang
+          fence_acq_rel_gpu();
+        }
+        __syncwarp();
+        if (bulk) {
+          if (lane == 0) {
+            fence_proxy_async_global();  // the acquire, before the copy engine's additions
+            float* const dst = p.dq_acc + dq_acc_index<D>(sq.q_start + m, h, 0, p.hq);
+            for (int rt = 0; 8 * rt < rows; ++rt)
+              bulk_reduce_add_f32(dst + static_cast<int64_t>(rt) * p.hq * D * 8,
+                                  src + rt * D * 32, D * 32);
+            tma_store_commit();
+            tma_store_wait_read<0>();
+            mbar_arrive(bar_dq_empty(f));
+            tma_store_wait<0>();
+            fence_proxy_async_global();
+            red_release_gpu_add(sem, 1);
+          }
+        } else {
+          // float4 j of the block: run j / 2D, its column tile (j % 2D) / 16, row (j % 16) / 2
+          // of the tile, columns 4 (j % 2) + [0, 4) of it.
+          for (int j = lane; j < BM * D / 4; j += 32) {
+            const int rr = 8 * (j / (2 * D)) + (j % 16) / 2;
+            if (rr >= rows) continue;
+            const int c = 8 * ((j % (2 * D)) / 16) + 4 * (j & 1);
+            float4 v;
+            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+                         : "r"(src + 16 * j)
+                         : "memory");
+            red_add4(p.dq_acc + dq_acc_index<D>(sq.q_start + m + rr, h, c, p.hq), v);
+          }
+          __syncwarp();
+          if (lane == 0) mbar_arrive(bar_dq_empty(f));
+          fence_acq_rel_gpu();  // this lane's additions performed
+          __syncwarp();
+          if (lane == 0) red_release_gpu_add(sem, 1);
+        }
+        next_step<BM>(h, m, t_lo, n_tiles);
+      }
     }
   } else {
     // ---- consumers ----
-    setmaxnreg_inc<C::kConsumerRegs>();
+    setmaxnreg_inc<kDet ? C::kConsumerRegsDet : C::kConsumerRegs>();
     const int cw = warpgroup_uniform() - 1;  // consumer warpgroup: keys [64 cw, 64 cw + 64)
     const int warp = (threadIdx.x / 32) % 4, g = lane >> 2, tq = lane & 3;
     const int kr0 = 64 * cw + 16 * warp + g;  // the lane's first key row in the block (+8)
@@ -343,26 +439,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     if (n_it > 0) sm90::mbar_wait(bar_kv, 0);
     int h = hk * group, m = t_lo * BM;
 
-    // kDet: the counter of this step's piece -- each warp's 16 rows of the warpgroup's dQ
-    // piece have their own, so that no warp waits for another (the address is recomputed where
-    // needed: nothing extra stays live across the reductions; at D=128 that spilled) -- and
-    // the hand-over of the piece whose reductions the previous step issued: every lane's
-    // reductions performed at gpu scope (fence), the warp met, lane 0's increment with release
-    // semantics. It runs at the top of the next step, after S^T and dP^T are issued, so that
-    // the fence waits while the tensor cores work (right after the reductions it waited for
-    // them to reach L2 on the step's critical path); the next contributor in adding order
-    // reaches the piece a step later in the common case. The counter's address waits in
-    // shared memory for the warp's lane 0.
-    auto sem_at = [&] {
-      return p.dq_sem + dq_sem_index_sm90<BM>(p, sq.q_start, cta_b(), h, m, 4 * cw + warp);
-    };
-    int** const pending =
-        reinterpret_cast<int**>(smem_raw + (base - raw_u32) + C::kPendingOff) + 4 * cw + warp;
-    auto pass_turn = [&] {
-      if (!(p.dq_probe & 1)) fence_acq_rel_gpu();
-      __syncwarp();
-      if (lane == 0) red_release_gpu_add(*pending, 1);
-    };
     for (int it = 0; it < n_it; ++it) {
       const int s = it % S;
       const uint32_t sDs_b = sDs + (it & 1) * C::kDsBytes;
@@ -387,10 +463,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       if constexpr (kOverlap) wgmma_commit();  // S^T and dP^T as two groups
       keys_by_queries(dpt, dV_km, dDo_km + s * C::kQBytes);
       wgmma_commit();
-      // kDet: hand the previous step's piece over.
-      if constexpr (kDet) {
-        if (it > 0) pass_turn();
-      }
 
       // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
       const float* l_s = stats_lse(s);
@@ -509,6 +581,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       // chunk bits (4-6), so each kk is one XOR with a constant (plus a column block at D=64).
       const int ds_row = 64 * cw + 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
       const uint32_t lane_x = sDs_b + ds_row * 128 + ((((lane >> 4) ^ lane) & 7) << 4);
+      // kDet: the writer has read the dQ block that step it - 2 staged in this buffer (at D=64
+      // over this very dS^T buffer).
+      if constexpr (kDet) sm90::mbar_wait(bar_dq_empty(it & 1), ((it >> 1) & 1) ^ 1);
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
         stmatrix_x4((lane_x ^ (((2 * kk) % 8) << 4)) + ((2 * kk) / 8) * BN * 128, dsa[kk][0],
@@ -533,53 +608,39 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
         Wgmma<T, D>::rs_mn(dk, dsa[kk], dQ_mn + (s * C::kQBytes + kk * 2048), 1);
       wgmma_commit();
 
-      // kDet: wait for this piece's turn -- the offset of key block nb among the query block's
-      // contributors [klo / BN, (khi - 1) / BN], counted in adding order. Each warp's lane 0
-      // polls its counter with relaxed loads; the fence after the poll makes it an acquire,
-      // and __syncwarp passes it on to the other lanes. At D=128 the wait runs while dQ_part's
-      // products do; at D=64 that spilled (8 bytes), so it follows their wait there.
-      auto wait_turn = [&] {
-        int klo, khi;
-        sq.keys_of(m, min(m + BM, sq.lq), p, klo, khi);
-        const int nb = cta_nb();
-        const int turn = p.dq_desc ? (khi - 1) / BN - nb : nb - klo / BN;
-        const int* sem = sem_at();
-        for (uint32_t polls = 0;; ++polls) {  // the warp loops together
-          int seen = 0;
-          if (lane == 0) seen = ld_relaxed_gpu(sem);
-          if (__shfl_sync(0xffffffffu, seen, 0) == turn) break;
-          if (polls == (1u << 25)) __trap();  // a turn that never comes: an error, not a hang
-        }
-        if (lane == 0) fence_acq_rel_gpu();
-        __syncwarp();
-      };
-      constexpr bool kEarlyTurn = D == 128;
-      if constexpr (kDet && kEarlyTurn) wait_turn();
       wgmma_wait<1>();
       reg_fence(dq);
-      if constexpr (kDet && !kEarlyTurn) wait_turn();
       // dQ accumulation: the piece's rows 16 warp + g (+ 8), columns 8 n8 + 2 tq (+ 1).
-      // Row i + 8 is one 8-row tile further (dq_acc_index): hq D 8 floats on from row i. The
-      // deterministic mode computes the second row's address afresh (at D=64 the held pointer
-      // spilled there).
-      {
+      if constexpr (kDet) {
+        // Staged for the writer warp in dq_acc_index's tile order: the block's row 64 dq_r +
+        // 16 warp + g + 8 r is row g of run 8 dq_r + 2 warp + r, column 64 dq_c + 8 n8 + 2 tq
+        // is in its column tile 8 dq_c + n8; a warp's float2 stores cover 256 contiguous bytes.
+        // This warpgroup's dQ products have completed (wait_group 1 above), the only reads of
+        // its piece's bytes at D=64, where they lie over its dS^T column block.
+        const uint32_t at = dq_stage(it & 1) + (8 * dq_r + 2 * warp) * D * 32 + 8 * dq_c * 256 +
+                            g * 32 + tq * 8;
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+          for (int n8 = 0; n8 < 8; ++n8)
+            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + r * D * 32 + n8 * 256),
+                         "f"(dq[n8][2 * r]), "f"(dq[n8][2 * r + 1])
+                         : "memory");
+        fence_proxy_async_smem();  // before the writer's bulk reductions read them
+        mbar_arrive(bar_dq_full(it & 1));
+      } else {
+        // Row i + 8 is one 8-row tile further (dq_acc_index): hq D 8 floats on from row i.
         const int i = m + 64 * dq_r + 16 * warp + g;
-        auto row_at = [&](int r) {
-          return p.dq_acc + dq_acc_index<D>(sq.q_start + i + 8 * r, h, 64 * dq_c + 2 * tq, p.hq);
-        };
-        float* const dst = row_at(0);
+        float* const dst =
+            p.dq_acc + dq_acc_index<D>(sq.q_start + i, h, 64 * dq_c + 2 * tq, p.hq);
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           if (i + 8 * r >= sq.lq) continue;
-          float* const dst_r = kDet ? row_at(r) : dst + static_cast<int64_t>(r) * p.hq * D * 8;
+          float* const dst_r = dst + static_cast<int64_t>(r) * p.hq * D * 8;
 #pragma unroll
           for (int n8 = 0; n8 < 8; ++n8)
             red_add2(dst_r + n8 * 64, dq[n8][2 * r], dq[n8][2 * r + 1]);
         }
-      }
-      // kDet: the turn passes on at the next step's top (pass_turn), or after the loop.
-      if constexpr (kDet) {
-        if (lane == 0) *pending = sem_at();
       }
       wgmma_wait<0>();
       reg_fence(dv);
@@ -587,10 +648,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       release(bar_empty(s));  // Q, dO and the stats of stage s are no longer read
       next_step<BM>(h, m, t_lo, n_tiles);
     }
-    if constexpr (kDet) {
-      if (n_it > 0) pass_turn();
-    }
-
     // ---- epilogue: dK (scaled) and dV of keys < lk, 4-byte stores from registers ----
     // The sequence's bounds are read again (the loop's reductions are memory clobbers, so they
     // are reloaded): held across the loop, the key offset took a stack slot.

@@ -34,6 +34,9 @@ struct TilesBwdSm90 {
   // (65536 / 384 rounded down to 8). The consumers peak near 240 (dK, dV, S^T, dP^T: 192
   // floats at both head dims).
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // The deterministic mode's producer warpgroup also runs the dQ writer warp (its loop state,
+  // the turn and the addresses of a step): 40 + 2 x 232 = 504.
+  static constexpr int kProducerRegsDet = 40, kConsumerRegsDet = 232;
 
   // Shared memory (bytes, 2-byte elements). Every tile is stored as column blocks of
   // rows x 128 bytes (64 elements, 128-byte swizzle), each 1024-byte aligned.
@@ -50,16 +53,26 @@ struct TilesBwdSm90 {
   // Row statistics per stage: lse2 and delta (BM floats each, bwd_prep_kernel_sm90's layout).
   static constexpr int kStatsOff = kDsOff + 2 * kDsBytes;
   static constexpr int kBarOff = kStatsOff + kStages * 2 * kBlockM * 4;
-  // Barriers: K/V full; per stage Q/dO full, Q/dO empty.
-  static constexpr int kNumBars = 1 + 2 * kStages;
-  // The deterministic mode's ticket (attention_bwd_kernel_sm90.cuh), 16 bytes, then each
-  // consumer warp's counter of the piece it still has to pass on (a pointer each).
+  // Barriers: K/V full; per stage Q/dO full, Q/dO empty; (deterministic mode) per dQ staging
+  // buffer full, empty.
+  static constexpr int kNumBars = 1 + 2 * kStages + 4;
+  // The deterministic mode's ticket (attention_bwd_kernel_sm90.cuh), 16 bytes.
   static constexpr int kTicketOff = kBarOff + kNumBars * 8;
-  static constexpr int kPendingOff = kTicketOff + 16;
-  // + 1024: base alignment
-  static constexpr size_t kSmem = kPendingOff + sizeof(int*) * 4 * kConsumerWarpgroups + 1024;
+  // The deterministic mode's two dQ staging buffers: a step's float32 dQ block (BM x D) in the
+  // accumulator's tile order, which the dQ writer warp adds to dq_acc. At D=128 a region of its
+  // own (2 x 32 KiB); at D=64 (BM = 128) no room is left for one, and each consumer warpgroup
+  // stages its 64 x 64 piece (16 KiB) over the dS^T column block that only its own dQ products
+  // read (kDqInDs), in the dS^T buffer of the step.
+  static constexpr bool kDqInDs = D == 64;
+  static constexpr int kDqBytes = kBlockM * D * 4;
+  static constexpr int kDqOff = (kTicketOff + 16 + 1023) / 1024 * 1024;
+  // + 1024: base alignment. kSmemDet: the deterministic kernel's.
+  static constexpr size_t kSmem = kTicketOff + 16 + 1024;
+  static constexpr size_t kSmemDet = kDqInDs ? kSmem : kDqOff + 2 * kDqBytes + 1024;
+  static_assert(!kDqInDs || kDqBytes == kDsBytes, "a dQ block per dS^T buffer");
   static_assert(kQBytes % 1024 == 0 && kKvBytes % 1024 == 0 && kDsBytes % 1024 == 0);
-  static_assert(kSmem <= 227 * 1024, "exceeds Hopper's shared memory per block");
+  static_assert(kSmem <= 227 * 1024 && kSmemDet <= 227 * 1024,
+                "exceeds Hopper's shared memory per block");
 };
 
 }  // namespace attn

@@ -76,10 +76,10 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
     auto kernel = p.dq_sem != nullptr ? bwd_kernel_sm90<T, D, false, true>
                   : sm90_bwd_overlap() ? bwd_kernel_sm90<T, D, true, false>
                                        : bwd_kernel_sm90<T, D, false, false>;
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(C::kSmem));
+    const int smem = static_cast<int>(p.dq_sem != nullptr ? C::kSmemDet : C::kSmem);
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do);
+    kernel<<<grid, C::kThreads, smem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

@@ -29,7 +29,7 @@ struct AttnParams {
   int* dq_sem = nullptr;
   bool dq_desc = false;
   // Measurement only (FUSEDOPS_ATTN_SM90_BWD_DET_PROBE): parts of the ordered reductions left
-  // out to time them (bit 0: the hand-over's fence); results then not ordered.
+  // out to time them (bit 0: the dQ writer's wait for a turn); results then not ordered.
   int dq_probe = 0;
   // The sm90 forward's tile scheduler: two counters (next tile, CTAs done) on the launch's
   // stream, zero before the launch and left at zero by its last CTA
@@ -65,7 +65,7 @@ cudaError_t attention_bwd_sm90(AttnParams& p);
 bool attention_bwd_sm90_enabled();
 // Counters the sm90 backward's deterministic mode needs in p.dq_sem: one ticket (padded to 32)
 // and one per (query head, 64-row block of the padded statistics layout, consumer warp: 8).
-constexpr int kDqSemPiecesSm90 = 8;  // consumer warps of a CTA
+constexpr int kDqSemPiecesSm90 = 1;  // counters per query block and head
 inline int64_t dq_sem_count_sm90(int64_t total_q, int64_t hq, int64_t batch) {
   const int64_t stats_rows = (total_q + 128 * batch + 127) / 128 * 128;
   return 32 + kDqSemPiecesSm90 * hq * (stats_rows / 64);
