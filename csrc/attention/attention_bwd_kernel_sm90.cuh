@@ -32,11 +32,12 @@
 // one query head, all D columns) is added by the contributing CTAs in one fixed order, key
 // blocks ascending or (p.dq_desc) descending, through a counter per block. The consumers do not
 // add it themselves: they stage their pieces in shared memory (two buffers, dq_stage) and go on;
-// warp 1 of the producer warpgroup, the dQ writer, waits for the block's turn (relaxed polls,
-// then fence.acq_rel.gpu), adds the block to p.dq_acc (bulk reductions, or red.global where a
-// sequence's rows do not start on an 8-row tile), waits for them to complete, and increments the
-// counter (red.release.gpu). The consumers wait only for a staging buffer that the writer has not
-// read yet, two steps back. Float addition in a fixed order is bit-identical run to run. The
+// warps 1 and 2 of the producer warpgroup, the dQ writers (even and odd steps), wait for the
+// block's turn (relaxed polls, then fence.acq_rel.gpu), add the block to p.dq_acc (bulk
+// reductions, or red.global where a sequence's rows do not start on an 8-row tile), wait for
+// the additions to complete and increment the counter (red.release.gpu). The consumers wait only
+// for a staging buffer that its writer has not read yet, two steps back. Float addition in a
+// fixed order is bit-identical run to run. The
 // contributors of a query block are the key blocks that see any of its queries, a contiguous
 // range [klo / BN, (khi - 1) / BN] of Seq::keys_of (the same relation KeySteps walks from the
 // keys' side), so a turn is an offset in that range and a key block that sees none of the
@@ -337,9 +338,11 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
         bulk_load_1d(dst + BM * 4, src + delta_off, BM * 4, bar_full(s));
         next_step<BM>(h, m, t_lo, n_tiles);
       }
-    } else if (kDet && warp == 1 && n_it > 0) {
-      // ---- kDet: the dQ writer ----
-      // Per step, once the consumers have staged its dQ block: wait for the block's turn
+    } else if (kDet && (warp == 1 || warp == 2) && n_it > 0) {
+      // ---- kDet: the dQ writers ----
+      // Warp 1 takes the even steps (staging buffer 0), warp 2 the odd ones (buffer 1), so that
+      // one step's wait for its turn and its additions' round trip overlap the next step's.
+      // Per step of its own, once the consumers have staged its dQ block: wait for the block's turn
       // (lane 0 polls the counter with relaxed loads, the fence after it is the acquire), add
       // the block to dq_acc, and once the additions are performed pass the turn on (release).
       // Sequences whose rows start on an 8-row tile of dq_acc take one bulk reduction per
@@ -347,10 +350,11 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       // Runs (rows) past the sequence's end are not added; the rows >= lq inside the last run
       // hold exact zeros (P = dS = 0 there).
       const bool bulk = sq.q_start % 8 == 0;
+      const int f = warp - 1;
+      const uint32_t src = dq_stage(f);
       int h = hk * group, m = t_lo * BM;
-      for (int it = 0; it < n_it; ++it) {
-        const int f = it & 1;
-        const uint32_t src = dq_stage(f);
+      for (int it = 0; it < n_it; next_step<BM>(h, m, t_lo, n_tiles), ++it) {
+        if ((it & 1) != f) continue;
         int klo, khi;
         sq.keys_of(m, min(m + BM, sq.lq), p, klo, khi);
         const int nb = cta_nb();
@@ -398,7 +402,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
           __syncwarp();
           if (lane == 0) red_release_gpu_add(sem, 1);
         }
-        next_step<BM>(h, m, t_lo, n_tiles);
       }
     }
   } else {
