@@ -94,7 +94,7 @@ __device__ __forceinline__ int64_t stats_start_sm90(int q_start, int b) {
 }
 
 // The deterministic mode's counters (attention_params.h: dq_sem_count_sm90): p.dq_sem[0] the
-// ticket, then one per (query head, BM-row block of the stats layout, consumer warp: 8).
+// ticket, then one per (query head, BM-row block of the stats layout).
 template <int BM>
 __device__ __forceinline__ int64_t dq_sem_index_sm90(const AttnParams& p, int q_start, int b,
                                                      int h, int m, int piece) {

@@ -64,7 +64,7 @@ cudaError_t attention_bwd_sm90(AttnParams& p);
 // False under FUSEDOPS_ATTN_SM90_BWD=sm80 (read at every call).
 bool attention_bwd_sm90_enabled();
 // Counters the sm90 backward's deterministic mode needs in p.dq_sem: one ticket (padded to 32)
-// and one per (query head, 64-row block of the padded statistics layout, consumer warp: 8).
+// and one per (query head, 64-row block of the padded statistics layout).
 constexpr int kDqSemPiecesSm90 = 1;  // counters per query block and head
 inline int64_t dq_sem_count_sm90(int64_t total_q, int64_t hq, int64_t batch) {
   const int64_t stats_rows = (total_q + 128 * batch + 127) / 128 * 128;
