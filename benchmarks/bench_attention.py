@@ -14,7 +14,8 @@ after another, and each row holds the median of its N times: the GPU's clock dri
 to the same drift.
 
 Methods with a suffix run the fusedops backend under an environment override (METHOD_ENV):
--atomic-dq / -deterministic the dQ modes, -bwd80 the sm90 forward with the sm80 backward,
+-atomic-dq / -deterministic the dQ modes (-deterministic-ascending with the deterministic mode's
+linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backward,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
 -m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
 schedule, -bn176 its 176-key tiles at D=128.
@@ -100,6 +101,8 @@ def measure(fn, q, k, v, do, causal, rep_ms):
 METHOD_ENV = {
     "-atomic-dq": {"FUSEDOPS_ATTN_DQ": "atomic"},
     "-deterministic": {"FUSEDOPS_ATTN_DQ": "separate"},
+    "-deterministic-ascending": {"FUSEDOPS_ATTN_DQ": "separate",
+                                 "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "-bwd80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
     "-static": {"FUSEDOPS_ATTN_SM90_TILES": "static"},
     "-dynamic": {"FUSEDOPS_ATTN_SM90_TILES": "dynamic"},

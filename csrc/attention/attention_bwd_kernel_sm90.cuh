@@ -103,6 +103,26 @@ __device__ __forceinline__ int64_t dq_sem_index_sm90(const AttnParams& p, int q_
   return 32 + (static_cast<int64_t>(h) * tiles + t) * kDqSemPiecesSm90 + piece;
 }
 
+// The deterministic mode's rotated order (p.dq_rot, set by the launcher only where no mask
+// limits the keys -- no causality, no window -- so that every key block of a sequence adds into
+// every query block of it): with nkb key blocks and n_it steps per CTA (n_it >= nkb), key block
+// nb runs its flat steps t (query head, then query block) from t = (n_it - nb) % n_it on,
+// cyclically, so step j is t = (j - nb) mod n_it, and a block's contributors take their turns
+// in the order of the step at which they reach it. Key block nb's step j then waits for key
+// block nb - 1's step j - 1 (or, for the first key block, for an earlier step of the last):
+// CTAs that start together never wait on a chain. Waits go to larger tickets too, so every key
+// block of a (KV head, sequence) must be able to be resident at once: the launcher sets
+// p.dq_rot only for grids of at most half as many key blocks as the GPU has SMs.
+template <int BN>
+__device__ __forceinline__ bool dq_rotated(const AttnParams& p, int lk, int n_it) {
+  return p.dq_rot && (lk + BN - 1) / BN <= n_it;
+}
+// Key block nb's turn in flat step t of the rotated order.
+__device__ __forceinline__ int dq_rot_turn(int nb, int nkb, int n_it, int t) {
+  const int lead = n_it - t;  // key blocks nb >= lead reach t first (their steps wrapped)
+  return nb >= lead ? nb - lead : nb + max(0, nkb - lead);
+}
+
 __device__ __forceinline__ int ld_relaxed_gpu(const int* ptr) {
   int v;
   asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
@@ -282,6 +302,26 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
   if (n0 >= sq.lk) return;  // uniform over the CTA, before any barrier is initialised
   const KeySteps<BM, BN> ks(p, sq, n0);
   const int group = ks.group, t_lo = ks.t_lo, n_tiles = ks.n_tiles, n_it = ks.n_it;
+  // The first step's query head and block (kDet's rotated order starts key block nb at flat
+  // step (n_it - nb) % n_it) and the next step's, cyclically over the group's heads.
+  auto first_step = [&](int& h, int& m) {
+    h = hk * group, m = t_lo * BM;
+    if constexpr (kDet) {
+      const int nb = cta_nb();
+      if (nb > 0 && dq_rotated<BN>(p, sq.lk, n_it)) {
+        const int t0 = n_it - nb;
+        h += t0 / n_tiles;
+        m += (t0 % n_tiles) * BM;
+      }
+    }
+  };
+  auto step_on = [&](int& h, int& m) {
+    next_step<BM>(h, m, t_lo, n_tiles);
+    if constexpr (kDet) {
+      const int h0 = cta_hk() * group;
+      if (h == h0 + group) h = h0;
+    }
+  };
 
   if (threadIdx.x == 0) {
     sm90::mbar_init(bar_kv, 1);
@@ -320,7 +360,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       const int64_t stats_rows = stats_rows_sm90(p);
       const float* lse2_g = p.delta + stats_start_sm90<BM>(sq.q_start, b);
       const int64_t delta_off = static_cast<int64_t>(p.hq) * stats_rows;
-      int h = hk * group, m = t_lo * BM;
+      int h, m;
+      first_step(h, m);
       for (int it = 0; it < n_it; ++it) {
         const int s = it % S;
         sm90::mbar_wait(bar_empty(s), ((it / S) & 1) ^ 1);
@@ -336,7 +377,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
         const uint32_t dst = base + C::kStatsOff + s * 2 * BM * 4;
         bulk_load_1d(dst, src, BM * 4, bar_full(s));
         bulk_load_1d(dst + BM * 4, src + delta_off, BM * 4, bar_full(s));
-        next_step<BM>(h, m, t_lo, n_tiles);
+        step_on(h, m);
       }
     } else if (kDet && (warp == 1 || warp == 2) && n_it > 0) {
       // ---- kDet: the dQ writers ----
@@ -352,13 +393,19 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       const bool bulk = sq.q_start % 8 == 0;
       const int f = warp - 1;
       const uint32_t src = dq_stage(f);
-      int h = hk * group, m = t_lo * BM;
-      for (int it = 0; it < n_it; next_step<BM>(h, m, t_lo, n_tiles), ++it) {
+      const bool rotated = dq_rotated<BN>(p, sq.lk, n_it);
+      int h, m;
+      first_step(h, m);
+      for (int it = 0; it < n_it; step_on(h, m), ++it) {
         if ((it & 1) != f) continue;
         int klo, khi;
         sq.keys_of(m, min(m + BM, sq.lq), p, klo, khi);
         const int nb = cta_nb();
-        const int turn = p.dq_desc ? (khi - 1) / BN - nb : nb - klo / BN;
+        const int turn =
+            rotated ? dq_rot_turn(nb, (sq.lk + BN - 1) / BN, n_it,
+                                  (h - cta_hk() * group) * n_tiles + m / BM - t_lo)
+            : p.dq_desc ? (khi - 1) / BN - nb
+                        : nb - klo / BN;
         int* const sem = p.dq_sem + dq_sem_index_sm90<BM>(p, sq.q_start, b, h, m, 0);
         const int rows = min(BM, sq.lq - m);
         sm90::mbar_wait(bar_dq_full(f), (it >> 1) & 1);
@@ -440,7 +487,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     const SmemDesc dK_mn = smem_desc_sw128(sK + dq_c * BN * 128, BN * 128, 1024);
 
     if (n_it > 0) sm90::mbar_wait(bar_kv, 0);
-    int h = hk * group, m = t_lo * BM;
+    int h, m;
+    first_step(h, m);
 
     for (int it = 0; it < n_it; ++it) {
       const int s = it % S;
@@ -649,7 +697,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       reg_fence(dv);
       reg_fence(dk);
       release(bar_empty(s));  // Q, dO and the stats of stage s are no longer read
-      next_step<BM>(h, m, t_lo, n_tiles);
+      step_on(h, m);
     }
     // ---- epilogue: dK (scaled) and dV of keys < lk, 4-byte stores from registers ----
     // The sequence's bounds are read again (the loop's reductions are memory clobbers, so they

@@ -35,11 +35,24 @@ inline bool sm90_bwd_overlap() {
 // the common case), ascending otherwise (non-causal: every key block starts at query block 0).
 // FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER=ascending|descending overrides it, for measurement; read at
 // every call.
-inline bool sm90_bwd_dq_descending(const AttnParams& p) {
+// Where no mask limits the keys (every key block adds into every query block) and the grid has
+// at most half as many key blocks as the GPU has SMs, the rotated order instead (the kernel's
+// dq_rotated: no chain of waits when a (KV head, sequence)'s CTAs start together; its waits
+// need all of them resident at once, hence the bound).
+// FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER=ascending|descending forces one of the first two, for
+// measurement; read at every call.
+inline void sm90_bwd_dq_order(AttnParams& p, int key_blocks) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER");
-  if (s != nullptr && std::strcmp(s, "ascending") == 0) return false;
-  if (s != nullptr && std::strcmp(s, "descending") == 0) return true;
-  return p.right >= 0;
+  const bool asc = s != nullptr && std::strcmp(s, "ascending") == 0;
+  const bool desc = s != nullptr && std::strcmp(s, "descending") == 0;
+  p.dq_desc = desc || (!asc && p.right >= 0);
+  p.dq_rot = false;
+  if (asc || desc || p.left >= 0 || p.right >= 0) return;
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return;
+  p.dq_rot = 2 * key_blocks <= sms;
 }
 
 // Needs p.dq_acc (rows rounded up to a multiple of 8, any contents: the preprocess zeroes the
@@ -50,7 +63,8 @@ inline bool sm90_bwd_dq_descending(const AttnParams& p) {
 template <typename T, int D>
 cudaError_t run_bwd_sm90(const AttnParams& params) {
   AttnParams p = params;
-  p.dq_desc = p.dq_sem != nullptr && sm90_bwd_dq_descending(p);
+  if (p.dq_sem != nullptr) sm90_bwd_dq_order(p, (p.max_k + TilesBwdSm90<D>::kBlockN - 1) /
+                                                     TilesBwdSm90<D>::kBlockN);
   if (const char* probe = std::getenv("FUSEDOPS_ATTN_SM90_BWD_DET_PROBE"))
     p.dq_probe = std::atoi(probe);
   using C = TilesBwdSm90<D>;

@@ -28,6 +28,7 @@ struct AttnParams {
   // launcher).
   int* dq_sem = nullptr;
   bool dq_desc = false;
+  bool dq_rot = false;  // the rotated order where it applies (attention_bwd_kernel_sm90.cuh)
   // Measurement only (FUSEDOPS_ATTN_SM90_BWD_DET_PROBE): parts of the ordered reductions left
   // out to time them (bit 0: the dQ writer's wait for a turn); results then not ordered.
   int dq_probe = 0;

@@ -210,20 +210,22 @@ def test_sm90_persistent_work_tiles(case, env, monkeypatch):
 
 @pytest.mark.gpu
 @NEEDS_EXT
-@pytest.mark.parametrize("order", ["ascending", "descending"])
+@pytest.mark.parametrize("order", ["default", "ascending", "descending"])
 @pytest.mark.parametrize("case", [c for c, s in SM90_PERSIST_CASES.items() if s[5] != 256])
 def test_sm90_deterministic_backward_beyond_one_wave(case, order, monkeypatch):
     """The sm90 backward's ordered dQ reductions on grids of up to 288 CTAs (key blocks x KV
     heads x sequences: 192-288 in all but the window case; in the varlen ones many CTAs have no
     keys and exit at once), more than one wave of an H200's 132 SMs: CTAs wait for the turns of
-    CTAs that started before them, not all of them resident together. Against the oracle, and
-    bit-identical on a second run."""
+    CTAs that started before them, not all of them resident together ("default": the rotated
+    order on the unmasked cases, whose CTAs also wait for later tickets of their own sequence
+    and head). Against the oracle, and bit-identical on a second run."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 backward runs on compute capability 9.0")
     for name in SM90_BWD_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("FUSEDOPS_ATTN_DQ", "separate")
-    monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER", order)
+    if order != "default":
+        monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER", order)
     poison_cuda_outputs(monkeypatch)
     *shape, features = SM90_PERSIST_CASES[case]
     dtype = torch.float16 if "causal" in case else torch.bfloat16  # the oracle cached above
@@ -327,7 +329,9 @@ SM90_BWD_VARIANTS = {
     "sm90-bwd": {},
     "sm90-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm80-bwd": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
-    # The deterministic mode (ordered dQ reductions) in both orders; its default is one of them.
+    # The deterministic mode (ordered dQ reductions): the default order (rotated on unmasked
+    # calls, else one of the other two) and both linear orders.
+    "sm90-bwd-ordered": {"FUSEDOPS_ATTN_DQ": "separate"},
     "sm90-bwd-ordered-asc": {"FUSEDOPS_ATTN_DQ": "separate",
                              "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "sm90-bwd-ordered-desc": {"FUSEDOPS_ATTN_DQ": "separate",

@@ -11,7 +11,11 @@ works on the (key block, KV head, sequence) it names, key blocks in adding order
 head, query block) its consumers stage the step's dQ block in one of two shared-memory buffers
 (step i in buffer i % 2, once that buffer's writer has added step i - 2) and go on, and the dQ
 writer warp of that buffer (even or odd steps, in step order) waits for the block's turn, adds
-and passes the turn on. A change to those rules must be made here too.
+and passes the turn on. The rotated order (dq_rotated: no mask, as many steps as key blocks or
+more) starts key block nb at flat step (n_it - nb) % n_it and gives the turns in the order of
+the step at which each key block reaches the query block (dq_rot_turn); it needs every key block
+of a (KV head, sequence) resident at once, which the launcher ensures by using it only for grids
+of at most half the GPU's SMs in key blocks. A change to those rules must be made here too.
 """
 import random
 from collections import defaultdict
@@ -45,6 +49,18 @@ def key_steps(n0, lq, lk, left, right, bm):
 def turn_of(nb, m, lq, lk, left, right, bm, desc):
     klo, khi = keys_of(m, min(m + bm, lq), lq, lk, left, right)
     return (khi - 1) // BN - nb if desc else nb - klo // BN
+
+
+def rot_turn(nb, nkb, n_it, t):
+    """dq_rot_turn: key block nb's turn in flat step t of the rotated order."""
+    lead = n_it - t
+    return nb - lead if nb >= lead else nb + max(0, nkb - lead)
+
+
+def rotated(lq, lk, left, right, bm, group):
+    """dq_rotated, with the launcher's mask condition."""
+    n_it = group * ((lq + bm - 1) // bm)
+    return left < 0 and right < 0 and (lk + BN - 1) // BN <= n_it
 
 
 def cta_of(ticket, gx, gy, desc):
@@ -92,9 +108,27 @@ def test_contributors_are_the_key_blocks_that_visit_and_turns_count_them():
                 assert turns == list(range(len(want)))
 
 
-def run(prob, resident, rng, desc, use_ticket=True):
+def test_rotated_turns_follow_the_steps():
+    """In the rotated order every key block's step j is turn-free or waits for a step before j of
+    another key block, and the turns of a block are 0 .. nkb - 1."""
+    for nkb in range(1, 12):
+        for n_it in range(nkb, 3 * nkb + 2):
+            step = {(nb, (j - nb) % n_it): j for nb in range(nkb) for j in range(n_it)}
+            for t in range(n_it):
+                turns = [rot_turn(nb, nkb, n_it, t) for nb in range(nkb)]
+                assert sorted(turns) == list(range(nkb))
+                by_turn = sorted(range(nkb), key=lambda nb: turns[nb])
+                for a, c in zip(by_turn, by_turn[1:]):
+                    assert step[(a, t)] < step[(c, t)]
+                # the first step of every key block holds the first turn of its block
+            for nb in range(nkb):
+                assert rot_turn(nb, nkb, n_it, (n_it - nb) % n_it) == 0
+
+
+def run(prob, resident, rng, desc, use_ticket=True, rot=False):
     """Runs the grid with at most `resident` CTAs at once, started in a random order; returns the
-    adding order of every dQ piece. Raises on a deadlock."""
+    adding order of every dQ piece. Raises on a deadlock. rot: the rotated order where it
+    applies (the launcher's p.dq_rot)."""
     bm, hq, hkv = prob["bm"], prob["hq"], prob["hkv"]
     lens_q, lens_k, left, right = prob["lens_q"], prob["lens_k"], prob["left"], prob["right"]
     group = hq // hkv
@@ -115,12 +149,15 @@ def run(prob, resident, rng, desc, use_ticket=True):
                 nb, hk, b = block % gx, (block // gx) % gy, block // (gx * gy)
             lq, lk = lens_q[b], lens_k[b]
             steps = []
+            rot_b = rot and rotated(lq, lk, left, right, bm, group)
             if nb * BN < lk:
                 t_lo, n_tiles = key_steps(nb * BN, lq, lk, left, right, bm)
                 steps = [(h, t * bm) for h in range(hk * group, hk * group + group)
                          for t in range(t_lo, t_lo + n_tiles)]
+                if rot_b and nb > 0:  # first_step / step_on
+                    steps = steps[len(steps) - nb:] + steps[:len(steps) - nb]
             # c: the next step the consumers stage; w[f]: the next step writer f adds.
-            running.append(dict(nb=nb, b=b, steps=steps, c=0, w=[0, 1]))
+            running.append(dict(nb=nb, hk=hk, b=b, steps=steps, c=0, w=[0, 1], rot=rot_b))
         if not running:
             break
         progress = False
@@ -146,7 +183,12 @@ def run(prob, resident, rng, desc, use_ticket=True):
                 if i < n and i < cta["c"]:  # staged, its turn next?
                     h, m = steps[i]
                     key = (cta["b"], h, m)
-                    if counters[key] == turn_of(cta["nb"], m, lq, lk, left, right, bm, desc):
+                    if cta["rot"]:
+                        t = (h - cta["hk"] * group) * ((lq + bm - 1) // bm) + m // bm
+                        turn = rot_turn(cta["nb"], (lk + BN - 1) // BN, n, t)
+                    else:
+                        turn = turn_of(cta["nb"], m, lq, lk, left, right, bm, desc)
+                    if counters[key] == turn:
                         counters[key] += 1
                         adds[key].append(cta["nb"])
                         cta["w"][move] += 2
@@ -183,3 +225,49 @@ def test_the_model_catches_work_named_by_the_block_index():
     with pytest.raises(RuntimeError, match="deadlock"):
         for _ in range(50):
             run(prob, 1, rng, desc=False, use_ticket=False)
+
+
+def rot_order(prob, b, m, h):
+    """The rotated order's adding order of block (b, h, m): key blocks by the step that reaches it."""
+    lq, lk, bm = prob["lens_q"][b], prob["lens_k"][b], prob["bm"]
+    group = prob["hq"] // prob["hkv"]
+    nkb, n_tiles = (lk + BN - 1) // BN, (lq + bm - 1) // bm
+    n_it = group * n_tiles
+    t = (h % group) * n_tiles + m // bm
+    return sorted(range(nkb), key=lambda nb: rot_turn(nb, nkb, n_it, t))
+
+
+def test_rotated_order_never_deadlocks_with_its_key_blocks_resident():
+    """The rotated order where it applies (unmasked sequences with at least as many steps as key
+    blocks), the linear one elsewhere, with as many CTAs resident as the grid has key blocks or
+    more, in any start order: no deadlock, and each block added in its one fixed order."""
+    rng = random.Random(17)
+    checked_rot = 0
+    for _ in range(400):
+        prob = random_problem(rng)
+        if rng.random() < 0.7:
+            prob["left"] = prob["right"] = -1
+        gx = (max(prob["lens_k"]) + BN - 1) // BN
+        resident = rng.choice([gx, gx + 1, 2 * gx, 1000])
+        adds = run(prob, resident, rng, desc=False, rot=True)
+        group = prob["hq"] // prob["hkv"]
+        for (b, h, m), order in adds.items():
+            lq, lk = prob["lens_q"][b], prob["lens_k"][b]
+            if rotated(lq, lk, prob["left"], prob["right"], prob["bm"], group):
+                assert order == rot_order(prob, b, m, h), (prob, b, h, m)
+                checked_rot += 1
+            else:
+                klo, khi = keys_of(m, min(m + prob["bm"], lq), lq, lk, prob["left"],
+                                   prob["right"])
+                assert order == list(range(klo // BN, (khi - 1) // BN + 1)), (prob, b, h, m)
+    assert checked_rot > 300
+
+
+def test_rotated_order_needs_its_key_blocks_resident():
+    """With fewer CTAs resident than a sequence has key blocks the rotated order can deadlock
+    (a key block waits for one whose ticket is larger): why the launcher bounds the grid."""
+    rng = random.Random(23)
+    prob = dict(bm=64, hq=1, hkv=1, lens_q=[1024], lens_k=[1024], left=-1, right=-1)
+    with pytest.raises(RuntimeError, match="deadlock"):
+        for _ in range(20):
+            run(prob, 2, rng, desc=False, rot=True)
