@@ -118,10 +118,9 @@ def test_rotated_turns_follow_the_steps():
                 turns = [rot_turn(nb, nkb, n_it, t) for nb in range(nkb)]
                 assert sorted(turns) == list(range(nkb))
                 by_turn = sorted(range(nkb), key=lambda nb: turns[nb])
-                for a, c in zip(by_turn, by_turn[1:]):
+                for a, c in zip(by_turn, by_turn[1:], strict=False):
                     assert step[(a, t)] < step[(c, t)]
-                # the first step of every key block holds the first turn of its block
-            for nb in range(nkb):
+            for nb in range(nkb):  # every key block's first step holds its block's first turn
                 assert rot_turn(nb, nkb, n_it, (n_it - nb) % n_it) == 0
 
 
@@ -228,7 +227,7 @@ def test_the_model_catches_work_named_by_the_block_index():
 
 
 def rot_order(prob, b, m, h):
-    """The rotated order's adding order of block (b, h, m): key blocks by the step that reaches it."""
+    """The rotated order's adding order of block (b, h, m): key blocks by their turns."""
     lq, lk, bm = prob["lens_q"][b], prob["lens_k"][b], prob["bm"]
     group = prob["hq"] // prob["hkv"]
     nkb, n_tiles = (lk + BN - 1) // BN, (lq + bm - 1) // bm
