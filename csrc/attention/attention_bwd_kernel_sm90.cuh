@@ -194,7 +194,7 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
     acc = dot8(0.f, static_cast<const T*>(p.out) + row * p.o_row + h * D + 8 * c,
                static_cast<const T*>(p.dout) + row * p.do_row + h * D + 8 * c);
     bool zero = true;
-    if (p.dq_sem != nullptr && sq.q_start % 8 == 0 && i < sq.lq / 8 * 8) {
+    if (p.dq_sem != nullptr && !(p.dq_probe & 2) && sq.q_start % 8 == 0 && i < sq.lq / 8 * 8) {
       const int m0 = i / BM * BM;
       int klo, khi;
       sq.keys_of(m0, min(m0 + BM, sq.lq), p, klo, khi);
@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
           fence_acq_rel_gpu();
         }
         __syncwarp();
-        const bool store = turn == 0;  // (bulk path only)
+        const bool store = turn == 0 && !(p.dq_probe & 2);  // (bulk path only)
         if (bulk) {
           if (lane == 0) {
             fence_proxy_async_global();  // the acquire, before the copy engine's additions
