@@ -146,12 +146,6 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, ui
       "r"(src), "r"(bytes)
       : "memory");
 }
-// dst[0, bytes / 4) = the floats at shared-memory address src, by the copy engine (same rules).
-__device__ __forceinline__ void bulk_store_f32(float* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
-               "r"(src), "r"(bytes)
-               : "memory");
-}
 __device__ __forceinline__ void red_add4(float* dst, float4 v) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y),
                "f"(v.z), "f"(v.w)
@@ -165,12 +159,7 @@ __device__ __forceinline__ void red_add4(float* dst, float4 v) {
 // tree: the same bits every run); the row's first thread writes the statistics; each thread
 // zeroes its 8 floats of the row in the accumulator (one 32-byte run, dq_acc_index). Only rows
 // of [0, lq) are zeroed: they are all that bwd_kernel_sm90 adds to and dq_convert_kernel
-// reads, since the sequences cover the packed rows. In the deterministic mode the first
-// contributor of a query block of a sequence whose rows start on an 8-row tile stores its
-// block's whole 8-row runs instead of adding them (bwd_kernel_sm90's dQ writers), so those rows
-// are not zeroed; the rows of query blocks that see no key, of a last run with rows past lq
-// (added by every contributor: its other rows are the next sequence's) and of sequences that
-// start inside a tile (added from every lane) are. Grid (ceil(round_up(max_q, BM) /
+// reads, since the sequences cover the packed rows. Grid (ceil(round_up(max_q, BM) /
 // kPrepRowsSm90<D>), hq, batch), 256 threads, no shared memory; any architecture.
 template <int D>
 constexpr int kPrepRowsSm90 = 256 / (D / 8);  // rows per CTA of the preprocess
@@ -193,18 +182,8 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
   if (i < sq.lq) {
     acc = dot8(0.f, static_cast<const T*>(p.out) + row * p.o_row + h * D + 8 * c,
                static_cast<const T*>(p.dout) + row * p.do_row + h * D + 8 * c);
-    bool zero = true;
-    if (p.dq_sem != nullptr && !(p.dq_probe & 2) && sq.q_start % 8 == 0 && i < sq.lq / 8 * 8) {
-      const int m0 = i / BM * BM;
-      int klo, khi;
-      sq.keys_of(m0, min(m0 + BM, sq.lq), p, klo, khi);
-      zero = klo >= khi;  // no contributor: nobody stores the block
-    }
-    if (zero) {
-      float4* const z =
-          reinterpret_cast<float4*>(p.dq_acc + dq_acc_index<D>(row, h, 8 * c, p.hq));
-      z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
-    }
+    float4* const z = reinterpret_cast<float4*>(p.dq_acc + dq_acc_index<D>(row, h, 8 * c, p.hq));
+    z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
   }
   const int lane = threadIdx.x % 32;
   const unsigned mask = ((1u << kLanes) - 1u) << (lane / kLanes * kLanes);  // the row's lanes
@@ -410,11 +389,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       // Sequences whose rows start on an 8-row tile of dq_acc take one bulk reduction per
       // 8-row run (2 or 4 KiB, contiguous there); others red.global.add.v4 from every lane.
       // Runs (rows) past the sequence's end are not added; the rows >= lq inside the last run
-      // hold exact zeros (P = dS = 0 there). On the bulk path the block's first turn stores its
-      // whole runs instead of adding them (bulk copies), so that the accumulator needs no
-      // zeroing there and its first write no read; a last run with rows >= lq is added even
-      // then (they may be the next sequence's, which starts inside the tile and so adds from
-      // zeros: additions only, in any order), on rows the preprocess zeroed.
+      // hold exact zeros (P = dS = 0 there).
       const bool bulk = sq.q_start % 8 == 0;
       const int f = warp - 1;
       const uint32_t src = dq_stage(f);
@@ -440,18 +415,13 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
           fence_acq_rel_gpu();
         }
         __syncwarp();
-        const bool store = turn == 0 && !(p.dq_probe & 2);  // (bulk path only)
         if (bulk) {
           if (lane == 0) {
             fence_proxy_async_global();  // the acquire, before the copy engine's additions
             float* const dst = p.dq_acc + dq_acc_index<D>(sq.q_start + m, h, 0, p.hq);
-            for (int rt = 0; 8 * rt < rows; ++rt) {
-              float* const run = dst + static_cast<int64_t>(rt) * p.hq * D * 8;
-              if (store && 8 * rt + 8 <= rows)
-                bulk_store_f32(run, src + rt * D * 32, D * 32);
-              else
-                bulk_reduce_add_f32(run, src + rt * D * 32, D * 32);
-            }
+            for (int rt = 0; 8 * rt < rows; ++rt)
+              bulk_reduce_add_f32(dst + static_cast<int64_t>(rt) * p.hq * D * 8,
+                                  src + rt * D * 32, D * 32);
             tma_store_commit();
             tma_store_wait_read<0>();
             mbar_arrive(bar_dq_empty(f));
