@@ -30,7 +30,8 @@
 // dK is scaled by p.scale here, dQ by dq_convert_kernel.
 // Deterministic mode (kDet, p.dq_sem set; serial schedule): each step's dQ block (BM queries of
 // one query head, all D columns) is added by the contributing CTAs in one fixed order, key
-// blocks ascending or (p.dq_desc) descending, through a counter per block. The consumers do not
+// blocks ascending, (p.dq_desc) descending or (p.dq_rot, unmasked calls: dq_rotated below) in
+// the rotated order, through a counter per block. The consumers do not
 // add it themselves: they stage their pieces in shared memory (two buffers, dq_stage) and go on;
 // warps 1 and 2 of the producer warpgroup, the dQ writers (even and odd steps), wait for the
 // block's turn (relaxed polls, then fence.acq_rel.gpu), add the block to p.dq_acc (bulk
@@ -43,13 +44,18 @@
 // keys' side), so a turn is an offset in that range and a key block that sees none of the
 // block's queries neither waits nor holds a turn (causal, windows, varlen). Deadlock freedom:
 // a CTA takes a ticket (an atomic counter) on entry and works on the (key block, KV head,
-// sequence) that the ticket names, key blocks in adding order, so that every CTA its writer
-// waits for holds a smaller ticket, which it took while running -- it is resident or done,
-// whatever order the hardware starts CTAs in, however few fit at once; the running CTA with the
-// smallest ticket waits on nobody unfinished, so it always progresses. (GQA: a CTA's steps run
-// head by head; each (block, head) has its own counter and the same order, so the argument
-// holds per step.) A counter that never reaches a turn (a bug) traps after about 2^25 polls
-// instead of hanging.
+// sequence) that the ticket names, key blocks in adding order, so that in the linear orders
+// every CTA its writer waits for holds a smaller ticket, which it took while running -- it is
+// resident or done, whatever order the hardware starts CTAs in, however few fit at once; the
+// running CTA with the smallest ticket waits on nobody unfinished, so it always progresses.
+// (GQA: a CTA's steps run head by head; each (block, head) has its own counter and the same
+// order, so the argument holds per step.) In the rotated order every wait is for an earlier
+// step (no cycle), but key block 0 waits for later tickets of its own (KV head, sequence), so
+// those must fit at once (the launcher's bound, dq_rotated). A counter that never reaches a
+// turn (a bug, or fewer SMs left to the kernel than that bound assumes) traps after about 2^25
+// polls instead of hanging. The order, and so the bits of dQ (and of dK and dV, whose steps
+// it reorders), depends on the GPU's SM count through that bound: bit-identical run to run on
+// one GPU model.
 //
 // Constraints: T is __half or __nv_bfloat16; D is 64 or 128 (TilesBwdSm90); the packed layout
 // of attention_params.h with row strides that are multiples of 8 elements, rows that do not

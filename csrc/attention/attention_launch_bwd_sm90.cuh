@@ -33,8 +33,6 @@ inline bool sm90_bwd_overlap() {
 // descending where queries see keys up to a bound (causal or a right window: the key block
 // nearest the diagonal reaches a query block first, so its turn comes first and nobody waits in
 // the common case), ascending otherwise (non-causal: every key block starts at query block 0).
-// FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER=ascending|descending overrides it, for measurement; read at
-// every call.
 // Where no mask limits the keys (every key block adds into every query block) and the grid has
 // at most half as many key blocks as the GPU has SMs, the rotated order instead (the kernel's
 // dq_rotated: no chain of waits when a (KV head, sequence)'s CTAs start together; its waits
