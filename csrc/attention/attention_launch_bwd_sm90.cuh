@@ -46,11 +46,9 @@ inline void sm90_bwd_dq_order(AttnParams& p, int key_blocks) {
   p.dq_desc = desc || (!asc && p.right >= 0);
   p.dq_rot = false;
   if (asc || desc || p.left >= 0 || p.right >= 0) return;
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    return;
-  p.dq_rot = 2 * key_blocks <= sms;
+  DeviceSm90 dev;
+  if (device_sm90(dev) != cudaSuccess) return;
+  p.dq_rot = 2 * key_blocks <= dev.sms;
 }
 
 // Needs p.dq_acc (rows rounded up to a multiple of 8, any contents: the preprocess zeroes the
