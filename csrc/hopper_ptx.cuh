@@ -80,6 +80,17 @@ __device__ __forceinline__ void tma_store_3d(const void* tmap, uint32_t src, int
       ::"l"(reinterpret_cast<uint64_t>(tmap)), "r"(src), "r"(c0), "r"(c1), "r"(c2)
       : "memory");
 }
+// Adds a dense 4-D float32 box at `src` (innermost coordinate fastest) into the tensor map's
+// box at the given coordinates, element by element, in the copy engine (`.add`); nothing outside
+// the tensor is touched. Completion as tma_store_3d.
+__device__ __forceinline__ void tma_reduce_add_4d(const void* tmap, uint32_t src, int c0, int c1,
+                                                  int c2, int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group"
+      " [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(reinterpret_cast<uint64_t>(tmap)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
 __device__ __forceinline__ void tma_store_commit() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }

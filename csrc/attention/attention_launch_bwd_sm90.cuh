@@ -51,6 +51,26 @@ inline void sm90_bwd_dq_order(AttnParams& p, int key_blocks) {
   p.dq_rot = 2 * key_blocks <= dev.sms;
 }
 
+// The deterministic mode's map of the dQ accumulator (dq_acc_index's layout, rows rounded up to
+// a multiple of 8) as 4-D float32: 256 floats, the 8 D / 256 pieces of an 8-row run, heads, runs;
+// boxes of one query block (BM / 8 runs of one head), dense, as the dQ writers stage it.
+template <int D, int BM>
+inline bool make_dq_acc_map(CUtensorMap* map, float* acc, int hq, int total_q) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  constexpr int kPieces = 8 * D / 256;
+  const cuuint64_t dims[4] = {256, kPieces, static_cast<cuuint64_t>(hq),
+                              static_cast<cuuint64_t>((total_q + 7) / 8)};
+  const cuuint64_t strides[3] = {256 * 4, 32 * D,  // bytes, dims 1 to 3
+                                 static_cast<cuuint64_t>(hq) * 32 * D};
+  const cuuint32_t box[4] = {256, kPieces, 1, BM / 8};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, acc, dims, strides, box, elem_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // Needs p.dq_acc (rows rounded up to a multiple of 8, any contents: the preprocess zeroes the
 // rows the kernels add to and read) and p.delta of 2 hq
 // stats_rows_sm90(p) floats; p.dq_sem (dq_sem_count_sm90 ints, any contents: the preprocess
@@ -83,13 +103,16 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
         !make_tensor_map(&tm_v, p.v, kBf16, D, p.hkv, p.total_k, p.v_row, C::kBlockN) ||
         !make_tensor_map(&tm_do, p.dout, kBf16, D, p.hq, p.total_q, p.do_row, C::kBlockM))
       return cudaErrorInvalidValue;  // the driver refused a tensor map
+    CUtensorMap tm_dq{};  // unused by the kernels with unordered reductions
+    if (p.dq_sem != nullptr && !make_dq_acc_map<D, BM>(&tm_dq, p.dq_acc, p.hq, p.total_q))
+      return cudaErrorInvalidValue;
     auto kernel = p.dq_sem != nullptr ? bwd_kernel_sm90<T, D, false, true>
                   : sm90_bwd_overlap() ? bwd_kernel_sm90<T, D, true, false>
                                        : bwd_kernel_sm90<T, D, false, false>;
     const int smem = static_cast<int>(p.dq_sem != nullptr ? C::kSmemDet : C::kSmem);
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    kernel<<<grid, C::kThreads, smem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do);
+    kernel<<<grid, C::kThreads, smem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
