@@ -157,7 +157,10 @@ __device__ __forceinline__ void red_add4(float* dst, float4 v) {
 // tree: the same bits every run); the row's first thread writes the statistics; each thread
 // zeroes its 8 floats of the row in the accumulator (one 32-byte run, dq_acc_index). Only rows
 // of [0, lq) are zeroed: they are all that bwd_kernel_sm90 adds to and dq_convert_kernel
-// reads, since the sequences cover the packed rows. Grid (ceil(round_up(max_q, BM) /
+// reads, since the sequences cover the packed rows. In the deterministic mode the first
+// contributor of a whole query block (m + BM <= lq) of a sequence whose rows start on an 8-row
+// tile stores the block instead of adding it (bwd_kernel_sm90's dQ writers), so its rows are
+// not zeroed (unless p.dq_probe bit 1, measurement: every turn adds). Grid (ceil(round_up(max_q, BM) /
 // kPrepRowsSm90<D>), hq, batch), 256 threads, no shared memory; any architecture.
 template <int D>
 constexpr int kPrepRowsSm90 = 256 / (D / 8);  // rows per CTA of the preprocess
@@ -180,8 +183,18 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
   if (i < sq.lq) {
     acc = dot8(0.f, static_cast<const T*>(p.out) + row * p.o_row + h * D + 8 * c,
                static_cast<const T*>(p.dout) + row * p.do_row + h * D + 8 * c);
-    float4* const z = reinterpret_cast<float4*>(p.dq_acc + dq_acc_index<D>(row, h, 8 * c, p.hq));
-    z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    const int m0 = i / BM * BM;
+    bool zero = true;
+    if (p.dq_sem != nullptr && !(p.dq_probe & 2) && sq.q_start % 8 == 0 && m0 + BM <= sq.lq) {
+      int klo, khi;
+      sq.keys_of(m0, m0 + BM, p, klo, khi);
+      zero = klo >= khi;  // no contributor: nobody stores the block
+    }
+    if (zero) {
+      float4* const z =
+          reinterpret_cast<float4*>(p.dq_acc + dq_acc_index<D>(row, h, 8 * c, p.hq));
+      z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
   }
   const int lane = threadIdx.x % 32;
   const unsigned mask = ((1u << kLanes) - 1u) << (lane / kLanes * kLanes);  // the row's lanes
@@ -391,7 +404,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       // sequence's end are added too: they hold exact zeros (P = dS = 0 there), so the next
       // sequence's rows, which they may be, keep their values whatever the order (x + 0 = x;
       // the accumulator never holds -0, since it starts at +0); past the tensor nothing is
-      // written. On the red path rows past the end are not added.
+      // written. On the red path rows past the end are not added. A whole block's first turn
+      // (tensor-map path) stores it instead (the preprocess left those rows unzeroed).
       const bool bulk = sq.q_start % 8 == 0;
       if (bulk && lane == 0) tma_prefetch_desc(&tm_dq);
       const int f = warp - 1;
@@ -421,7 +435,10 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
         if (bulk) {
           if (lane == 0) {
             fence_proxy_async_global();  // the acquire, before the copy engine's additions
-            tma_reduce_add_4d(&tm_dq, src, 0, 0, h, (sq.q_start + m) / 8);
+            if (turn == 0 && m + BM <= sq.lq && !(p.dq_probe & 2))
+              tma_store_4d(&tm_dq, src, 0, 0, h, (sq.q_start + m) / 8);
+            else
+              tma_reduce_add_4d(&tm_dq, src, 0, 0, h, (sq.q_start + m) / 8);
             tma_store_commit();
             tma_store_wait_read<0>();
             mbar_arrive(bar_dq_empty(f));

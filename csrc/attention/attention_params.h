@@ -30,7 +30,9 @@ struct AttnParams {
   bool dq_desc = false;
   bool dq_rot = false;  // the rotated order where it applies (attention_bwd_kernel_sm90.cuh)
   // Measurement only (FUSEDOPS_ATTN_SM90_BWD_DET_PROBE): parts of the ordered reductions left
-  // out to time them (bit 0: the dQ writer's wait for a turn); results then not ordered.
+  // out to time them (bit 0: the dQ writer's wait for a turn; results then not ordered, and
+  // wrong where a block's first turn stores), or changed (bit 1: every turn adds, onto an
+  // accumulator the preprocess zeroed whole).
   int dq_probe = 0;
   // The sm90 forward's tile scheduler: two counters (next tile, CTAs done) on the launch's
   // stream, zero before the launch and left at zero by its last CTA
