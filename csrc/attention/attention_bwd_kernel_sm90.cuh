@@ -144,6 +144,14 @@ __device__ __forceinline__ void fence_acq_rel_gpu() {
 __device__ __forceinline__ void fence_proxy_async_global() {
   asm volatile("fence.proxy.async.global;\n" ::: "memory");
 }
+// dst[0, bytes / 4) += the floats at shared-memory address src, by the copy engine (a bulk group
+// of this thread; bytes a multiple of 16, both addresses 16-byte aligned).
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+      "r"(src), "r"(bytes)
+      : "memory");
+}
 __device__ __forceinline__ void red_add4(float* dst, float4 v) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y),
                "f"(v.z), "f"(v.w)
@@ -398,14 +406,14 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       // Per step of its own, once the consumers have staged its dQ block: wait for the block's turn
       // (lane 0 polls the counter with relaxed loads, the fence after it is the acquire), add
       // the block to dq_acc, and once the additions are performed pass the turn on (release).
-      // Sequences whose rows start on an 8-row tile of dq_acc add the block with one tensor-map
-      // reduction (tm_dq: the block's BM / 8 runs of 8 rows x D, the staging layout); others
-      // red.global.add.v4 from every lane. On the tensor-map path the block's rows past the
-      // sequence's end are added too: they hold exact zeros (P = dS = 0 there), so the next
-      // sequence's rows, which they may be, keep their values whatever the order (x + 0 = x;
-      // the accumulator never holds -0, since it starts at +0); past the tensor nothing is
-      // written. On the red path rows past the end are not added. A whole block's first turn
-      // (tensor-map path) stores it instead (the preprocess left those rows unzeroed).
+      // Sequences whose rows start on an 8-row tile of dq_acc add a whole block (m + BM <= lq)
+      // with one tensor-map reduction (tm_dq: its BM / 8 runs of 8 rows x D, the staging
+      // layout) -- or, its first turn, store it (the preprocess left those rows unzeroed) --
+      // and a sequence's partial last block by one bulk reduction per 8-row run (2 or 4 KiB,
+      // contiguous there); sequences that start inside a tile red.global.add.v4 from every
+      // lane. Runs (rows) past the sequence's end are not added; the rows >= lq inside the
+      // last run hold exact zeros (P = dS = 0 there), and the next sequence, which starts
+      // inside that tile, only adds (from zeros): the order does not matter (x + 0 = x).
       const bool bulk = sq.q_start % 8 == 0;
       if (bulk && lane == 0) tma_prefetch_desc(&tm_dq);
       const int f = warp - 1;
@@ -435,10 +443,17 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
         if (bulk) {
           if (lane == 0) {
             fence_proxy_async_global();  // the acquire, before the copy engine's additions
-            if (turn == 0 && m + BM <= sq.lq && !(p.dq_probe & 2))
-              tma_store_4d(&tm_dq, src, 0, 0, h, (sq.q_start + m) / 8);
-            else
-              tma_reduce_add_4d(&tm_dq, src, 0, 0, h, (sq.q_start + m) / 8);
+            if (rows == BM) {
+              if (turn == 0 && !(p.dq_probe & 2))
+                tma_store_4d(&tm_dq, src, 0, 0, h, (sq.q_start + m) / 8);
+              else
+                tma_reduce_add_4d(&tm_dq, src, 0, 0, h, (sq.q_start + m) / 8);
+            } else {
+              float* const dst = p.dq_acc + dq_acc_index<D>(sq.q_start + m, h, 0, p.hq);
+              for (int rt = 0; 8 * rt < rows; ++rt)
+                bulk_reduce_add_f32(dst + static_cast<int64_t>(rt) * p.hq * D * 8,
+                                    src + rt * D * 32, D * 32);
+            }
             tma_store_commit();
             tma_store_wait_read<0>();
             mbar_arrive(bar_dq_empty(f));
