@@ -15,7 +15,8 @@ to the same drift.
 
 Methods with a suffix run the fusedops backend under an environment override (METHOD_ENV):
 -atomic-dq / -deterministic the dQ modes (-deterministic-ascending with the deterministic mode's
-linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backward,
+linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backward, -bwd-regs
+the sm90 backward storing dK/dV from registers,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
 -m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
 schedule, -bn176 its 176-key tiles at D=128.
@@ -104,6 +105,7 @@ METHOD_ENV = {
     "-deterministic-ascending": {"FUSEDOPS_ATTN_DQ": "separate",
                                  "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "-bwd80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
+    "-bwd-regs": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "regs"},
     "-static": {"FUSEDOPS_ATTN_SM90_TILES": "static"},
     "-dynamic": {"FUSEDOPS_ATTN_SM90_TILES": "dynamic"},
     "-nonpersistent": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "0"},

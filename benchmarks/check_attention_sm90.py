@@ -224,7 +224,8 @@ def fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
 
 # Arch 90's backwards at D=64/128, as the environment overrides that select them: the sm90
 # kernel (attention_bwd_kernel_sm90.cuh; FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=overlap its overlapped
-# schedule) and FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; the det variants run the op's
+# schedule, FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs its dK/dV stores from registers) and
+# FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; the det variants run the op's
 # deterministic mode (the sm90 kernel's ordered dQ reductions, key blocks ascending or
 # descending by FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER; "sm90-det" the launcher's default order, the
 # rotated one on unmasked calls), which parity also runs twice and requires bit-identical.
@@ -232,6 +233,7 @@ BWD_VARIANTS = {
     "sm90": {},
     "sm90-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
+    "sm90-regs": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "regs"},
     "sm90-det": {},
     "sm90-det-asc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "sm90-det-desc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
@@ -253,7 +255,8 @@ class bwd_env:
     def __enter__(self):
         self.saved = {k: os.environ.pop(k, None)
                       for k in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE",
-                                "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER")}
+                                "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER",
+                                "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE")}
         os.environ.update(self.env)
 
     def __exit__(self, *exc):

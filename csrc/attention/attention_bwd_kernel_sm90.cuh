@@ -63,8 +63,8 @@
 // alignment and takes the sm80 backward for overlapping rows), hq a multiple of hkv; p.delta
 // holding the statistics bwd_prep_kernel_sm90 wrote (stats_rows_sm90), p.dq_acc with rows
 // rounded up to a multiple of 8, zeroed by bwd_prep_kernel_sm90. Tensor maps
-// (attention_launch_bwd_sm90.cuh): 3-D (D, heads, rows), boxes of 64 x 1 x BN (K, V) or BM (Q,
-// dO), 128-byte swizzle. A tile that crosses a sequence's end reads the next sequence's rows
+// (attention_launch_bwd_sm90.cuh): 3-D (D, heads, rows), boxes of 64 x 1 x BN (K, V), BM (Q,
+// dO) or 64 (dK, dV: a consumer warpgroup's keys), 128-byte swizzle. A tile that crosses a sequence's end reads the next sequence's rows
 // (TMA zero-fills only past the tensor's end): keys >= lk and queries >= lq are masked by index
 // (P = dS = 0), their gradients never stored.
 // Launch: TilesBwdSm90<D>::kThreads threads, kSmem bytes of dynamic shared memory. The body is
@@ -267,7 +267,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
                     const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v,
                     const __grid_constant__ CUtensorMap tm_do,
-                    const __grid_constant__ CUtensorMap tm_dq) {
+                    const __grid_constant__ CUtensorMap tm_dq,
+                    const __grid_constant__ CUtensorMap tm_dk,
+                    const __grid_constant__ CUtensorMap tm_dv) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fusedops::sm90;
   using C = TilesBwdSm90<D>;
@@ -370,6 +372,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       tma_prefetch_desc(&tm_k);
       tma_prefetch_desc(&tm_v);
       tma_prefetch_desc(&tm_do);
+      tma_prefetch_desc(&tm_dk);  // the consumers' stores at the end
+      tma_prefetch_desc(&tm_dv);
       mbar_arrive_expect_tx(bar_kv, 2 * C::kKvBytes);
 #pragma unroll
       for (int c = 0; c < kBlocks; ++c)
@@ -731,23 +735,58 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       release(bar_empty(s));  // Q, dO and the stats of stage s are no longer read
       step_on(h, m);
     }
-    // ---- epilogue: dK (scaled) and dV of keys < lk, 4-byte stores from registers ----
+    // ---- epilogue: dK (scaled) and dV of keys < lk ----
     // The sequence's bounds are read again (the loop's reductions are memory clobbers, so they
     // are reloaded): held across the loop, the key offset took a stack slot.
     const Seq se(p, cta_b());
-    T* dK = static_cast<T*>(p.dk) + se.k_start * p.dk_row + static_cast<int64_t>(cta_hk()) * D;
-    T* dV = static_cast<T*>(p.dv) + se.k_start * p.dv_row + static_cast<int64_t>(cta_hk()) * D;
+    // Through shared memory and TMA stores where the warpgroup's 64 keys all lie inside the
+    // sequence (a TMA store clips only at the tensor's end, so a slab crossing lk would write
+    // the next sequence's rows): dK into the K buffer's rows of this warpgroup, dV into V's, in
+    // the 128-byte swizzle of their tensor maps (row r's 16-byte chunk c at chunk c ^ (r % 8)),
+    // then one thread stores the D / 64 column blocks of each. The other warpgroup's dQ
+    // products read every row of K, so both warpgroups meet first (named barrier 1, as at every
+    // step). Otherwise (or with p.dkv_regs, FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs) 4-byte stores
+    // from registers.
+    if (!p.dkv_regs) named_bar_sync<256>(1);
+    if (!p.dkv_regs && n0 + 64 * cw + 64 <= se.lk) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int j = j0 + 8 * r;
-      if (j >= se.lk) continue;
-      T* dk_row = dK + static_cast<int64_t>(j) * p.dk_row + 2 * tq;
-      T* dv_row = dV + static_cast<int64_t>(j) * p.dv_row + 2 * tq;
+      for (int r = 0; r < 2; ++r) {
+        const int row = kr0 + 8 * r;  // row of the block; row % 8 == g
 #pragma unroll
-      for (int d8 = 0; d8 < D / 8; ++d8) {
-        *reinterpret_cast<uint32_t*>(dk_row + d8 * 8) =
-            pack2<T>(dk[d8][2 * r] * p.scale, dk[d8][2 * r + 1] * p.scale);
-        *reinterpret_cast<uint32_t*>(dv_row + d8 * 8) = pack2<T>(dv[d8][2 * r], dv[d8][2 * r + 1]);
+        for (int d8 = 0; d8 < D / 8; ++d8) {
+          const uint32_t off = (d8 / 8) * BN * 128 + row * 128 + (((d8 % 8) ^ g) << 4) + 4 * tq;
+          st_shared_u32(sK + off, pack2<T>(dk[d8][2 * r] * p.scale, dk[d8][2 * r + 1] * p.scale));
+          st_shared_u32(sV + off, pack2<T>(dv[d8][2 * r], dv[d8][2 * r + 1]));
+        }
+      }
+      fence_proxy_async_smem();
+      named_bar_sync<128>(2 + cw);  // the warpgroup's 128 threads
+      if (threadIdx.x % 128 == 0) {
+        const int row0 = se.k_start + n0 + 64 * cw;
+#pragma unroll
+        for (int c = 0; c < kBlocks; ++c) {
+          tma_store_3d(&tm_dk, sK + c * BN * 128 + cw * 64 * 128, 64 * c, cta_hk(), row0);
+          tma_store_3d(&tm_dv, sV + c * BN * 128 + cw * 64 * 128, 64 * c, cta_hk(), row0);
+        }
+        tma_store_commit();
+        tma_store_wait_read<0>();  // before the CTA's shared memory goes
+      }
+    } else {
+      T* dK = static_cast<T*>(p.dk) + se.k_start * p.dk_row + static_cast<int64_t>(cta_hk()) * D;
+      T* dV = static_cast<T*>(p.dv) + se.k_start * p.dv_row + static_cast<int64_t>(cta_hk()) * D;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int j = j0 + 8 * r;
+        if (j >= se.lk) continue;
+        T* dk_row = dK + static_cast<int64_t>(j) * p.dk_row + 2 * tq;
+        T* dv_row = dV + static_cast<int64_t>(j) * p.dv_row + 2 * tq;
+#pragma unroll
+        for (int d8 = 0; d8 < D / 8; ++d8) {
+          *reinterpret_cast<uint32_t*>(dk_row + d8 * 8) =
+              pack2<T>(dk[d8][2 * r] * p.scale, dk[d8][2 * r + 1] * p.scale);
+          *reinterpret_cast<uint32_t*>(dv_row + d8 * 8) =
+              pack2<T>(dv[d8][2 * r], dv[d8][2 * r + 1]);
+        }
       }
     }
   }

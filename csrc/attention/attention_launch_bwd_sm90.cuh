@@ -83,6 +83,8 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
                                                      TilesBwdSm90<D>::kBlockN);
   if (const char* probe = std::getenv("FUSEDOPS_ATTN_SM90_BWD_DET_PROBE"))
     p.dq_probe = std::atoi(probe);
+  if (const char* epi = std::getenv("FUSEDOPS_ATTN_SM90_BWD_EPILOGUE"))
+    p.dkv_regs = std::strcmp(epi, "regs") == 0;
   using C = TilesBwdSm90<D>;
   static_assert(sizeof(T) == C::kElem);
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -97,11 +99,13 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
   if (err != cudaSuccess) return err;
   const dim3 grid((p.max_k + C::kBlockN - 1) / C::kBlockN, p.hkv, p.batch);
   if (grid.x > 0 && grid.y > 0 && grid.z > 0) {
-    CUtensorMap tm_q, tm_k, tm_v, tm_do;
+    CUtensorMap tm_q, tm_k, tm_v, tm_do, tm_dk, tm_dv;
     if (!make_tensor_map(&tm_q, p.q, kBf16, D, p.hq, p.total_q, p.q_row, C::kBlockM) ||
         !make_tensor_map(&tm_k, p.k, kBf16, D, p.hkv, p.total_k, p.k_row, C::kBlockN) ||
         !make_tensor_map(&tm_v, p.v, kBf16, D, p.hkv, p.total_k, p.v_row, C::kBlockN) ||
-        !make_tensor_map(&tm_do, p.dout, kBf16, D, p.hq, p.total_q, p.do_row, C::kBlockM))
+        !make_tensor_map(&tm_do, p.dout, kBf16, D, p.hq, p.total_q, p.do_row, C::kBlockM) ||
+        !make_tensor_map(&tm_dk, p.dk, kBf16, D, p.hkv, p.total_k, p.dk_row, 64) ||
+        !make_tensor_map(&tm_dv, p.dv, kBf16, D, p.hkv, p.total_k, p.dv_row, 64))
       return cudaErrorInvalidValue;  // the driver refused a tensor map
     CUtensorMap tm_dq{};  // unused by the kernels with unordered reductions
     if (p.dq_sem != nullptr && !make_dq_acc_map<D, BM>(&tm_dq, p.dq_acc, p.hq, p.total_q))
@@ -112,7 +116,8 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
     const int smem = static_cast<int>(p.dq_sem != nullptr ? C::kSmemDet : C::kSmem);
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    kernel<<<grid, C::kThreads, smem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq);
+    kernel<<<grid, C::kThreads, smem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk,
+                                                   tm_dv);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

@@ -34,6 +34,10 @@ struct AttnParams {
   // wrong where a block's first turn stores), or changed (bit 1: every turn adds, onto an
   // accumulator the preprocess zeroed whole).
   int dq_probe = 0;
+  // The sm90 backward's dK/dV stores: false, through shared memory by TMA where a warpgroup's
+  // keys lie inside the sequence; true (FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs, measurement and
+  // debugging), 4-byte stores from registers everywhere.
+  bool dkv_regs = false;
   // The sm90 forward's tile scheduler: two counters (next tile, CTAs done) on the launch's
   // stream, zero before the launch and left at zero by its last CTA
   // (attention_fwd_kernel_sm90.cuh); null: the static order only.
