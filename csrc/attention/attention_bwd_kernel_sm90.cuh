@@ -27,18 +27,20 @@
 // computes P^T while dP^T runs. dS^T alternates between two buffers: the buffer a step writes
 // was last read by step - 2's dQ products, which both warpgroups finished before the named
 // barrier of step - 1.
-// dK is scaled by p.scale here, dQ by dq_convert_kernel.
+// dK is scaled by p.scale here, dQ by dq_convert_kernel. dK and dV leave through the K and V
+// buffers by TMA stores (the epilogue at the end says where).
 // Deterministic mode (kDet, p.dq_sem set; serial schedule): each step's dQ block (BM queries of
 // one query head, all D columns) is added by the contributing CTAs in one fixed order, key
 // blocks ascending, (p.dq_desc) descending or (p.dq_rot, unmasked calls: dq_rotated below) in
 // the rotated order, through a counter per block. The consumers do not
 // add it themselves: they stage their pieces in shared memory (two buffers, dq_stage) and go on;
 // warps 1 and 2 of the producer warpgroup, the dQ writers (even and odd steps), wait for the
-// block's turn (relaxed polls, then fence.acq_rel.gpu), add the block to p.dq_acc (bulk
-// reductions, or red.global where a sequence's rows do not start on an 8-row tile), wait for
-// the additions to complete and increment the counter (red.release.gpu). The consumers wait only
-// for a staging buffer that its writer has not read yet, two steps back. Float addition in a
-// fixed order is bit-identical run to run. The
+// block's turn (relaxed polls, then fence.acq_rel.gpu), add the block to p.dq_acc (one
+// tensor-map reduction, tm_dq, or on its first turn a tensor-map store; per-run bulk reductions
+// for a partial last block; red.global where a sequence's rows do not start on an 8-row tile),
+// wait for the additions to complete and increment the counter (red.release.gpu). The
+// consumers wait only for a staging buffer that its writer has not read yet, two steps back.
+// Float addition in a fixed order is bit-identical run to run. The
 // contributors of a query block are the key blocks that see any of its queries, a contiguous
 // range [klo / BN, (khi - 1) / BN] of Seq::keys_of (the same relation KeySteps walks from the
 // keys' side), so a turn is an offset in that range and a key block that sees none of the
@@ -64,9 +66,9 @@
 // holding the statistics bwd_prep_kernel_sm90 wrote (stats_rows_sm90), p.dq_acc with rows
 // rounded up to a multiple of 8, zeroed by bwd_prep_kernel_sm90. Tensor maps
 // (attention_launch_bwd_sm90.cuh): 3-D (D, heads, rows), boxes of 64 x 1 x BN (K, V), BM (Q,
-// dO) or 64 (dK, dV: a consumer warpgroup's keys), 128-byte swizzle. A tile that crosses a sequence's end reads the next sequence's rows
-// (TMA zero-fills only past the tensor's end): keys >= lk and queries >= lq are masked by index
-// (P = dS = 0), their gradients never stored.
+// dO) or 64 (dK, dV: a consumer warpgroup's keys), 128-byte swizzle. A tile that crosses a
+// sequence's end reads the next sequence's rows (TMA zero-fills only past the tensor's end):
+// keys >= lk and queries >= lq are masked by index (P = dS = 0), their gradients never stored.
 // Launch: TilesBwdSm90<D>::kThreads threads, kSmem bytes of dynamic shared memory. The body is
 // empty (a trap) unless compiled for sm_90a.
 #pragma once
@@ -168,8 +170,9 @@ __device__ __forceinline__ void red_add4(float* dst, float4 v) {
 // reads, since the sequences cover the packed rows. In the deterministic mode the first
 // contributor of a whole query block (m + BM <= lq) of a sequence whose rows start on an 8-row
 // tile stores the block instead of adding it (bwd_kernel_sm90's dQ writers), so its rows are
-// not zeroed (unless p.dq_probe bit 1, measurement: every turn adds). Grid (ceil(round_up(max_q, BM) /
-// kPrepRowsSm90<D>), hq, batch), 256 threads, no shared memory; any architecture.
+// not zeroed (unless p.dq_probe bit 1, measurement: every turn adds). Grid
+// (ceil(round_up(max_q, BM) / kPrepRowsSm90<D>), hq, batch), 256 threads, no shared memory; any
+// architecture.
 template <int D>
 constexpr int kPrepRowsSm90 = 256 / (D / 8);  // rows per CTA of the preprocess
 template <typename T, int D, int BM>
