@@ -19,7 +19,8 @@ linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backwa
 the sm90 backward storing dK/dV from registers,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
 -m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
-schedule, -bn176 its 176-key tiles at D=128.
+schedule, -bn176 its 176-key tiles at D=128, -mc / -nomc its K/V multicast in clusters of two
+forced on (where the launch allows it) or off.
 """
 
 from __future__ import annotations
@@ -114,6 +115,8 @@ METHOD_ENV = {
     "-overlap": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "overlap"},
     "-pingpong": {"FUSEDOPS_ATTN_SM90_SCHEDULE": "pingpong"},
     "-bn176": {"FUSEDOPS_ATTN_SM90_BLOCK_N": "176"},
+    "-mc": {"FUSEDOPS_ATTN_SM90_MULTICAST": "1"},
+    "-nomc": {"FUSEDOPS_ATTN_SM90_MULTICAST": "0"},
 }
 
 

@@ -68,8 +68,8 @@ NAN = float("nan")
 # these variants run at D=64/128 alone). "auto" is what dispatch runs; parity checks the
 # explicit ones (auto picks one of them); "poly" is auto's schedule with the polynomial, the
 # timing's direct comparison with auto.
-SCHED, EXP2, TILE = ("FUSEDOPS_ATTN_SM90_SCHEDULE", "FUSEDOPS_ATTN_SM90_EXP2",
-                     "FUSEDOPS_ATTN_SM90_TILE")
+SCHED, EXP2, TILE, MC = ("FUSEDOPS_ATTN_SM90_SCHEDULE", "FUSEDOPS_ATTN_SM90_EXP2",
+                         "FUSEDOPS_ATTN_SM90_TILE", "FUSEDOPS_ATTN_SM90_MULTICAST")
 MUFU_M128 = {EXP2: "mufu", TILE: "m128"}
 VARIANTS = {
     "auto": {},
@@ -115,10 +115,19 @@ VARIANTS = {
                       "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
     "bn176-ovl-3cta": {SCHED: "overlap", "FUSEDOPS_ATTN_SM90_BLOCK_N": "176",
                        "FUSEDOPS_ATTN_SM90_PERSISTENT": "3"},
+    # K/V multicast in clusters of two (FUSEDOPS_ATTN_SM90_MULTICAST; unset: sm90_auto_multicast)
+    # where the launch allows it (no mask, equal lengths, an even number of q-blocks; elsewhere
+    # the same calls run without): forced on with each schedule, over 3 CTAs (one cluster, many
+    # tiles each), one CTA per tile; and forced off, auto's comparison in the timing.
+    "mc-ovl": {SCHED: "overlap", MC: "1", **MUFU_M128},
+    "mc-pp": {SCHED: "pingpong", MC: "1", **MUFU_M128},
+    "mc-ser-3cta": {SCHED: "serial", MC: "1", "FUSEDOPS_ATTN_SM90_PERSISTENT": "3", **MUFU_M128},
+    "mc-nonpersist": {MC: "1", "FUSEDOPS_ATTN_SM90_PERSISTENT": "0"},
+    "no-mc": {MC: "0"},
 }
 PERSISTENT_VARIANTS = ("nonpersist", "pp-qrows", "ser-3cta", "ovl-3cta", "pp-qrows-3cta",
                        "pp-poly-3cta", "m192-pp-3cta", "m192-dyn-3cta", "bn176-ovl-3cta",
-                       "static", "dynamic", "dyn-3cta")
+                       "static", "dynamic", "dyn-3cta", "mc-ser-3cta", "mc-nonpersist")
 VARIANT_DIMS = {"bn176-ovl": (128,), "bn176-pp": (128,),  # the others: every head dim
                 "ovl-poly": (64, 128), "pp-poly": (64, 128), "poly": (64, 128),
                 **{n: (64, 128) for n in PERSISTENT_VARIANTS},
@@ -126,10 +135,10 @@ VARIANT_DIMS = {"bn176-ovl": (128,), "bn176-pp": (128,),  # the others: every he
                 "ovl-3cta": (64, 128, 256), "bn176-ovl-3cta": (128,)}
 SCHEDULES = ("overlap", "serial", "pingpong", "ovl-regs", "bn176-ovl", "bn176-pp",  # parity
              "ovl-poly", "pp-poly", "m192-ovl", "m192-pp", "m192-ser", "m192-regs",
-             "m192-ovl-poly", "m192-pp-poly", *PERSISTENT_VARIANTS)
+             "m192-ovl-poly", "m192-pp-poly", "mc-ovl", "mc-pp", "no-mc", *PERSISTENT_VARIANTS)
 # Debugging variants, left out of the timing (the -3cta ones are slow by design: 3 CTAs).
 UNTIMED = ("m192-ser", "m192-regs", "ser-3cta", "ovl-3cta", "pp-qrows-3cta", "pp-poly-3cta",
-           "m192-pp-3cta", "m192-dyn-3cta", "bn176-ovl-3cta", "dyn-3cta")
+           "m192-pp-3cta", "m192-dyn-3cta", "bn176-ovl-3cta", "dyn-3cta", "mc-ser-3cta")
 # The baselines of the timing table (--baselines): column name -> method.
 BASELINES = {"sm80": "cuda-sm80-fwd", "triton": "triton-fwd", "flash": "sdpa_flash-fwd",
              "cudnn": "sdpa_cudnn-fwd"}
@@ -375,6 +384,11 @@ def cases():
              5, 0.0),
             ("persist", "varlen empty/1-row seqs", [0, 1, 129, 0, 1, 700, 1, 300, 64],
              [5, 0, 300, 0, 1, 700, 64, 1, 0], 16, 4, False, -1, -1, 0.0),
+            # K/V multicast (where the launch allows it): equal lengths, an even number of
+            # q-blocks, with GQA, a partial last q-block and key tile, softcap.
+            ("multicast", "4x S=1024 gqa 2:1", [1024] * 4, [1024] * 4, 8, 4, False, -1, -1, 0.0),
+            ("multicast", "2x 1000x700 softcap", [1000] * 2, [700] * 2, 4, 4, False, -1, -1,
+             20.0),
             ("persist", "varlen empty/1-row causal+window+softcap",
              [0, 1, 129, 0, 1, 700, 1, 300, 64], [5, 0, 300, 0, 1, 700, 64, 1, 0], 16, 4, True, 200,
              -1, 20.0)]
@@ -718,6 +732,8 @@ def sanitize_cases(dims=DIMS, schedules=SCHEDULES, do_bwd=True,
                     ([77, 130], [93, 600], 4, 2, False, -1, -1, 0.0),
                     ([70, 1, 33], [90, 0, 40], 2, 2, True, 30, -1, 20.0),
                     ([129], [645], 2, 1, False, -1, -1, 0.0),
+                    # equal lengths, two q-blocks a sequence: K/V multicast where enabled
+                    ([256, 256], [700, 700], 2, 1, False, -1, -1, 0.0),
                     # empty and 1-row sequences, blocks without keys (the -3cta variants run
                     # these with several tiles per CTA)
                     ([0, 1, 129, 0, 1, 70], [5, 0, 300, 0, 1, 0], 4, 2, True, 100, -1, 0.0)):

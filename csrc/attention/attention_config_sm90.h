@@ -70,9 +70,10 @@ struct TilesSm90 {
   // -- 168 a lane with two consumer warpgroups, 128 with three -- which the warpgroups' new
   // limits share. Two consumers: 40 + 2 x 232 = 504 a lane of each warpgroup in persistent
   // tables (the producer warpgroup's tile scheduler and load threads need the 40: at 24 their
-  // tile records spill), 24 + 2 x 240 in one-tile tables. Three: 32 + 3 x 160 = 512, where O 32
+  // tile records spill), 32 + 2 x 240 in one-tile tables (at 24 the multicast loads' addressing
+  // spilled). Three: 32 + 3 x 160 = 512, where O 32
   // + S 64 + P 32 registers at D=64 leave 32 for the rest, and the producer fits its 32.
-  static constexpr int kProducerRegs = kWarpgroups == 3 ? 32 : kPersistent ? 40 : 24;
+  static constexpr int kProducerRegs = kWarpgroups == 3 ? 32 : kPersistent ? 40 : 32;
   static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : kPersistent ? 232 : 240;
   static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 512);
 
@@ -164,6 +165,12 @@ constexpr bool sm90_auto_exp2(int /*head_dim*/, bool /*causal*/) { return false;
 constexpr bool sm90_auto_persistent(int head_dim, bool causal, int max_k, bool dynamic) {
   return dynamic || !(causal && head_dim == 128 && max_k >= 8192);
 }
+
+// Whether calls whose tiles all see the same keys (no mask or window, equal lengths; the
+// launcher checks the rest) run in clusters of two CTAs that share each K/V tile by TMA
+// multicast (attention_fwd_kernel_sm90.cuh): half the K/V traffic from L2 per query. Head dims
+// from 128 on, FlashAttention-3's choice for 16-bit inputs; not yet timed here at D=64.
+constexpr bool sm90_auto_multicast(int head_dim) { return head_dim >= 128; }
 
 }  // namespace attn
 }  // namespace fusedops

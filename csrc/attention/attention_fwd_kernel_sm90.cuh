@@ -94,7 +94,7 @@ struct TileOrderSm90 {
     int k;
     if (kNarrow || n_work <= 0x7fffffff) {  // 32-bit divisions (uniform over the grid)
       // Selects rather than branches, and the products precomputed: the producer thread runs
-      // this within its 24 registers.
+      // this within its 32 (one-tile tables) or 40 registers.
       const int ti = static_cast<int>(t);
       const bool big = ti >= small_end;
       const int t2 = big ? ti - small_end : ti, pr = big ? per_big : per, w = big ? sec_big : sec;
@@ -128,7 +128,8 @@ struct TileOrderSm90 {
 //   producer thread and by every consumer thread; key tile kv uses stage kv % S at phase
 //   (kv / S) & 1. "full" barriers (count 1: the producer's arrive.expect_tx, plus the bytes)
 //   complete once per use; "empty" barriers (count 4 NW: lane 0 of each consumer warp, after the
-//   warp's wgmma reading the stage has completed) complete once per use, and the producer
+//   warp's wgmma reading the stage has completed; 8 NW with multicast, below) complete once per
+//   use, and the producer
 //   waits for phase ((kv / S) & 1) ^ 1 before refilling (a fresh barrier passes parity 1, so
 //   the first S fills do not wait). The producer can run at most S key tiles ahead, into the
 //   next work tile as well, since the indices simply continue.
@@ -141,6 +142,18 @@ struct TileOrderSm90 {
 //   store has read them. Either way each consumer warp is accounted for exactly once per use,
 //   and the producer cannot complete the next phase of full before the consumers have waited
 //   for the current one (it needs their empty arrivals first).
+// - K/V multicast (kv_multicast, launched in clusters of two CTAs): the two CTAs of a cluster
+//   run tiles t and t + 1 (t even) of the static order at every step -- the same (sequence,
+//   head), adjacent q-blocks, so the same key tiles in the same order -- and each loads half of
+//   the rows of every K and V tile (its rank's half) into both CTAs' shared memory at the same
+//   offsets. Each full barrier still counts the whole tile (its own expect_tx, both halves'
+//   bytes). A stage is refilled only when both CTAs' consumers have released it: each consumer
+//   warp's lane 0 arrives on its own CTA's empty barrier and lane 1 on the other's (count 8 NW),
+//   and the producer's empty waits acquire at cluster scope. The host enables it only where
+//   both CTAs see identical key sequences (no mask or window, equal lengths, an even number of
+//   q-blocks and CTAs, the static order). A cluster barrier after the barriers' initialisation
+//   and one at the end keep either CTA from touching the other's shared memory before it is
+//   set up or after it has gone.
 // - The producer thread exits after its last tile's loads; the TMA transactions still complete
 //   on the full barriers the consumers wait for. The last releases of the empty barriers are
 //   never waited for (harmless).
@@ -169,7 +182,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
                     const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v,
                     const __grid_constant__ CUtensorMap tm_o, const int epilogue,
-                    const TileOrderSm90 order) {
+                    const TileOrderSm90 order, const int kv_multicast) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fusedops::sm90;
   using C = TilesSm90<D, kN, kWarpgroups>;
@@ -231,15 +244,25 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       mbar_init(bar_tempty(j), 128 * C::kConsumerWarpgroups + 32);
     }
     mbar_init(bar_treq, 1);
+    // K/V empty: every consumer warp of this CTA, and of the other CTA of the pair when the
+    // two share their K/V tiles by multicast.
+    const int kv_releases = 4 * C::kConsumerWarpgroups * (kv_multicast ? 2 : 1);
     for (int s = 0; s < S; ++s) {
       mbar_init(bar_kfull(s), 1);
       mbar_init(bar_vfull(s), 1);
-      mbar_init(bar_kempty(s), 4 * C::kConsumerWarpgroups);
-      mbar_init(bar_vempty(s), 4 * C::kConsumerWarpgroups);
+      mbar_init(bar_kempty(s), kv_releases);
+      mbar_init(bar_vempty(s), kv_releases);
     }
     mbar_init_fence();
   }
-  __syncthreads();
+  // With multicast, both CTAs' barriers are initialised before either CTA arrives on the
+  // other's or writes into its shared memory.
+  if (kv_multicast)
+    cluster_sync();
+  else
+    __syncthreads();
+  // The pair (kv_multicast): this CTA's rank in its cluster of two, and the other's.
+  const uint32_t rank = kv_multicast ? cluster_ctarank() : 0u, peer = rank ^ 1u;
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
@@ -251,18 +274,35 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     // (lane 0 of the load warp, or the one load thread).
     const bool leader = threadIdx.x == 0;
     uint32_t kv = 0, q_use = 0;  // running key-tile and Q indices (the comment block above)
+    // A K or V tile into stage buffer `dst` (full barrier `bar`): its D / 64 column blocks of
+    // BN rows, or with multicast this CTA's half of the rows of each (the tensor maps' boxes
+    // are BN / 2 rows then), written into both CTAs of the pair, whose full barriers each count
+    // the whole tile's bytes.
+    const int half_row = static_cast<int>(rank) * (BN / 2);
+    auto load_kv = [&](uint32_t dst, const CUtensorMap* tm, uint32_t bar, int hk, int row) {
+      mbar_arrive_expect_tx(bar, C::kKvBytes);
+#pragma unroll
+      for (int c = 0; c < kBlocks; ++c) {
+        if (kv_multicast)
+          tma_load_3d_multicast(dst + c * BN * 128 + half_row * 128, tm, bar, 64 * c, hk,
+                                row + half_row, 0x3);
+        else
+          tma_load_3d(dst + c * BN * 128, tm, bar, 64 * c, hk, row);
+      }
+    };
+    // The empty waits: the other CTA's consumers arrive too with multicast (cluster scope).
+    auto wait_empty = [&](uint32_t bar, uint32_t parity) {
+      if (kv_multicast)
+        mbar_wait_cluster(bar, parity);
+      else
+        mbar_wait(bar, parity);
+    };
     auto load_tile = [&](int h, int hk, int q_row, int k_row0, int n_tiles) {
       for (int i = 0; i < n_tiles; ++i) {
         const uint32_t it = kv + i, s = it % S, ph = (it / S) & 1;
         const int row = k_row0 + i * BN;
-        mbar_wait(bar_kempty(s), ph ^ 1);
-        if (leader) {
-          mbar_arrive_expect_tx(bar_kfull(s), C::kKvBytes);
-#pragma unroll
-          for (int c = 0; c < kBlocks; ++c)
-            tma_load_3d(sK + s * C::kKvBytes + c * BN * 128, &tm_k, bar_kfull(s), 64 * c, hk,
-                        row);
-        }
+        wait_empty(bar_kempty(s), ph ^ 1);
+        if (leader) load_kv(sK + s * C::kKvBytes, &tm_k, bar_kfull(s), hk, row);
         if (i == 0) {
           mbar_wait(bar_qempty, (q_use & 1) ^ 1);
           if (leader) {
@@ -272,14 +312,8 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
               tma_load_3d(sQ + c * BM * 128, &tm_q, bar_qfull, 64 * c, h, q_row);
           }
         }
-        mbar_wait(bar_vempty(s), ph ^ 1);
-        if (leader) {
-          mbar_arrive_expect_tx(bar_vfull(s), C::kKvBytes);
-#pragma unroll
-          for (int c = 0; c < kBlocks; ++c)
-            tma_load_3d(sV + s * C::kKvBytes + c * BN * 128, &tm_v, bar_vfull(s), 64 * c, hk,
-                        row);
-        }
+        wait_empty(bar_vempty(s), ph ^ 1);
+        if (leader) load_kv(sV + s * C::kKvBytes, &tm_v, bar_vfull(s), hk, row);
       }
       kv += n_tiles;
       ++q_use;
@@ -303,7 +337,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         // tiles ahead. Dynamic: tile 0 is blockIdx.x's, each later one the counter's next
         // ticket, taken when the load thread asks for it (once it has issued the loads of the
         // tile before), so that a CTA claims work only when it is about to need it. In a thread
-        // of its own, so that the load thread keeps within its 24 registers.
+        // of its own, so that the load thread keeps within its 40 registers.
         Tile t = static_cast<Tile>(order.t_begin + blockIdx.x);
         for (uint32_t j = 0;; ++j) {
           if (j > 0) {
@@ -451,6 +485,15 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         __syncwarp();
         if (lane == 0) mbar_arrive(bar);
       };
+      // A K/V stage goes back to both producers of a multicast pair (lane 1 arrives on the other
+      // CTA's barrier), whose next loads write into both CTAs.
+      auto release_kv = [&](uint32_t bar) {
+        __syncwarp();
+        if (lane == 0)
+          mbar_arrive(bar);
+        else if (kv_multicast && lane == 1)
+          mbar_arrive_cluster(bar, peer);
+      };
       auto kempty = [&](int i) { return bar_kempty((kv + i) % S); };
       auto vempty = [&](int i) { return bar_vempty((kv + i) % S); };
       // Q is handed back once this warp's last Q K^T has completed, unless this warpgroup stages
@@ -582,7 +625,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
           issue_qk(i);
           wgmma_wait<0>();
           reg_fence(sacc);
-          release(kempty(i));
+          release_kv(kempty(i));
           if (i + 1 == n_tiles) release_q();
           softmax(i);
           rescale_o();
@@ -590,7 +633,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
           issue_pv(i);
           wgmma_wait<0>();
           reg_fence(o);
-          release(vempty(i));
+          release_kv(vempty(i));
         }
       } else if (n_tiles > 0) {
         // Overlapped (FlashAttention-3's intra-warpgroup pipelining): S of tile i + 1 and
@@ -603,7 +646,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         hand_over(false);
         wgmma_wait<0>();
         reg_fence(sacc);
-        release(kempty(0));
+        release_kv(kempty(0));
         softmax(0);
         rescale_o();
         to_p();
@@ -617,11 +660,11 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
           hand_over(false);
           wgmma_wait<1>();
           reg_fence(sacc);
-          release(kempty(i + 1));
+          release_kv(kempty(i + 1));
           softmax(i + 1);
           wgmma_wait<0>();
           reg_fence(o);
-          release(vempty(i));
+          release_kv(vempty(i));
           rescale_o();
           to_p();
         }
@@ -631,7 +674,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         hand_over(true);
         wgmma_wait<0>();
         reg_fence(o);
-        release(vempty(n_tiles - 1));
+        release_kv(vempty(n_tiles - 1));
       }
 
       // ---- epilogue: normalise, lse (natural log), store rows < lq ----
@@ -705,6 +748,9 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     // The O buffer's last store must have read it before the CTA's shared memory goes.
     if (!o_in_q && threadIdx.x % 128 == 0) tma_store_wait_read<0>();
   }
+  // The other CTA of a multicast pair arrives on this one's barriers until its last K/V
+  // release: neither leaves before both are done.
+  if (kv_multicast) cluster_sync();
 #elif defined(__CUDA_ARCH__)
   __trap();  // built for an architecture without wgmma: the host never launches this
 #endif

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 
 #include "../tma_host.h"
@@ -211,6 +212,56 @@ inline int sm90_warpgroups(const AttnParams& p) {
   return p.head_dim == 64 ? wg : 2;
 }
 
+// K/V multicast in clusters of two (attention_fwd_kernel_sm90.cuh): sm90_auto_multicast
+// unless FUSEDOPS_ATTN_SM90_MULTICAST is "0" (off), "1" (on wherever the launch allows it) or
+// "require" (as 1, and a call the launch does not allow it for fails with
+// cudaErrorNotSupported: for tests, so that a silent fallback cannot pass for multicast), for
+// measurement; read at every call. The launch allows it only where both CTAs of a cluster see
+// the same key tiles: equal tiles (sm90_unequal_tiles false), an even number of q-blocks per
+// sequence (tiles 2c and 2c + 1 then share their sequence and head), the static order, one
+// launch, and an even grid. Returns 0 off, 1 on, 2 required.
+inline int sm90_multicast_wanted(const AttnParams& p) {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_MULTICAST");
+  if (s != nullptr && std::strcmp(s, "0") == 0) return 0;
+  if (s != nullptr && std::strcmp(s, "1") == 0) return 1;
+  if (s != nullptr && std::strcmp(s, "require") == 0) return 2;
+  return sm90_auto_multicast(p.head_dim) ? 1 : 0;
+}
+
+// The most clusters of two CTAs of `kernel` resident at once on the current device (a cluster
+// lives in one GPC, so an odd SM of a GPC stays idle), asked once per kernel and device; 0
+// when clusters of two cannot run.
+inline int sm90_max_pairs(const void* kernel, int threads, size_t smem, int dev, int sms) {
+  struct Entry {
+    const void* kernel;
+    int dev, pairs;
+  };
+  static std::mutex mu;
+  static Entry cache[64];
+  static int used = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  for (int i = 0; i < used; ++i)
+    if (cache[i].kernel == kernel && cache[i].dev == dev) return cache[i].pairs;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(2 * std::max(1, sms / 2)));
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = 2;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int pairs = 0;
+  if (cudaOccupancyMaxActiveClusters(&pairs, kernel, &cfg) != cudaSuccess) {
+    (void)cudaGetLastError();  // not sticky: clear it, and run without clusters
+    pairs = 0;
+  }
+  if (used < 64) cache[used++] = {kernel, dev, pairs};
+  return pairs;
+}
+
 template <typename T, int D, int kN, int kWarpgroups = 2>
 cudaError_t launch_fwd_sm90(const AttnParams& p) {
   using C = TilesSm90<D, kN, kWarpgroups>;
@@ -230,19 +281,10 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
   // which 2^31 - 2^20 tiles of 128 query rows would need hundreds of TB of q to exceed.
   if (C::kPersistent && order.n_work > 0x7fffffff - (1 << 20)) return cudaErrorInvalidValue;
   order.dynamic = cap > 0 && dynamic;
-  const int64_t max_grid = cap > 0 ? std::min<int64_t>(cap, 0x7fffffff) : int64_t{0x7fffffff};
+  int64_t max_grid = cap > 0 ? std::min<int64_t>(cap, 0x7fffffff) : int64_t{0x7fffffff};
   const int64_t per_launch = cap > 0 ? order.n_work : max_grid;
-  CUtensorMap tm_q, tm_k, tm_v, tm_o;
-  // With no keys at all (total_k == 0) no CTA reads K or V; the maps then describe one row of q
-  // so that they stay valid.
-  const bool no_keys = p.total_k == 0;
-  if (!make_tensor_map(&tm_q, p.q, kBf16, D, p.hq, p.total_q, p.q_row, C::kBlockM) ||
-      !make_tensor_map(&tm_k, no_keys ? p.q : p.k, kBf16, D, no_keys ? p.hq : p.hkv,
-                       no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.k_row, C::kBlockN) ||
-      !make_tensor_map(&tm_v, no_keys ? p.q : p.v, kBf16, D, no_keys ? p.hq : p.hkv,
-                       no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.v_row, C::kBlockN) ||
-      !make_tensor_map(&tm_o, p.out, kBf16, D, p.hq, p.total_q, p.o_row, 64))
-    return cudaErrorInvalidValue;  // the driver refused a tensor map (attention_api.cpp says)
+  // The kernel (its schedule, tiles and exponentials), before the multicast check that asks
+  // for its occupancy.
   constexpr int W = kWarpgroups, kPoly = C::kExp2PolyBlocks;
   const int schedule = sm90_schedule(p);
   auto kernel = fwd_kernel_sm90<T, D, 1, kN, 0, W>;
@@ -260,14 +302,60 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
   err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              static_cast<int>(C::kSmem));
   if (err != cudaSuccess) return err;
+  // K/V multicast (sm90_multicast_wanted): clusters of two, a grid of whole resident pairs.
+  const int wanted = sm90_multicast_wanted(p);
+  bool multicast = wanted > 0 && p.total_k > 0 && !sm90_unequal_tiles(p) &&
+                   order.n_mb % 2 == 0 && !order.dynamic && per_launch >= order.n_work;
+  if (multicast) {
+    int dev_id = 0;
+    if ((err = cudaGetDevice(&dev_id)) != cudaSuccess) return err;
+    const int64_t pairs = sm90_max_pairs(reinterpret_cast<const void*>(kernel), C::kThreads,
+                                         C::kSmem, dev_id, dev.sms);
+    // Persistent: at most the resident pairs (and the cap, rounded down to pairs); one CTA per
+    // tile: every tile (n_work is even), the hardware placing the clusters.
+    const int64_t grid = cap > 0 ? std::min<int64_t>(max_grid / 2, pairs) * 2 : max_grid;
+    multicast = pairs > 0 && grid >= 2;
+    if (multicast) max_grid = grid;
+  }
+  if (wanted == 2 && !multicast) return cudaErrorNotSupported;
+  CUtensorMap tm_q, tm_k, tm_v, tm_o;
+  // With no keys at all (total_k == 0) no CTA reads K or V; the maps then describe one row of q
+  // so that they stay valid. With multicast each CTA loads half of a K/V tile's rows.
+  const bool no_keys = p.total_k == 0;
+  const int kv_box = multicast ? C::kBlockN / 2 : C::kBlockN;
+  if (!make_tensor_map(&tm_q, p.q, kBf16, D, p.hq, p.total_q, p.q_row, C::kBlockM) ||
+      !make_tensor_map(&tm_k, no_keys ? p.q : p.k, kBf16, D, no_keys ? p.hq : p.hkv,
+                       no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.k_row, kv_box) ||
+      !make_tensor_map(&tm_v, no_keys ? p.q : p.v, kBf16, D, no_keys ? p.hq : p.hkv,
+                       no_keys ? 1 : p.total_k, no_keys ? p.q_row : p.v_row, kv_box) ||
+      !make_tensor_map(&tm_o, p.out, kBf16, D, p.hq, p.total_q, p.o_row, 64))
+    return cudaErrorInvalidValue;  // the driver refused a tensor map (attention_api.cpp says)
   const int epilogue = sm90_epilogue();
   for (int64_t t0 = 0; t0 < order.n_work; t0 += per_launch) {
     TileOrderSm90 part = order;
     part.t_begin = t0;
     part.t_end = std::min(order.n_work, t0 + per_launch);
     const dim3 grid(static_cast<unsigned>(std::min(part.t_end - t0, max_grid)));
-    kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_o, epilogue, part);
-    if ((err = cudaGetLastError()) != cudaSuccess) return err;
+    if (multicast) {
+      cudaLaunchConfig_t cfg = {};
+      cfg.gridDim = grid;
+      cfg.blockDim = dim3(C::kThreads);
+      cfg.dynamicSmemBytes = C::kSmem;
+      cfg.stream = p.stream;
+      cudaLaunchAttribute attr;
+      attr.id = cudaLaunchAttributeClusterDimension;
+      attr.val.clusterDim.x = 2;
+      attr.val.clusterDim.y = 1;
+      attr.val.clusterDim.z = 1;
+      cfg.attrs = &attr;
+      cfg.numAttrs = 1;
+      err = cudaLaunchKernelEx(&cfg, kernel, p, tm_q, tm_k, tm_v, tm_o, epilogue, part, 1);
+    } else {
+      kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_o, epilogue, part,
+                                                        0);
+      err = cudaGetLastError();
+    }
+    if (err != cudaSuccess) return err;
   }
   return cudaSuccess;
 }

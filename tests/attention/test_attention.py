@@ -158,6 +158,37 @@ SM90_PERSIST_ENVS = {
     "3cta-bn176-overlap": dict(FUSEDOPS_ATTN_SM90_PERSISTENT="3",
                                FUSEDOPS_ATTN_SM90_SCHEDULE="overlap",
                                FUSEDOPS_ATTN_SM90_BLOCK_N="176"),
+    # K/V multicast asked for everywhere: none of these cases allows it (masks, unequal lengths
+    # or an odd number of q-blocks), so the launch must fall back to the plain one.
+    "multicast-where-allowed": dict(FUSEDOPS_ATTN_SM90_MULTICAST="1"),
+}
+
+# Calls that K/V multicast in clusters of two serves (no mask, equal lengths, an even number of
+# q-blocks per sequence): with GQA and a partial last q-block and key tile; softcap at D=64
+# (six 192-query blocks, eight of 128); D=256 (one CTA per tile). (batch, Sq, Sk, Hq, Hkv, D,
+# features), as SM90_PERSIST_CASES.
+SM90_MC_CASES = {
+    "gqa-1024x1000": (4, 1024, 1000, 16, 4, 128, {}),
+    "softcap-1000x700-d64": (4, 1000, 700, 8, 8, 64, dict(softcap=20.0)),
+    "d256-512x500": (2, 512, 500, 8, 2, 256, {}),
+}
+# "require": the launcher raises where it cannot multicast, so a fallback cannot pass for it.
+# The persistent launch with each schedule, over 3 CTAs (one cluster of two, many tiles each),
+# over 4 with O stored from registers, one CTA per tile, the 128-query tiles at D=64; and off.
+SM90_MC_ENVS = {
+    "multicast": dict(FUSEDOPS_ATTN_SM90_MULTICAST="require"),
+    "overlap": dict(FUSEDOPS_ATTN_SM90_MULTICAST="require", FUSEDOPS_ATTN_SM90_SCHEDULE="overlap"),
+    "3cta-pingpong": dict(FUSEDOPS_ATTN_SM90_MULTICAST="require",
+                          FUSEDOPS_ATTN_SM90_PERSISTENT="3",
+                          FUSEDOPS_ATTN_SM90_SCHEDULE="pingpong"),
+    "4cta-serial-regs": dict(FUSEDOPS_ATTN_SM90_MULTICAST="require",
+                             FUSEDOPS_ATTN_SM90_PERSISTENT="4",
+                             FUSEDOPS_ATTN_SM90_SCHEDULE="serial",
+                             FUSEDOPS_ATTN_SM90_EPILOGUE="regs"),
+    "nonpersistent": dict(FUSEDOPS_ATTN_SM90_MULTICAST="require",
+                          FUSEDOPS_ATTN_SM90_PERSISTENT="0"),
+    "m128": dict(FUSEDOPS_ATTN_SM90_MULTICAST="require", FUSEDOPS_ATTN_SM90_TILE="m128"),
+    "off": dict(FUSEDOPS_ATTN_SM90_MULTICAST="0"),
 }
 
 
@@ -206,6 +237,37 @@ def test_sm90_persistent_work_tiles(case, env, monkeypatch):
     *shape, features = SM90_PERSIST_CASES[case]
     dtype = torch.float16 if "causal" in case else torch.bfloat16
     A.check(A.Case(*shape, dtype, "cuda", **features), "cuda-sm90", _CACHE)
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
+@pytest.mark.parametrize("env", list(SM90_MC_ENVS))
+@pytest.mark.parametrize("case", list(SM90_MC_CASES))
+def test_sm90_kv_multicast(case, env, monkeypatch):
+    """The sm90 forward with K and V shared by TMA multicast between the two CTAs of a cluster
+    (each loads half of every tile's rows into both) against the float64 oracle, forward and
+    the backward fed by its lse; outputs start as NaN."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 forward needs compute capability 9.0")
+    poison_cuda_outputs(monkeypatch)
+    for name, value in SM90_MC_ENVS[env].items():
+        monkeypatch.setenv(name, value)
+    *shape, features = SM90_MC_CASES[case]
+    A.check(A.Case(*shape, torch.bfloat16, "cuda", **features), "cuda-sm90", _CACHE)
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
+def test_sm90_kv_multicast_require_refuses():
+    """Where the launch cannot multicast (a causal mask: the two q-blocks of a cluster would see
+    different keys), "require" raises instead of falling back."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 forward needs compute capability 9.0")
+    q = torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FUSEDOPS_ATTN_SM90_MULTICAST", "require")
+        with pytest.raises(RuntimeError, match="not supported"):
+            attention(q, q, q, causal=True, backend="cuda-sm90")
 
 
 @pytest.mark.gpu
