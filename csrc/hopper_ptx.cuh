@@ -60,25 +60,17 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
   return r;
 }
-// One arrival on the barrier at offset `bar` of the cluster's CTA of rank `rank` (release at
-// cluster scope: this thread's earlier accesses, and those it has synchronised with, come
-// before it for whoever waits on that barrier).
+// One arrival on the barrier at offset `bar` of the cluster's CTA of rank `rank`, with the
+// default semantics (release, CTA scope). For handing back a buffer whose reads have completed
+// (a wgmma's shared-memory operands after its wait_group): the other CTA's next write into it
+// needs no ordering beyond the arrival itself. release.cluster would cost a MEMBAR.ALL.GPU per
+// arrival (nvcc 13.0, sm_90a).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
   asm volatile(
       "{\n.reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
       "r"(rank)
-      : "memory");
-}
-// mbar_wait with acquire at cluster scope: for barriers that other CTAs of the cluster arrive on.
-__device__ __forceinline__ void mbar_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(bar),
-      "r"(parity)
       : "memory");
 }
 // Every thread of every CTA of the cluster: arrive (release), then wait for all (acquire).

@@ -73,9 +73,11 @@ struct TilesSm90 {
   // tile records spill), 32 + 2 x 240 in one-tile tables (at 24 the multicast loads' addressing
   // spilled). Three: 32 + 3 x 160 = 512, where O 32
   // + S 64 + P 32 registers at D=64 leave 32 for the rest, and the producer fits its 32.
-  static constexpr int kProducerRegs = kWarpgroups == 3 ? 32 : kPersistent ? 40 : 32;
+  static constexpr int kProducerRegs = kWarpgroups == 3 ? 32 : kPersistent ? 40 : 24;
   static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : kPersistent ? 232 : 240;
-  static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <= 512);
+  // setmaxnreg.inc waits until the registers are free: a sum above the CTA's allocation hangs.
+  static_assert(kProducerRegs + kConsumerWarpgroups * kConsumerRegs <=
+                (65536 / kThreads) / 8 * 8 * (1 + kConsumerWarpgroups));
 
   // Shared memory (bytes, 2-byte elements). Every tile is stored as D / 64 column blocks of
   // rows x 128 bytes (TMA boxes of 64 elements, 128-byte swizzle), each 1024-byte aligned: the
@@ -168,9 +170,10 @@ constexpr bool sm90_auto_persistent(int head_dim, bool causal, int max_k, bool d
 
 // Whether calls whose tiles all see the same keys (no mask or window, equal lengths; the
 // launcher checks the rest) run in clusters of two CTAs that share each K/V tile by TMA
-// multicast (attention_fwd_kernel_sm90.cuh): half the K/V traffic from L2 per query. Head dims
-// from 128 on, FlashAttention-3's choice for 16-bit inputs; not yet timed here at D=64.
-constexpr bool sm90_auto_multicast(int head_dim) { return head_dim >= 128; }
+// multicast (attention_fwd_kernel_sm90.cuh): half the K/V traffic from L2 per query. Head dim
+// 128, FlashAttention-3's choice for 16-bit inputs (it also takes 256, whose tile table here has
+// no multicast code); not yet timed here at D=64.
+constexpr bool sm90_auto_multicast(int head_dim) { return head_dim == 128; }
 
 }  // namespace attn
 }  // namespace fusedops

@@ -148,8 +148,8 @@ struct TileOrderSm90 {
 //   the rows of every K and V tile (its rank's half) into both CTAs' shared memory at the same
 //   offsets. Each full barrier still counts the whole tile (its own expect_tx, both halves'
 //   bytes). A stage is refilled only when both CTAs' consumers have released it: each consumer
-//   warp's lane 0 arrives on its own CTA's empty barrier and lane 1 on the other's (count 8 NW),
-//   and the producer's empty waits acquire at cluster scope. The host enables it only where
+//   warp's lane 0 arrives on its own CTA's empty barrier and lane 1 on the other's (count 8 NW,
+//   after the warp's wait_group: its reads of the stage are complete). The host enables it only where
 //   both CTAs see identical key sequences (no mask or window, equal lengths, an even number of
 //   q-blocks and CTAs, the static order). A cluster barrier after the barriers' initialisation
 //   and one at the end keep either CTA from touching the other's shared memory before it is
@@ -182,13 +182,17 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
                     const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v,
                     const __grid_constant__ CUtensorMap tm_o, const int epilogue,
-                    const TileOrderSm90 order, const int kv_multicast) {
+                    const TileOrderSm90 order, const int kv_multicast_arg) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fusedops::sm90;
   using C = TilesSm90<D, kN, kWarpgroups>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, S = C::kStages;
   constexpr int NW = C::kConsumerWarpgroups;
   constexpr int kBlocks = D / 64;  // 64-element (128-byte) column blocks per row
+  // K/V multicast (the comment block above): built into the tables with the work-tile loop
+  // only; in the others (D=256, 176 keys), whose consumers fill their registers, its code would
+  // make ptxas spill, and the host does not ask for it.
+  const bool kv_multicast = C::kPersistent && kv_multicast_arg != 0;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle atoms must start 1024-byte aligned (kSmem has the slack for this).
   const uint32_t raw_u32 = smem_u32(smem_raw);
@@ -261,8 +265,8 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     cluster_sync();
   else
     __syncthreads();
-  // The pair (kv_multicast): this CTA's rank in its cluster of two, and the other's.
-  const uint32_t rank = kv_multicast ? cluster_ctarank() : 0u, peer = rank ^ 1u;
+  // With multicast, this CTA's rank in its cluster of two (0 or 1) is read where it is used
+  // (cluster_ctarank), so that it holds no register through the loops.
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {
@@ -278,30 +282,24 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     // BN rows, or with multicast this CTA's half of the rows of each (the tensor maps' boxes
     // are BN / 2 rows then), written into both CTAs of the pair, whose full barriers each count
     // the whole tile's bytes.
-    const int half_row = static_cast<int>(rank) * (BN / 2);
     auto load_kv = [&](uint32_t dst, const CUtensorMap* tm, uint32_t bar, int hk, int row) {
       mbar_arrive_expect_tx(bar, C::kKvBytes);
+      if (kv_multicast) {
+        const int half_row = static_cast<int>(cluster_ctarank()) * (BN / 2);
 #pragma unroll
-      for (int c = 0; c < kBlocks; ++c) {
-        if (kv_multicast)
+        for (int c = 0; c < kBlocks; ++c)
           tma_load_3d_multicast(dst + c * BN * 128 + half_row * 128, tm, bar, 64 * c, hk,
                                 row + half_row, 0x3);
-        else
-          tma_load_3d(dst + c * BN * 128, tm, bar, 64 * c, hk, row);
+      } else {
+#pragma unroll
+        for (int c = 0; c < kBlocks; ++c) tma_load_3d(dst + c * BN * 128, tm, bar, 64 * c, hk, row);
       }
-    };
-    // The empty waits: the other CTA's consumers arrive too with multicast (cluster scope).
-    auto wait_empty = [&](uint32_t bar, uint32_t parity) {
-      if (kv_multicast)
-        mbar_wait_cluster(bar, parity);
-      else
-        mbar_wait(bar, parity);
     };
     auto load_tile = [&](int h, int hk, int q_row, int k_row0, int n_tiles) {
       for (int i = 0; i < n_tiles; ++i) {
         const uint32_t it = kv + i, s = it % S, ph = (it / S) & 1;
         const int row = k_row0 + i * BN;
-        wait_empty(bar_kempty(s), ph ^ 1);
+        mbar_wait(bar_kempty(s), ph ^ 1);
         if (leader) load_kv(sK + s * C::kKvBytes, &tm_k, bar_kfull(s), hk, row);
         if (i == 0) {
           mbar_wait(bar_qempty, (q_use & 1) ^ 1);
@@ -312,7 +310,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
               tma_load_3d(sQ + c * BM * 128, &tm_q, bar_qfull, 64 * c, h, q_row);
           }
         }
-        wait_empty(bar_vempty(s), ph ^ 1);
+        mbar_wait(bar_vempty(s), ph ^ 1);
         if (leader) load_kv(sV + s * C::kKvBytes, &tm_v, bar_vfull(s), hk, row);
       }
       kv += n_tiles;
@@ -492,7 +490,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         if (lane == 0)
           mbar_arrive(bar);
         else if (kv_multicast && lane == 1)
-          mbar_arrive_cluster(bar, peer);
+          mbar_arrive_cluster(bar, cluster_ctarank() ^ 1u);
       };
       auto kempty = [&](int i) { return bar_kempty((kv + i) % S); };
       auto vempty = [&](int i) { return bar_vempty((kv + i) % S); };

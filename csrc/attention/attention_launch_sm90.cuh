@@ -219,7 +219,9 @@ inline int sm90_warpgroups(const AttnParams& p) {
 // measurement; read at every call. The launch allows it only where both CTAs of a cluster see
 // the same key tiles: equal tiles (sm90_unequal_tiles false), an even number of q-blocks per
 // sequence (tiles 2c and 2c + 1 then share their sequence and head), the static order, one
-// launch, and an even grid. Returns 0 off, 1 on, 2 required.
+// launch, and an even grid; and tile tables with the work-tile loop (TilesSm90::kPersistent:
+// D=64 and 128 with 128 keys; the kernel has no multicast code in the others). Returns 0 off,
+// 1 on, 2 required.
 inline int sm90_multicast_wanted(const AttnParams& p) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_MULTICAST");
   if (s != nullptr && std::strcmp(s, "0") == 0) return 0;
@@ -304,7 +306,7 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
   if (err != cudaSuccess) return err;
   // K/V multicast (sm90_multicast_wanted): clusters of two, a grid of whole resident pairs.
   const int wanted = sm90_multicast_wanted(p);
-  bool multicast = wanted > 0 && p.total_k > 0 && !sm90_unequal_tiles(p) &&
+  bool multicast = C::kPersistent && wanted > 0 && p.total_k > 0 && !sm90_unequal_tiles(p) &&
                    order.n_mb % 2 == 0 && !order.dynamic && per_launch >= order.n_work;
   if (multicast) {
     int dev_id = 0;

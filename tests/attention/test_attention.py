@@ -165,12 +165,13 @@ SM90_PERSIST_ENVS = {
 
 # Calls that K/V multicast in clusters of two serves (no mask, equal lengths, an even number of
 # q-blocks per sequence): with GQA and a partial last q-block and key tile; softcap at D=64
-# (six 192-query blocks, eight of 128); D=256 (one CTA per tile). (batch, Sq, Sk, Hq, Hkv, D,
-# features), as SM90_PERSIST_CASES.
+# (six 192-query blocks, eight of 128; the last key tile's second half lies wholly past the
+# tensor's end); MQA over 12 key tiles. (batch, Sq, Sk, Hq, Hkv, D, features), as
+# SM90_PERSIST_CASES.
 SM90_MC_CASES = {
     "gqa-1024x1000": (4, 1024, 1000, 16, 4, 128, {}),
     "softcap-1000x700-d64": (4, 1000, 700, 8, 8, 64, dict(softcap=20.0)),
-    "d256-512x500": (2, 512, 500, 8, 2, 256, {}),
+    "mqa-1536": (2, 1536, 1536, 4, 1, 128, {}),
 }
 # "require": the launcher raises where it cannot multicast, so a fallback cannot pass for it.
 # The persistent launch with each schedule, over 3 CTAs (one cluster of two, many tiles each),
@@ -258,16 +259,18 @@ def test_sm90_kv_multicast(case, env, monkeypatch):
 
 @pytest.mark.gpu
 @NEEDS_EXT
-def test_sm90_kv_multicast_require_refuses():
+@pytest.mark.parametrize("d, causal", [(128, True), (256, False)])
+def test_sm90_kv_multicast_require_refuses(d, causal):
     """Where the launch cannot multicast (a causal mask: the two q-blocks of a cluster would see
-    different keys), "require" raises instead of falling back."""
+    different keys; D=256, whose tile table has no multicast code), "require" raises instead of
+    falling back."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 forward needs compute capability 9.0")
-    q = torch.randn(1, 256, 2, 128, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, 256, 2, d, device="cuda", dtype=torch.bfloat16)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("FUSEDOPS_ATTN_SM90_MULTICAST", "require")
         with pytest.raises(RuntimeError, match="not supported"):
-            attention(q, q, q, causal=True, backend="cuda-sm90")
+            attention(q, q, q, causal=causal, backend="cuda-sm90")
 
 
 @pytest.mark.gpu
