@@ -70,8 +70,8 @@ struct TilesSm90 {
   // -- 168 a lane with two consumer warpgroups, 128 with three -- which the warpgroups' new
   // limits share. Two consumers: 40 + 2 x 232 = 504 a lane of each warpgroup in persistent
   // tables (the producer warpgroup's tile scheduler and load threads need the 40: at 24 their
-  // tile records spill), 32 + 2 x 240 in one-tile tables (at 24 the multicast loads' addressing
-  // spilled). Three: 32 + 3 x 160 = 512, where O 32
+  // tile records spill), 24 + 2 x 240 in one-tile tables (the sum may not exceed 3 x 168:
+  // setmaxnreg.inc would wait for registers that never come free). Three: 32 + 3 x 160 = 512, where O 32
   // + S 64 + P 32 registers at D=64 leave 32 for the rest, and the producer fits its 32.
   static constexpr int kProducerRegs = kWarpgroups == 3 ? 32 : kPersistent ? 40 : 24;
   static constexpr int kConsumerRegs = kWarpgroups == 3 ? 160 : kPersistent ? 232 : 240;

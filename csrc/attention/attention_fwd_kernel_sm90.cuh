@@ -94,7 +94,7 @@ struct TileOrderSm90 {
     int k;
     if (kNarrow || n_work <= 0x7fffffff) {  // 32-bit divisions (uniform over the grid)
       // Selects rather than branches, and the products precomputed: the producer thread runs
-      // this within its 32 (one-tile tables) or 40 registers.
+      // this within its 24 (one-tile tables) or 40 registers.
       const int ti = static_cast<int>(t);
       const bool big = ti >= small_end;
       const int t2 = big ? ti - small_end : ti, pr = big ? per_big : per, w = big ? sec_big : sec;
