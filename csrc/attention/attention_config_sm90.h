@@ -170,10 +170,13 @@ constexpr bool sm90_auto_persistent(int head_dim, bool causal, int max_k, bool d
 
 // Whether calls whose tiles all see the same keys (no mask or window, equal lengths; the
 // launcher checks the rest) run in clusters of two CTAs that share each K/V tile by TMA
-// multicast (attention_fwd_kernel_sm90.cuh): half the K/V traffic from L2 per query. Head dim
-// 128, FlashAttention-3's choice for 16-bit inputs (it also takes 256, whose tile table here has
-// no multicast code); not yet timed here at D=64.
-constexpr bool sm90_auto_multicast(int head_dim) { return head_dim == 128; }
+// multicast (attention_fwd_kernel_sm90.cuh): half the K/V traffic from L2 per query
+// (FlashAttention-3 does this for 16-bit inputs from head dim 128). No: on the H200 (git
+// 07324d0, run e6d0a046, bf16, B*L = 16384, H*D = 2048, 5 interleaved rounds, forward TFLOP/s
+// with / without) D=128 L=4096 601/604, L=16384 621/615; D=64 L=4096 459/473, L=16384
+// 495/495. The L2 feeds the one-CTA-per-SM kernels fast enough; FUSEDOPS_ATTN_SM90_MULTICAST
+// turns it on, for measurement.
+constexpr bool sm90_auto_multicast(int /*head_dim*/) { return false; }
 
 }  // namespace attn
 }  // namespace fusedops
