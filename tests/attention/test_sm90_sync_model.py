@@ -14,7 +14,10 @@ deadlock; every wgmma reads a buffer holding the tile it expects, fully loaded; 
 a buffer that is being read; no staging write into rows a store is still reading; every
 ping-pong named-barrier generation completed by one waiting and one arriving warpgroup (the turns
 go round the warpgroups in a cycle, 0, 1, .., NW - 1, 0, ..); every tile read from a slot is
-the one written for it, with two consumer warpgroups and with the 192-query tiles' three. A change
+the one written for it, with two consumer warpgroups and with the 192-query tiles' three; and for
+the K/V multicast pair (two CTAs over the same tiles, each loading half of every K/V tile into
+both, each consumer warp releasing a stage on both CTAs' empty barriers) that no CTA reads a half
+its partner has not loaded or refills a half either CTA still reads. A change
 to the kernel's barriers, counts or release points must be made here too; the mutation tests
 show that the model catches the classic mistakes.
 """
@@ -29,8 +32,11 @@ class Fail(Exception):
 
 
 class MBar:
-    def __init__(self, name, count):
+    def __init__(self, name, count, negative_tx=False):
         self.name, self.count, self.pending, self.tx, self.phase = name, count, count, 0, 0
+        # A multicast pair's full barriers: the other CTA's half of a tile may land before this
+        # CTA's own expect_tx (the hardware's transaction count goes negative meanwhile).
+        self.negative_tx = negative_tx
 
     def _maybe_complete(self):
         if self.pending == 0 and self.tx == 0:
@@ -49,7 +55,7 @@ class MBar:
 
     def complete_tx(self, b):
         self.tx -= b
-        if self.tx < 0:
+        if self.tx < 0 and not self.negative_tx:
             raise Fail(f"{self.name}: tx < 0")
         self._maybe_complete()
 
@@ -96,20 +102,78 @@ class Buf:
         self.readers -= 1
 
 
-def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=False):
+class Pair:
+    """The K/V stages of the CTAs of a launch: one CTA, or the two of a multicast cluster, each
+    CTA's K and V stage buffers held as one half per CTA of the pair (the rows that CTA loads
+    into both), its empty barriers counting the consumer warps of both CTAs."""
+
+    def __init__(self, S, warps, ctas, bug):
+        self.ctas = ctas
+        releases = warps * (ctas if bug != "mc_own_release_only" else 1)
+        mk = lambda name, n, **kw: [[MBar(f"c{c}{name}{s}", n, **kw) for s in range(S)]  # noqa: E731
+                                    for c in range(ctas)]
+        self.kfull, self.vfull = mk("kfull", 1, negative_tx=ctas > 1), mk("vfull", 1,
+                                                                         negative_tx=ctas > 1)
+        self.kempty, self.vempty = mk("kempty", releases), mk("vempty", releases)
+        self.sK = [[[Buf(f"c{c}sK{s}h{h}") for h in range(ctas)] for s in range(S)]
+                   for c in range(ctas)]
+        self.sV = [[[Buf(f"c{c}sV{s}h{h}") for h in range(ctas)] for s in range(S)]
+                   for c in range(ctas)]
+
+
+def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=False, ctas=1):
+    """ctas=2: a multicast pair -- both CTAs run the same tile sequence (the static order hands
+    them adjacent q-blocks of one head: the same key tiles), each loading half of every K/V tile
+    into both, each consumer warp releasing a stage on both CTAs' empty barriers."""
     rng = random.Random(seed)
     warps = 4 * nw  # lane 0 of every consumer warp arrives on the empty barriers
-    qfull, qempty = MBar("qfull", 1), MBar("qempty", warps)
-    kfull = [MBar(f"kfull{s}", 1) for s in range(S)]
-    kempty = [MBar(f"kempty{s}", warps) for s in range(S)]
-    vfull = [MBar(f"vfull{s}", 1) for s in range(S)]
-    vempty = [MBar(f"vempty{s}", warps) for s in range(S)]
-    nb = {1 + w: NBar(f"nb{1 + w}", 256) for w in range(nw)}  # ping-pong ids 1 .. nw
-    sQ = [Buf(f"sQ{w}") for w in range(nw)]  # each warpgroup's 64 rows
-    sK = [Buf(f"sK{s}") for s in range(S)]
-    sV = [Buf(f"sV{s}") for s in range(S)]
-    sO = [Buf(f"sO{w}") for w in range(nw)]
+    pair = Pair(S, warps, ctas, bug)
     events = []  # pending async completions: callables
+    actors = {}
+    bufs = [b for c in range(ctas) for st in pair.sK[c] + pair.sV[c] for b in st]
+    nbars = []
+    for c in range(ctas):
+        cta(c, pair, tiles, S, schedule, o_in_q, epilogue, bug, nw, dynamic, events, actors,
+            bufs, nbars)
+    conds = {k: (lambda: True) for k in actors}
+    steps = 0
+    while actors or events:
+        steps += 1
+        if steps > 200000:
+            raise Fail("too many steps")
+        ready = [k for k in actors if conds[k]()]
+        choices = [("a", k) for k in ready] + [("e", i) for i in range(len(events))]
+        if not choices:
+            raise Fail(f"DEADLOCK: blocked {list(actors)}")
+        kind, x = rng.choice(choices)
+        if kind == "e":
+            events.pop(x)()
+            continue
+        try:
+            conds[x] = next(actors[x])
+        except StopIteration:
+            del actors[x]
+            del conds[x]
+    for b in bufs:
+        if b.readers or b.inflight:
+            raise Fail(f"{b.name} busy at exit")
+    for bar in nbars:  # the turns balance: no generation left half-arrived
+        if bar.arrived:
+            raise Fail(f"{bar.name}: {bar.arrived} arrivals left at exit")
+
+
+def cta(c, pair, tiles, S, schedule, o_in_q, epilogue, bug, nw, dynamic, events, actors, bufs,
+        nbars):
+    """CTA c's actors (scheduler, load thread, consumer warpgroups) into `actors`."""
+    warps = 4 * nw
+    qfull, qempty = MBar(f"c{c}qfull", 1), MBar(f"c{c}qempty", warps)
+    kfull, kempty, vfull, vempty = pair.kfull[c], pair.kempty[c], pair.vfull[c], pair.vempty[c]
+    nb = {1 + w: NBar(f"c{c}nb{1 + w}", 256) for w in range(nw)}  # ping-pong ids 1 .. nw
+    sQ = [Buf(f"c{c}sQ{w}") for w in range(nw)]  # each warpgroup's 64 rows
+    sK, sV = pair.sK[c], pair.sV[c]  # per stage: the halves
+    sO = [Buf(f"c{c}sO{w}") for w in range(nw)]
+    bufs += sQ + sO
+    nbars += list(nb.values())
     # the tile hand-over: slots j % 2, full (count 1: the scheduler) and empty (every thread
     # that reads the slot: 128 per consumer warpgroup + the load warp's 32 lanes;
     # "loader_not_counted": the consumers only); the load thread's request
@@ -153,6 +217,13 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
             bar.complete_tx(1)
         events.append(complete)
 
+    def load_kv(bufs_of, full_of, s, tag):
+        """This CTA's half of a K or V tile into every CTA of the pair (multicast), completing
+        one unit on each CTA's full barrier; the own barrier expects all halves."""
+        full_of[c][s].expect_tx(pair.ctas)
+        for d in range(pair.ctas):
+            tma_load([bufs_of[d][s][c]], tag, full_of[d][s])
+
     def producer():
         kv = q_use = 0
         for j in itertools.count():
@@ -168,15 +239,13 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
                 it = kv + i
                 s, ph = it % S, (it // S) & 1
                 yield lambda s=s, ph=ph: kempty[s].done(ph ^ 1)
-                kfull[s].expect_tx(1)
-                tma_load([sK[s]], (t, i), kfull[s])
+                load_kv(pair.sK, pair.kfull, s, (t, i))
                 if i == 0:
                     yield lambda q=q_use: qempty.done((q & 1) ^ 1)
                     qfull.expect_tx(1)
                     tma_load(sQ, t, qfull)
                 yield lambda s=s, ph=ph: vempty[s].done(ph ^ 1)
-                vfull[s].expect_tx(1)
-                tma_load([sV[s]], (t, i), vfull[s])
+                load_kv(pair.sV, pair.vfull, s, (t, i))
             kv += n
             q_use += 1
             if dynamic:
@@ -202,15 +271,17 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
                 s = it % S
                 yield lambda: kfull[s].done((it // S) & 1)
                 sQ[cw].read_start(t)
-                sK[s].read_start((t, i))
-                groups.append([sQ[cw], sK[s]])
+                for h in sK[s]:
+                    h.read_start((t, i))
+                groups.append([sQ[cw], *sK[s]])
 
             def issue_pv(i, kv=kv, t=t):
                 it = kv + i
                 s = it % S
                 yield lambda: vfull[s].done((it // S) & 1)
-                sV[s].read_start((t, i))
-                groups.append([sV[s]])
+                for h in sV[s]:
+                    h.read_start((t, i))
+                groups.append([*sV[s]])
 
             def wgmma_wait(k):
                 while len(groups) > k:
@@ -219,6 +290,11 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
 
             def release(bar):
                 bar.arrive(4)
+
+            def release_kv(empty_of, s):  # lane 0 on the own CTA's barrier, lane 1 on the other's
+                for d in range(pair.ctas):
+                    if d == c or bug != "mc_own_release_only":
+                        empty_of[d][s].arrive(4)
 
             def release_q(q_late=q_late):
                 if not q_late or bug == "early_q_release":
@@ -238,21 +314,21 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
                     nxt = 2 - cw if bug == "two_wg_cycle" else 1 + (cw + 1) % nw
                     nb[nxt].add(128, False)
 
-            kempty_ = lambda i, kv=kv: kempty[(kv + i) % S]  # noqa: E731
-            vempty_ = lambda i, kv=kv: vempty[(kv + i) % S]  # noqa: E731
+            kempty_ = lambda i, kv=kv: (pair.kempty, (kv + i) % S)  # noqa: E731
+            vempty_ = lambda i, kv=kv: (pair.vempty, (kv + i) % S)  # noqa: E731
             if n > 0:
                 yield lambda q=q_use: qfull.done(q & 1)
             if schedule == 0:
                 for i in range(n):
                     yield from issue_qk(i)
                     wgmma_wait(0)
-                    release(kempty_(i))
+                    release_kv(*kempty_(i))
                     if i + 1 == n:
                         release_q()
                     yield lambda: True  # softmax: a scheduling point
                     yield from issue_pv(i)
                     wgmma_wait(0)
-                    release(vempty_(i))
+                    release_kv(*vempty_(i))
             elif n > 0:
                 if pp and cw == nw - 1:
                     nb[1].add(128, False)  # warpgroup 0's first turn
@@ -260,7 +336,7 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
                 yield from issue_qk(0)
                 hand_over(False)
                 wgmma_wait(0)
-                release(kempty_(0))
+                release_kv(*kempty_(0))
                 yield lambda: True
                 for i in range(n - 1):
                     yield from take_turn()
@@ -268,16 +344,16 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
                     yield from issue_pv(i)
                     hand_over(False)
                     wgmma_wait(1)
-                    release(kempty_(i + 1))
+                    release_kv(*kempty_(i + 1))
                     yield lambda: True
                     wgmma_wait(0)
-                    release(vempty_(i))
+                    release_kv(*vempty_(i))
                 release_q()
                 yield from take_turn()
                 yield from issue_pv(n - 1)
                 hand_over(True)
                 wgmma_wait(0)
-                release(vempty_(n - 1))
+                release_kv(*vempty_(n - 1))
             if groups:
                 raise Fail("wgmma groups left at the epilogue")
             # epilogue
@@ -307,33 +383,8 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
             q_use += n > 0
         yield lambda: not any(f[0] for f in store_reading)
 
-    actors = {"scheduler": scheduler(), "producer": producer(),
-              **{f"wg{w}": consumer(w) for w in range(nw)}}
-    conds = {k: (lambda: True) for k in actors}
-    steps = 0
-    while actors or events:
-        steps += 1
-        if steps > 200000:
-            raise Fail("too many steps")
-        ready = [k for k in actors if conds[k]()]
-        choices = [("a", k) for k in ready] + [("e", i) for i in range(len(events))]
-        if not choices:
-            raise Fail(f"DEADLOCK: blocked {list(actors)}")
-        kind, x = rng.choice(choices)
-        if kind == "e":
-            events.pop(x)()
-            continue
-        try:
-            conds[x] = next(actors[x])
-        except StopIteration:
-            del actors[x]
-            del conds[x]
-    for b in sQ + sK + sV + sO:
-        if b.readers or b.inflight:
-            raise Fail(f"{b.name} busy at exit")
-    for bar in nb.values():  # the turns balance: no generation left half-arrived
-        if bar.arrived:
-            raise Fail(f"{bar.name}: {bar.arrived} arrivals left at exit")
+    actors.update({f"c{c}.scheduler": scheduler(), f"c{c}.producer": producer(),
+                   **{f"c{c}.wg{w}": consumer(w) for w in range(nw)}})
 
 
 def random_tiles(rng, nw=2, max_tiles=9):
@@ -401,3 +452,27 @@ def test_sync_model_catches_three_warpgroup_mistakes(bug):
         for _ in range(300):
             run(random_tiles(rng, nw=3, max_tiles=max_tiles), 3, schedule, o_in_q, 1,
                 rng.randrange(1 << 30), bug=bug, nw=3)
+
+
+# K/V multicast: the two CTAs of a cluster over the same tile sequence (static order), each
+# loading half of every K/V tile into both, with two and three consumer warpgroups.
+CONFIGS_PAIR = [(S, sched, o_in_q, epi, nw) for S, nw in ((2, 2), (3, 2), (3, 3))
+                for sched in (0, 1, 2) for o_in_q in (False, True) for epi in (0, 1)]
+
+
+@pytest.mark.parametrize("S,schedule,o_in_q,epilogue,nw", CONFIGS_PAIR)
+def test_sync_model_multicast_pair(S, schedule, o_in_q, epilogue, nw):
+    rng = random.Random(9000 + 1000 * S + 100 * schedule + 10 * o_in_q + epilogue + nw)
+    for _ in range(60):
+        run(random_tiles(rng, nw=nw), S, schedule, o_in_q, epilogue, rng.randrange(1 << 30),
+            nw=nw, ctas=2)
+
+
+def test_sync_model_catches_multicast_mistake():
+    """A pair whose consumers release a K/V stage on their own CTA's empty barrier only (counted
+    for one CTA): a producer refills the other CTA's half of a stage that CTA still reads."""
+    rng = random.Random(13)
+    with pytest.raises(Fail):
+        for _ in range(300):
+            run(random_tiles(rng), 2, 1, False, 1, rng.randrange(1 << 30),
+                bug="mc_own_release_only", ctas=2)
