@@ -230,6 +230,26 @@ inline int sm90_multicast_wanted(const AttnParams& p) {
   return sm90_auto_multicast(p.head_dim) ? 1 : 0;
 }
 
+// A launch of clusters of two CTAs along x (cfg.attrs points at attr: not copyable).
+struct PairLaunch {
+  cudaLaunchConfig_t cfg = {};
+  cudaLaunchAttribute attr = {};
+  PairLaunch(dim3 grid, int threads, size_t smem, cudaStream_t stream) {
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(static_cast<unsigned>(threads));
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = 2;
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+  }
+  PairLaunch(const PairLaunch&) = delete;
+  PairLaunch& operator=(const PairLaunch&) = delete;
+};
+
 // The most clusters of two CTAs of `kernel` resident at once on the current device (a cluster
 // lives in one GPC, so an odd SM of a GPC stays idle), asked once per kernel and device; 0
 // when clusters of two cannot run.
@@ -244,19 +264,10 @@ inline int sm90_max_pairs(const void* kernel, int threads, size_t smem, int dev,
   std::lock_guard<std::mutex> lock(mu);
   for (int i = 0; i < used; ++i)
     if (cache[i].kernel == kernel && cache[i].dev == dev) return cache[i].pairs;
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(2 * std::max(1, sms / 2)));
-  cfg.blockDim = dim3(static_cast<unsigned>(threads));
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr;
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 2;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
+  const PairLaunch launch(dim3(static_cast<unsigned>(2 * std::max(1, sms / 2))), threads, smem,
+                          nullptr);
   int pairs = 0;
-  if (cudaOccupancyMaxActiveClusters(&pairs, kernel, &cfg) != cudaSuccess) {
+  if (cudaOccupancyMaxActiveClusters(&pairs, kernel, &launch.cfg) != cudaSuccess) {
     (void)cudaGetLastError();  // not sticky: clear it, and run without clusters
     pairs = 0;
   }
@@ -339,19 +350,8 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
     part.t_end = std::min(order.n_work, t0 + per_launch);
     const dim3 grid(static_cast<unsigned>(std::min(part.t_end - t0, max_grid)));
     if (multicast) {
-      cudaLaunchConfig_t cfg = {};
-      cfg.gridDim = grid;
-      cfg.blockDim = dim3(C::kThreads);
-      cfg.dynamicSmemBytes = C::kSmem;
-      cfg.stream = p.stream;
-      cudaLaunchAttribute attr;
-      attr.id = cudaLaunchAttributeClusterDimension;
-      attr.val.clusterDim.x = 2;
-      attr.val.clusterDim.y = 1;
-      attr.val.clusterDim.z = 1;
-      cfg.attrs = &attr;
-      cfg.numAttrs = 1;
-      err = cudaLaunchKernelEx(&cfg, kernel, p, tm_q, tm_k, tm_v, tm_o, epilogue, part, 1);
+      const PairLaunch launch(grid, C::kThreads, C::kSmem, p.stream);
+      err = cudaLaunchKernelEx(&launch.cfg, kernel, p, tm_q, tm_k, tm_v, tm_o, epilogue, part, 1);
     } else {
       kernel<<<grid, C::kThreads, C::kSmem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_o, epilogue, part,
                                                         0);
