@@ -34,7 +34,7 @@
 // sequence's rows (TMA zero-fills only past the tensor's end): key columns >= lk are masked to
 // -inf by index, so P is 0 there, and query rows >= lq are never stored. Launch: a 1-D grid of
 // at most order.n_work CTAs, TilesSm90<D, kN, kWarpgroups>'s kThreads, kSmem bytes of dynamic
-// shared memory, one CTA per SM. The body is empty (a trap) unless compiled for sm_90a.
+// shared memory, one CTA per SM; with kv_multicast in clusters of two along x. The body is empty (a trap) unless compiled for sm_90a.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a type only; nothing links against the driver)
@@ -151,7 +151,7 @@ struct TileOrderSm90 {
 //   warp's lane 0 arrives on its own CTA's empty barrier and lane 1 on the other's (count 8 NW,
 //   after the warp's wait_group: its reads of the stage are complete). The host enables it only where
 //   both CTAs see identical key sequences (no mask or window, equal lengths, an even number of
-//   q-blocks and CTAs, the static order). A cluster barrier after the barriers' initialisation
+//   q-blocks and CTAs, the static order, one launch); a skipped tile under multicast traps. A cluster barrier after the barriers' initialisation
 //   and one at the end keep either CTA from touching the other's shared memory before it is
 //   set up or after it has gone.
 // - The producer thread exits after its last tile's loads; the TMA transactions still complete
@@ -430,7 +430,13 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       int b, h, m0, t_lo;
       tile_at(t, b, h, m0);
       const Seq sq(p, b);
-      if (m0 >= sq.lq) continue;  // uniform over the CTA
+      if (m0 >= sq.lq) {  // uniform over the CTA
+        // A multicast pair runs only where no tile is skipped (the host's check of the packed
+        // totals): cu_seqlens that disagree with them would leave the other CTA waiting for
+        // this one's halves forever, so stop with an error instead.
+        if (kv_multicast) __trap();
+        continue;
+      }
       const int n_tiles = key_tiles(sq, m0, t_lo);
       const int i0 = m0 + row0 + g;  // the lane's first query (+8: its second)
       // This warpgroup's O goes out by a TMA store (warpgroup-uniform); q_late: staged in the Q

@@ -251,9 +251,10 @@ struct PairLaunch {
 };
 
 // The most clusters of two CTAs of `kernel` resident at once on the current device (a cluster
-// lives in one GPC, so an odd SM of a GPC stays idle), asked once per kernel and device; 0
-// when clusters of two cannot run.
-inline int sm90_max_pairs(const void* kernel, int threads, size_t smem, int dev, int sms) {
+// lives in one GPC, so an odd SM of a GPC stays idle) into `pairs`, asked once per kernel and
+// device (0: clusters of two cannot run); an error of the query is returned, not cached.
+inline cudaError_t sm90_max_pairs(const void* kernel, int threads, size_t smem, int dev, int sms,
+                                  int& pairs) {
   struct Entry {
     const void* kernel;
     int dev, pairs;
@@ -263,16 +264,20 @@ inline int sm90_max_pairs(const void* kernel, int threads, size_t smem, int dev,
   static int used = 0;
   std::lock_guard<std::mutex> lock(mu);
   for (int i = 0; i < used; ++i)
-    if (cache[i].kernel == kernel && cache[i].dev == dev) return cache[i].pairs;
+    if (cache[i].kernel == kernel && cache[i].dev == dev) {
+      pairs = cache[i].pairs;
+      return cudaSuccess;
+    }
   const PairLaunch launch(dim3(static_cast<unsigned>(2 * std::max(1, sms / 2))), threads, smem,
                           nullptr);
-  int pairs = 0;
-  if (cudaOccupancyMaxActiveClusters(&pairs, kernel, &launch.cfg) != cudaSuccess) {
-    (void)cudaGetLastError();  // not sticky: clear it, and run without clusters
+  pairs = 0;
+  const cudaError_t err = cudaOccupancyMaxActiveClusters(&pairs, kernel, &launch.cfg);
+  if (err != cudaSuccess) {
     pairs = 0;
+    return err;
   }
   if (used < 64) cache[used++] = {kernel, dev, pairs};
-  return pairs;
+  return cudaSuccess;
 }
 
 template <typename T, int D, int kN, int kWarpgroups = 2>
@@ -318,12 +323,19 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
   // K/V multicast (sm90_multicast_wanted): clusters of two, a grid of whole resident pairs.
   const int wanted = sm90_multicast_wanted(p);
   bool multicast = C::kPersistent && wanted > 0 && p.total_k > 0 && !sm90_unequal_tiles(p) &&
-                   order.n_mb % 2 == 0 && !order.dynamic && per_launch >= order.n_work;
+                   order.n_mb % 2 == 0 && order.sec == 1 && order.sec_big == 1 &&
+                   !order.dynamic && per_launch >= order.n_work;
   if (multicast) {
     int dev_id = 0;
     if ((err = cudaGetDevice(&dev_id)) != cudaSuccess) return err;
-    const int64_t pairs = sm90_max_pairs(reinterpret_cast<const void*>(kernel), C::kThreads,
-                                         C::kSmem, dev_id, dev.sms);
+    int pairs = 0;
+    err = sm90_max_pairs(reinterpret_cast<const void*>(kernel), C::kThreads, C::kSmem, dev_id,
+                         dev.sms, pairs);
+    if (err != cudaSuccess) {
+      if (wanted == 2) return err;
+      (void)cudaGetLastError();  // the query's error, so that the plain launch's check is clean
+      pairs = 0;                 // run without clusters
+    }
     // Persistent: at most the resident pairs (and the cap, rounded down to pairs); one CTA per
     // tile: every tile (n_work is even), the hardware placing the clusters.
     const int64_t grid = cap > 0 ? std::min<int64_t>(max_grid / 2, pairs) * 2 : max_grid;

@@ -166,12 +166,12 @@ SM90_PERSIST_ENVS = {
 # Calls that K/V multicast in clusters of two serves (no mask, equal lengths, an even number of
 # q-blocks per sequence): with GQA and a partial last q-block and key tile; softcap at D=64
 # (six 192-query blocks, eight of 128; the last key tile's second half lies wholly past the
-# tensor's end); MQA over 12 key tiles. (batch, Sq, Sk, Hq, Hkv, D, features), as
-# SM90_PERSIST_CASES.
+# tensor's end); MQA over 12 key tiles in fp16 (the others bf16). (batch, Sq, Sk, Hq, Hkv, D,
+# features), as SM90_PERSIST_CASES.
 SM90_MC_CASES = {
     "gqa-1024x1000": (4, 1024, 1000, 16, 4, 128, {}),
     "softcap-1000x700-d64": (4, 1000, 700, 8, 8, 64, dict(softcap=20.0)),
-    "mqa-1536": (2, 1536, 1536, 4, 1, 128, {}),
+    "mqa-1536-fp16": (2, 1536, 1536, 4, 1, 128, {}),
 }
 # "require": the launcher raises where it cannot multicast, so a fallback cannot pass for it.
 # The persistent launch with each schedule, over 3 CTAs (one cluster of two, many tiles each),
@@ -254,7 +254,8 @@ def test_sm90_kv_multicast(case, env, monkeypatch):
     for name, value in SM90_MC_ENVS[env].items():
         monkeypatch.setenv(name, value)
     *shape, features = SM90_MC_CASES[case]
-    A.check(A.Case(*shape, torch.bfloat16, "cuda", **features), "cuda-sm90", _CACHE)
+    dtype = torch.float16 if case.endswith("fp16") else torch.bfloat16
+    A.check(A.Case(*shape, dtype, "cuda", **features), "cuda-sm90", _CACHE)
 
 
 @pytest.mark.gpu
