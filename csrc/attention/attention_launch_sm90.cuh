@@ -92,9 +92,9 @@ inline int64_t sm90_persistent_ctas(const AttnParams& p, int sms, bool dynamic) 
              : 0;
 }
 
-// The current device's SM count and L2 size, asked once per device.
+// The current device (its index, SM count and L2 size), asked once per device.
 struct DeviceSm90 {
-  int sms = 0, l2_bytes = 0;
+  int dev = 0, sms = 0, l2_bytes = 0;
 };
 inline cudaError_t device_sm90(DeviceSm90& out) {
   constexpr int kMaxDevices = 64;
@@ -110,6 +110,7 @@ inline cudaError_t device_sm90(DeviceSm90& out) {
       return err;
     if (dev < kMaxDevices) cache[dev] = d;
   }
+  d.dev = dev;
   out = d;
   return cudaSuccess;
 }
@@ -326,10 +327,8 @@ cudaError_t launch_fwd_sm90(const AttnParams& p) {
                    order.n_mb % 2 == 0 && order.sec == 1 && order.sec_big == 1 &&
                    !order.dynamic && per_launch >= order.n_work;
   if (multicast) {
-    int dev_id = 0;
-    if ((err = cudaGetDevice(&dev_id)) != cudaSuccess) return err;
     int pairs = 0;
-    err = sm90_max_pairs(reinterpret_cast<const void*>(kernel), C::kThreads, C::kSmem, dev_id,
+    err = sm90_max_pairs(reinterpret_cast<const void*>(kernel), C::kThreads, C::kSmem, dev.dev,
                          dev.sms, pairs);
     if (err != cudaSuccess) {
       if (wanted == 2) return err;
