@@ -261,25 +261,26 @@ __device__ __forceinline__ int warpgroup_uniform() {
 //  MN-major operand (rows = K, N contiguous; V as the B of P V): an atom is 8 K-rows x 64 N
 //    elements; SBO = 1024 (the next 8 K-rows), LBO = the byte distance between 64-wide N column
 //    blocks.
-// A descriptor as its two 32-bit words, so that moving it along a tile costs one add. The start
-// address field is (addr mod 2^18) / 16 and shared memory is below 2^18 bytes, so adding
-// bytes / 16 to the low word of the descriptor of an address inside a tile gives the descriptor
-// of an address bytes further on in the same tile, with no carry into the LBO field: the same
-// bits as smem_desc_sw128(addr + bytes, lbo, sbo), without rebuilding (masking, shifting,
-// or-ing) every field for every wgmma.
+// A descriptor advanced along a tile by one add. The start address field is (addr mod 2^18) /
+// 16 and shared memory is below 2^18 bytes, so adding bytes / 16 to the descriptor of an address
+// inside a tile gives the descriptor of an address bytes further on in the same tile, with no
+// carry into the LBO field (nor into the high word): the same bits as smem_desc_sw128(addr +
+// bytes, lbo, sbo), without rebuilding (masking, shifting, or-ing) every field for every wgmma.
+// The add is a 64-bit one on purpose: ptxas (13.0, sm_90a) emits it as one UIADD3.64 into the
+// uniform-register pair the HGMMA reads, where an add on the low word alone cost a UIADD3 plus a
+// UMOV of the constant high word for every operand of every wgmma.
 struct SmemDesc {
-  uint32_t lo, hi;
+  uint64_t v;
   __device__ __forceinline__ SmemDesc operator+(uint32_t bytes) const {
-    return {lo + (bytes >> 4), hi};
+    return {v + static_cast<uint64_t>(bytes >> 4)};
   }
-  __device__ __forceinline__ operator uint64_t() const {
-    return (static_cast<uint64_t>(hi) << 32) | lo;
-  }
+  __device__ __forceinline__ operator uint64_t() const { return v; }
 };
 // The descriptor of the address `addr` with these LBO and SBO (the fields above).
 __device__ __forceinline__ SmemDesc smem_desc_sw128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return {((addr & 0x3FFFF) >> 4) | (((lbo >> 4) & 0x3FFF) << 16),
-          ((sbo >> 4) & 0x3FFF) | (1u << 30)};
+  const uint32_t lo = ((addr & 0x3FFFF) >> 4) | (((lbo >> 4) & 0x3FFF) << 16);
+  const uint32_t hi = ((sbo >> 4) & 0x3FFF) | (1u << 30);
+  return {(static_cast<uint64_t>(hi) << 32) | lo};
 }
 
 // wgmma.mma_async m64nNk16 with float32 accumulators for T = __nv_bfloat16 / __half. Per warp w
