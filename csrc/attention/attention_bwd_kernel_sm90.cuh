@@ -264,7 +264,7 @@ FUSEDOPS_WGMMA_TT(__nv_bfloat16, "bf16")
 FUSEDOPS_WGMMA_TT(__half, "f16")
 #undef FUSEDOPS_WGMMA_TT
 
-template <typename T, int D, bool kOverlap, bool kDet = false>
+template <typename T, int D, bool kOverlap, bool kDet = false, bool kLag = false>
 __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     bwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
@@ -278,6 +278,11 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
   using C = TilesBwdSm90<D>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, S = C::kStages;
   constexpr int kBlocks = D / 64;  // 64-element (128-byte) column blocks of a Q/K/V/dO row
+  static_assert(!kLag || (!kOverlap && !kDet), "the lagged dQ is a form of the serial schedule");
+  // kLag's named barriers (256 threads: 128 arrive, the other warpgroup's 128 sync), per
+  // consumer warpgroup w and dS^T buffer b: "ready" (w's half of buffer b written) and "free"
+  // (w's dQ products have read buffer b).
+  constexpr int kBarReady = 4, kBarFree = 8;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw_u32 = sm90::smem_u32(smem_raw);
   const uint32_t base = (raw_u32 + 1023u) & ~1023u;
@@ -525,9 +530,35 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     const SmemDesc dDs_mn = smem_desc_sw128(sDs + dq_r * BN * 128, BN * 128, 1024);
     const SmemDesc dK_mn = smem_desc_sw128(sK + dq_c * BN * 128, BN * 128, 1024);
 
+    // dQ_part = dS K from dS^T buffer `buf`: BN / 16 k-steps of 16 keys; A = dS^T's column
+    // block dq_r, B = K's column block dq_c (committed as one group).
+    auto issue_dq = [&](int buf, float (&dq)[8][4]) {
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        WgmmaTT<T>::ss(dq, dDs_mn + (buf * C::kDsBytes + kk * 2048), dK_mn + kk * 2048,
+                       kk > 0 ? 1 : 0);
+      wgmma_commit();
+    };
+    // dQ accumulation of step (h, m): the piece's rows 16 warp + g (+ 8), columns 8 n8 + 2 tq
+    // (+ 1); row i + 8 is one 8-row tile further (dq_acc_index): hq D 8 floats on from row i.
+    auto add_dq = [&](const float (&dq)[8][4], int h_of, int m_of) {
+      const int i = m_of + 64 * dq_r + 16 * warp + g;
+      float* const dst =
+          p.dq_acc + dq_acc_index<D>(sq.q_start + i, h_of, 64 * dq_c + 2 * tq, p.hq);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (i + 8 * r >= sq.lq) continue;
+        float* const dst_r = dst + static_cast<int64_t>(r) * p.hq * D * 8;
+#pragma unroll
+        for (int n8 = 0; n8 < 8; ++n8) red_add2(dst_r + n8 * 64, dq[n8][2 * r], dq[n8][2 * r + 1]);
+      }
+    };
+
     if (n_it > 0) sm90::mbar_wait(bar_kv, 0);
     int h, m;
     first_step(h, m);
+    int h_prev = h, m_prev = m;  // kLag: the step whose dQ_part is still to be formed
 
     for (int it = 0; it < n_it; ++it) {
       const int s = it % S;
@@ -625,6 +656,13 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
           Wgmma<T, D>::rs_mn(dv, pa[kk], dDo_mn + (s * C::kQBytes + kk * 2048), 1);
         wgmma_commit();
       };
+      // dK += dS^T Q: as dV, with dS^T's fragments and Q (MN-major).
+      auto issue_dk = [&](int st_) {
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+          Wgmma<T, D>::rs_mn(dk, dsa[kk], dQ_mn + (st_ * C::kQBytes + kk * 2048), 1);
+        wgmma_commit();
+      };
       if (!kOverlap || score.capped()) {
         wgmma_wait<0>();
         reg_fence(st);
@@ -674,69 +712,80 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       // kDet: the writer has read the dQ block that step it - 2 staged in this buffer (at D=64
       // over this very dS^T buffer).
       if constexpr (kDet) sm90::mbar_wait(bar_dq_empty(it & 1), ((it >> 1) & 1) ^ 1);
+      // kLag: the other warpgroup's dQ products of step it - 2 have read this buffer.
+      if constexpr (kLag)
+        if (it >= 1) named_bar_sync<256>(kBarFree + 2 * (1 - cw) + (it & 1));
 #pragma unroll
       for (int kk = 0; kk < BM / 16; ++kk)
         stmatrix_x4((lane_x ^ (((2 * kk) % 8) << 4)) + ((2 * kk) / 8) * BN * 128, dsa[kk][0],
                     dsa[kk][1], dsa[kk][2], dsa[kk][3]);
       fence_proxy_async_smem();  // the stores, before the wgmmas (async proxy) read them
-      named_bar_sync<256>(1);    // both consumer warpgroups' halves of dS^T are written
-
-      // dQ_part = dS K: BN / 16 k-steps of 16 keys; A = dS^T's column block dq_r, B = K's
-      // column block dq_c. Then dK += dS^T Q as dV, whose products run while dQ_part is added
-      // to the accumulator (the groups complete in order: wait_group 1 leaves only dK's).
       float dq[8][4];
-      reg_fence(dk);
-      reg_fence(dq);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        WgmmaTT<T>::ss(dq, dDs_mn + ((it & 1) * C::kDsBytes + kk * 2048), dK_mn + kk * 2048,
-                       kk > 0 ? 1 : 0);
-      wgmma_commit();
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-        Wgmma<T, D>::rs_mn(dk, dsa[kk], dQ_mn + (s * C::kQBytes + kk * 2048), 1);
-      wgmma_commit();
-
-      wgmma_wait<1>();
-      reg_fence(dq);
-      // dQ accumulation: the piece's rows 16 warp + g (+ 8), columns 8 n8 + 2 tq (+ 1).
-      if constexpr (kDet) {
-        // Staged for the writer warp in dq_acc_index's tile order: the block's row 64 dq_r +
-        // 16 warp + g + 8 r is row g of run 8 dq_r + 2 warp + r, column 64 dq_c + 8 n8 + 2 tq
-        // is in its column tile 8 dq_c + n8; a warp's float2 stores cover 256 contiguous bytes.
-        // This warpgroup's dQ products have completed (wait_group 1 above), the only reads of
-        // its piece's bytes at D=64, where they lie over its dS^T column block.
-        const uint32_t at = dq_stage(it & 1) + (8 * dq_r + 2 * warp) * D * 32 + 8 * dq_c * 256 +
-                            g * 32 + tq * 8;
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-          for (int n8 = 0; n8 < 8; ++n8)
-            asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + r * D * 32 + n8 * 256),
-                         "f"(dq[n8][2 * r]), "f"(dq[n8][2 * r + 1])
-                         : "memory");
-        fence_proxy_async_smem();  // before the writer's bulk reductions read them
-        mbar_arrive(bar_dq_full(it & 1));
+      if constexpr (kLag) {
+        // This warpgroup's half of dS^T(it) is written; dQ_part(it - 1) needs the other's half of
+        // dS^T(it - 1), which it wrote a step ago, so the warpgroups are not held in lockstep.
+        // The first step forms a product from buffer 1 too (nobody has written it yet) and
+        // discards it: every step then issues the same wgmmas, none conditional (ptxas would
+        // serialise them all, C7514), at the cost of one dQ product per CTA.
+        named_bar_arrive<256>(kBarReady + 2 * cw + (it & 1));
+        if (it >= 1) named_bar_sync<256>(kBarReady + 2 * (1 - cw) + ((it - 1) & 1));
+        reg_fence(dk);
+        reg_fence(dq);
+        issue_dq((it - 1) & 1, dq);
+        issue_dk(s);
+        wgmma_wait<1>();  // dV(it) and dQ_part(it - 1) have completed
+        reg_fence(dq);
+        if (it >= 1) add_dq(dq, h_prev, m_prev);
+        if (it + 1 < n_it) named_bar_arrive<256>(kBarFree + 2 * cw + ((it - 1) & 1));
       } else {
-        // Row i + 8 is one 8-row tile further (dq_acc_index): hq D 8 floats on from row i.
-        const int i = m + 64 * dq_r + 16 * warp + g;
-        float* const dst =
-            p.dq_acc + dq_acc_index<D>(sq.q_start + i, h, 64 * dq_c + 2 * tq, p.hq);
+        named_bar_sync<256>(1);  // both consumer warpgroups' halves of dS^T are written
+        // dQ_part = dS K, then dK += dS^T Q as dV, whose products run while dQ_part is added to
+        // the accumulator (the groups complete in order: wait_group 1 leaves only dK's).
+        reg_fence(dk);
+        reg_fence(dq);
+        issue_dq(it & 1, dq);
+        issue_dk(s);
+        wgmma_wait<1>();
+        reg_fence(dq);
+        if constexpr (kDet) {
+          // Staged for the writer warp in dq_acc_index's tile order: the block's row 64 dq_r +
+          // 16 warp + g + 8 r is row g of run 8 dq_r + 2 warp + r, column 64 dq_c + 8 n8 + 2 tq
+          // is in its column tile 8 dq_c + n8; a warp's float2 stores cover 256 contiguous
+          // bytes. This warpgroup's dQ products have completed (wait_group 1 above), the only
+          // reads of its piece's bytes at D=64, where they lie over its dS^T column block.
+          const uint32_t at = dq_stage(it & 1) + (8 * dq_r + 2 * warp) * D * 32 +
+                              8 * dq_c * 256 + g * 32 + tq * 8;
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          if (i + 8 * r >= sq.lq) continue;
-          float* const dst_r = dst + static_cast<int64_t>(r) * p.hq * D * 8;
+          for (int r = 0; r < 2; ++r)
 #pragma unroll
-          for (int n8 = 0; n8 < 8; ++n8)
-            red_add2(dst_r + n8 * 64, dq[n8][2 * r], dq[n8][2 * r + 1]);
+            for (int n8 = 0; n8 < 8; ++n8)
+              asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(at + r * D * 32 + n8 * 256),
+                           "f"(dq[n8][2 * r]), "f"(dq[n8][2 * r + 1])
+                           : "memory");
+          fence_proxy_async_smem();  // before the writer's bulk reductions read them
+          mbar_arrive(bar_dq_full(it & 1));
+        } else {
+          add_dq(dq, h, m);
         }
       }
       wgmma_wait<0>();
       reg_fence(dv);
       reg_fence(dk);
       release(bar_empty(s));  // Q, dO and the stats of stage s are no longer read
+      if constexpr (kLag) h_prev = h, m_prev = m;
       step_on(h, m);
+    }
+    if constexpr (kLag) {
+      // The last step's dQ_part (n_it - 1).
+      if (n_it > 0) {
+        named_bar_sync<256>(kBarReady + 2 * (1 - cw) + ((n_it - 1) & 1));
+        float dq[8][4];
+        reg_fence(dq);
+        issue_dq((n_it - 1) & 1, dq);
+        wgmma_wait<0>();
+        reg_fence(dq);
+        add_dq(dq, h_prev, m_prev);
+      }
     }
     // ---- epilogue: dK (scaled) and dV of keys < lk ----
     // The sequence's bounds are read again (the loop's reductions are memory clobbers, so they

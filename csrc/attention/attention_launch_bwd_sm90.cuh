@@ -28,6 +28,16 @@ inline bool sm90_bwd_overlap() {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
   return s != nullptr && std::strcmp(s, "overlap") == 0;
 }
+// The serial schedule's dQ products: lagged by a step by default (dQ_part of step i is formed
+// during step i + 1, from the dS^T both consumer warpgroups wrote a step before, so that
+// neither waits for the other's current step; attention_bwd_kernel_sm90.cuh's kLag), or in the
+// step itself behind a barrier of both warpgroups (FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=lockstep, the
+// earlier form, kept for measurement). The deterministic mode always runs the latter. Read at
+// every call.
+inline bool sm90_bwd_lockstep() {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
+  return s != nullptr && std::strcmp(s, "lockstep") == 0;
+}
 
 // The deterministic mode's order of dQ reductions (attention_bwd_kernel_sm90.cuh): key blocks
 // descending where queries see keys up to a bound (causal or a right window: the key block
@@ -110,9 +120,10 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
     CUtensorMap tm_dq{};  // unused by the kernels with unordered reductions
     if (p.dq_sem != nullptr && !make_dq_acc_map<D, BM>(&tm_dq, p.dq_acc, p.hq, p.total_q))
       return cudaErrorInvalidValue;
-    auto kernel = p.dq_sem != nullptr ? bwd_kernel_sm90<T, D, false, true>
-                  : sm90_bwd_overlap() ? bwd_kernel_sm90<T, D, true, false>
-                                       : bwd_kernel_sm90<T, D, false, false>;
+    auto kernel = p.dq_sem != nullptr    ? bwd_kernel_sm90<T, D, false, true>
+                  : sm90_bwd_overlap()    ? bwd_kernel_sm90<T, D, true, false>
+                  : sm90_bwd_lockstep()   ? bwd_kernel_sm90<T, D, false, false>
+                                          : bwd_kernel_sm90<T, D, false, false, true>;
     const int smem = static_cast<int>(p.dq_sem != nullptr ? C::kSmemDet : C::kSmem);
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
