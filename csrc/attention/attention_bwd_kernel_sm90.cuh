@@ -27,6 +27,14 @@
 // computes P^T while dP^T runs. dS^T alternates between two buffers: the buffer a step writes
 // was last read by step - 2's dQ products, which both warpgroups finished before the named
 // barrier of step - 1.
+// kLag (FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=lagged, measured level with the default): dQ_part of step
+// i is formed in step i + 1, from the dS^T buffer both warpgroups filled a step before, so that
+// no barrier joins them every step: warpgroup w arrives on "ready" (w, buffer) after writing its
+// half and syncs on the other's "ready" of the step before; before refilling a buffer it syncs on
+// the other's "free" (w, buffer), which that one arrives on once its dQ products have read it.
+// Each barrier's next arrival comes only after the other warpgroup's sync of the last (the
+// chain of the other barrier), so no phase is overtaken. The first step forms a product from a
+// buffer nobody wrote and drops it (no conditional wgmma); the last is formed after the loop.
 // dK is scaled by p.scale here, dQ by dq_convert_kernel. dK and dV leave through the K and V
 // buffers by TMA stores (the epilogue at the end says where).
 // Deterministic mode (kDet, p.dq_sem set; serial schedule): each step's dQ block (BM queries of

@@ -28,15 +28,18 @@ inline bool sm90_bwd_overlap() {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
   return s != nullptr && std::strcmp(s, "overlap") == 0;
 }
-// The serial schedule's dQ products: lagged by a step by default (dQ_part of step i is formed
-// during step i + 1, from the dS^T both consumer warpgroups wrote a step before, so that
-// neither waits for the other's current step; attention_bwd_kernel_sm90.cuh's kLag), or in the
-// step itself behind a barrier of both warpgroups (FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=lockstep, the
-// earlier form, kept for measurement). The deterministic mode always runs the latter. Read at
-// every call.
-inline bool sm90_bwd_lockstep() {
+// The serial schedule's dQ products: in the step itself, behind a barrier of both consumer
+// warpgroups (the default), or a step behind with FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=lagged (dQ_part
+// of step i formed during step i + 1 from the dS^T both warpgroups wrote a step before, so that
+// neither waits for the other's current step; attention_bwd_kernel_sm90.cuh's kLag). Measured
+// level on the H200 (git 2cbfb46, run 6e596c4d, bf16, B*L = 16384, H*D = 2048, 2 rounds,
+// backward TFLOP/s lagged / lockstep): D=128 L=4096 523/494, causal 446/457, L=16384 520/558,
+// causal 556/556; D=64 L=4096 484/455, causal 393/421, L=16384 475/477, causal 513/478 -- within
+// the run's spread both ways, so it stays a measurement option. The deterministic mode always
+// runs the lockstep form. Read at every call.
+inline bool sm90_bwd_lagged() {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
-  return s != nullptr && std::strcmp(s, "lockstep") == 0;
+  return s != nullptr && std::strcmp(s, "lagged") == 0;
 }
 
 // The deterministic mode's order of dQ reductions (attention_bwd_kernel_sm90.cuh): key blocks
@@ -122,8 +125,8 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
       return cudaErrorInvalidValue;
     auto kernel = p.dq_sem != nullptr    ? bwd_kernel_sm90<T, D, false, true>
                   : sm90_bwd_overlap()    ? bwd_kernel_sm90<T, D, true, false>
-                  : sm90_bwd_lockstep()   ? bwd_kernel_sm90<T, D, false, false>
-                                          : bwd_kernel_sm90<T, D, false, false, true>;
+                  : sm90_bwd_lagged()     ? bwd_kernel_sm90<T, D, false, false, true>
+                                          : bwd_kernel_sm90<T, D, false, false>;
     const int smem = static_cast<int>(p.dq_sem != nullptr ? C::kSmemDet : C::kSmem);
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;

@@ -394,7 +394,7 @@ def test_cuda_sm90_176_key_tiles(schedule, feature, monkeypatch):
 SM90_BWD_VARIANTS = {
     "sm90-bwd": {},
     "sm90-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
-    "sm90-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
+    "sm90-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "sm80-bwd": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
     # The deterministic mode (ordered dQ reductions): the default order (rotated on unmasked
     # calls, else one of the other two) and both linear orders.
@@ -417,8 +417,8 @@ SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FU
 @pytest.mark.parametrize("feature", list(FEATURES))
 @NEEDS_EXT
 def test_cuda_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, monkeypatch):
-    """cuda-sm90's backward is the sm90 kernel (serial schedule with its dQ products a step
-    behind, or in lockstep or overlapped by FUSEDOPS_ATTN_SM90_BWD_SCHEDULE, or deterministic in either order of its dQ reductions);
+    """cuda-sm90's backward is the sm90 kernel (serial schedule, or with its dQ products a
+    step behind or overlapped by FUSEDOPS_ATTN_SM90_BWD_SCHEDULE, or deterministic in either order of its dQ reductions);
     FUSEDOPS_ATTN_SM90_BWD=sm80 takes the sm80 one. All pass the oracle."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 kernels run on compute capability 9.0")
