@@ -16,7 +16,8 @@ to the same drift.
 Methods with a suffix run the fusedops backend under an environment override (METHOD_ENV):
 -atomic-dq / -deterministic the dQ modes (-deterministic-ascending with the deterministic mode's
 linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backward, -bwd-regs
-the sm90 backward storing dK/dV from registers, -bwd-lagged its dQ products a step behind,
+the sm90 backward storing dK/dV from registers, -bwd-lagged /
+-bwd-lockstep its dQ products a step behind or not,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
 -m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
 schedule, -bn176 its 176-key tiles at D=128, -mc / -nomc its K/V multicast in clusters of two
@@ -108,6 +109,7 @@ METHOD_ENV = {
     "-bwd80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
     "-bwd-regs": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "regs"},
     "-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
+    "-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
     "-static": {"FUSEDOPS_ATTN_SM90_TILES": "static"},
     "-dynamic": {"FUSEDOPS_ATTN_SM90_TILES": "dynamic"},
     "-nonpersistent": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "0"},

@@ -233,7 +233,7 @@ def fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
 
 # Arch 90's backwards at D=64/128, as the environment overrides that select them: the sm90
 # kernel (attention_bwd_kernel_sm90.cuh; FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=overlap its overlapped
-# schedule, =lagged its dQ products a step behind, FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs its
+# schedule, =lagged / lockstep its dQ products a step behind or not, FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs its
 # dK/dV stores from registers) and
 # FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; the det variants run the op's
 # deterministic mode (the sm90 kernel's ordered dQ reductions, key blocks ascending or
@@ -243,6 +243,7 @@ BWD_VARIANTS = {
     "sm90": {},
     "sm90-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm90-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
+    "sm90-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
     "sm80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
     "sm90-regs": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "regs"},
     "sm90-det": {},

@@ -27,7 +27,7 @@
 // computes P^T while dP^T runs. dS^T alternates between two buffers: the buffer a step writes
 // was last read by step - 2's dQ products, which both warpgroups finished before the named
 // barrier of step - 1.
-// kLag (FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=lagged, measured level with the default): dQ_part of step
+// kLag (the default at D=64; attention_launch_bwd_sm90.cuh's sm90_bwd_lagged): dQ_part of step
 // i is formed in step i + 1, from the dS^T buffer both warpgroups filled a step before, so that
 // no barrier joins them every step: warpgroup w arrives on "ready" (w, buffer) after writing its
 // half and syncs on the other's "ready" of the step before; before refilling a buffer it syncs on

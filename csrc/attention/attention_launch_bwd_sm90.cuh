@@ -28,18 +28,21 @@ inline bool sm90_bwd_overlap() {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
   return s != nullptr && std::strcmp(s, "overlap") == 0;
 }
-// The serial schedule's dQ products: in the step itself, behind a barrier of both consumer
-// warpgroups (the default), or a step behind with FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=lagged (dQ_part
-// of step i formed during step i + 1 from the dS^T both warpgroups wrote a step before, so that
-// neither waits for the other's current step; attention_bwd_kernel_sm90.cuh's kLag). Measured
-// level on the H200 (git 2cbfb46, run 6e596c4d, bf16, B*L = 16384, H*D = 2048, 2 rounds,
-// backward TFLOP/s lagged / lockstep): D=128 L=4096 523/494, causal 446/457, L=16384 520/558,
-// causal 556/556; D=64 L=4096 484/455, causal 393/421, L=16384 475/477, causal 513/478 -- within
-// the run's spread both ways, so it stays a measurement option. The deterministic mode always
-// runs the lockstep form. Read at every call.
-inline bool sm90_bwd_lagged() {
+// The serial schedule's dQ products: a step behind (dQ_part of step i formed during step i + 1
+// from the dS^T both warpgroups wrote a step before, so that neither waits for the other's
+// current step; attention_bwd_kernel_sm90.cuh's kLag) or in the step itself behind a barrier of
+// both consumer warpgroups. On the H200 (bf16, B*L = 16384, H*D = 2048, backward TFLOP/s lagged
+// / lockstep; run ccece9d2, git 4cc5f74, 4 rounds): D=64 L=4096 480/452, causal 425/408,
+// L=16384 513/469, causal 499/467; D=128 L=4096 512/512, causal 455/459, L=16384 549/554,
+// causal 535/543 (run 6e596c4d, 2 rounds: D=64 484/455, 393/421, 475/477, 513/478; D=128
+// 523/494, 446/457, 520/558, 556/556). So lagged at D=64, lockstep at D=128;
+// FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=lagged|lockstep forces one (measurement). The deterministic
+// mode always runs the lockstep form. Read at every call.
+inline bool sm90_bwd_lagged(int head_dim) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
-  return s != nullptr && std::strcmp(s, "lagged") == 0;
+  if (s != nullptr && std::strcmp(s, "lagged") == 0) return true;
+  if (s != nullptr && std::strcmp(s, "lockstep") == 0) return false;
+  return head_dim == 64;
 }
 
 // The deterministic mode's order of dQ reductions (attention_bwd_kernel_sm90.cuh): key blocks
@@ -125,7 +128,7 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
       return cudaErrorInvalidValue;
     auto kernel = p.dq_sem != nullptr    ? bwd_kernel_sm90<T, D, false, true>
                   : sm90_bwd_overlap()    ? bwd_kernel_sm90<T, D, true, false>
-                  : sm90_bwd_lagged()     ? bwd_kernel_sm90<T, D, false, false, true>
+                  : sm90_bwd_lagged(D)    ? bwd_kernel_sm90<T, D, false, false, true>
                                           : bwd_kernel_sm90<T, D, false, false>;
     const int smem = static_cast<int>(p.dq_sem != nullptr ? C::kSmemDet : C::kSmem);
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);

@@ -395,6 +395,7 @@ SM90_BWD_VARIANTS = {
     "sm90-bwd": {},
     "sm90-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm90-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
+    "sm90-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
     "sm80-bwd": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
     # The deterministic mode (ordered dQ reductions): the default order (rotated on unmasked
     # calls, else one of the other two) and both linear orders.
@@ -417,8 +418,8 @@ SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FU
 @pytest.mark.parametrize("feature", list(FEATURES))
 @NEEDS_EXT
 def test_cuda_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, monkeypatch):
-    """cuda-sm90's backward is the sm90 kernel (serial schedule, or with its dQ products a
-    step behind or overlapped by FUSEDOPS_ATTN_SM90_BWD_SCHEDULE, or deterministic in either order of its dQ reductions);
+    """cuda-sm90's backward is the sm90 kernel (serial schedule, its dQ products a step
+    behind or not, or overlapped, by FUSEDOPS_ATTN_SM90_BWD_SCHEDULE, or deterministic in either order of its dQ reductions);
     FUSEDOPS_ATTN_SM90_BWD=sm80 takes the sm80 one. All pass the oracle."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 kernels run on compute capability 9.0")
