@@ -233,8 +233,8 @@ def fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
 
 # Arch 90's backwards at D=64/128, as the environment overrides that select them: the sm90
 # kernel (attention_bwd_kernel_sm90.cuh; FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=overlap its overlapped
-# schedule, =lagged / lockstep its dQ products a step behind or not, FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs its
-# dK/dV stores from registers) and
+# schedule, =lagged / lockstep its dQ products a step behind or not,
+# FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs its dK/dV stores from registers) and
 # FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; the det variants run the op's
 # deterministic mode (the sm90 kernel's ordered dQ reductions, key blocks ascending or
 # descending by FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER; "sm90-det" the launcher's default order, the
