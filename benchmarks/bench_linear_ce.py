@@ -28,7 +28,8 @@ where Cut Cross-Entropy's gradient filter skips most blocks); rows carry it as "
 --loss picks what is differentiated: "mean" (the default), "none" (reduction "none", per-token
 losses summed with weight 1 / N: the statistics path's GEMMs, one in the forward and three in the
 backward) or "lse" (return_lse: mean loss + 1e-4 mean(lse^2)); rows carry reduction and
-return_lse. Liger and Cut Cross-Entropy run with the mean loss only.
+return_lse. Liger, Cut Cross-Entropy and quack (`quack-kernels`: its chunked loss, 4096-token
+chunks, the scaled-exp route where it applies; no softcap) run with the mean loss only.
 
 "extra_mib" is peak memory above what was allocated before the step (inputs, weights) minus the
 bytes of the gradients the step returns (d_hidden, d_weight), i.e. the method's scratch. "ms" is
@@ -205,6 +206,12 @@ def methods(softcap, kind="mean"):
         out["cce"] = lambda x, w, t: cce(x, w, t, softcap=softcap, impl="cce")
     except Exception as exc:
         print(f"cce: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
+    if softcap is None:  # quack's fused loss has no softcap
+        try:
+            from quack.linear_cross_entropy import chunked_linear_cross_entropy as quack_lce
+            out["quack"] = lambda x, w, t: quack_lce(x, w, t, chunk_size=4096)
+        except Exception as exc:
+            print(f"quack: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
     return out
 
 

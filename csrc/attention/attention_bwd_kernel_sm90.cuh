@@ -542,10 +542,10 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     // block dq_r, B = K's column block dq_c (committed as one group).
     auto issue_dq = [&](int buf, float (&dq)[8][4]) {
       wgmma_fence();
+      const SmemDesc da = dDs_mn + buf * C::kDsBytes;
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
-        WgmmaTT<T>::ss(dq, dDs_mn + (buf * C::kDsBytes + kk * 2048), dK_mn + kk * 2048,
-                       kk > 0 ? 1 : 0);
+        WgmmaTT<T>::ss(dq, da + kk * 2048, dK_mn + kk * 2048, kk > 0 ? 1 : 0);
       wgmma_commit();
     };
     // dQ accumulation of step (h, m): the piece's rows 16 warp + g (+ 8), columns 8 n8 + 2 tq
@@ -659,16 +659,16 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       auto issue_dv = [&] {
         reg_fence(dv);
         wgmma_fence();
+        const SmemDesc b = dDo_mn + s * C::kQBytes;  // the stage's base, then one add per step
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-          Wgmma<T, D>::rs_mn(dv, pa[kk], dDo_mn + (s * C::kQBytes + kk * 2048), 1);
+        for (int kk = 0; kk < BM / 16; ++kk) Wgmma<T, D>::rs_mn(dv, pa[kk], b + kk * 2048, 1);
         wgmma_commit();
       };
       // dK += dS^T Q: as dV, with dS^T's fragments and Q (MN-major).
       auto issue_dk = [&](int st_) {
+        const SmemDesc b = dQ_mn + st_ * C::kQBytes;
 #pragma unroll
-        for (int kk = 0; kk < BM / 16; ++kk)
-          Wgmma<T, D>::rs_mn(dk, dsa[kk], dQ_mn + (st_ * C::kQBytes + kk * 2048), 1);
+        for (int kk = 0; kk < BM / 16; ++kk) Wgmma<T, D>::rs_mn(dk, dsa[kk], b + kk * 2048, 1);
         wgmma_commit();
       };
       if (!kOverlap || score.capped()) {

@@ -409,6 +409,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     const SmemDesc dQ = smem_desc_sw128(sQ + cw * 64 * 128, 16, 1024);
     const SmemDesc dK = smem_desc_sw128(sK, 16, 1024);
     const SmemDesc dV = smem_desc_sw128(sV, BN * 128, 1024);
+    auto stage_desc = [](SmemDesc d, uint32_t s) { return d + s * C::kKvBytes; };
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int row0 = 64 * cw + 16 * warp;  // the warp's first row in the block
     const Score score(p);
@@ -462,11 +463,15 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         mbar_wait(bar_kfull(s), (it / S) & 1);
         reg_fence(sacc);
         wgmma_fence();
+        // The stage's base first, then a constant per k-step: one 64-bit add with an immediate
+        // per operand (an offset s * kKvBytes + c formed first became an OR, a zero high word
+        // and the add).
+        const SmemDesc dKs = stage_desc(dK, s);
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
           const uint32_t blk = kk / 4, in_row = (kk % 4) * 32;
-          Wgmma<T, BN>::ss(sacc, dQ + (blk * BM * 128 + in_row),
-                           dK + (s * C::kKvBytes + blk * BN * 128 + in_row), kk > 0 ? 1 : 0);
+          Wgmma<T, BN>::ss(sacc, dQ + (blk * BM * 128 + in_row), dKs + (blk * BN * 128 + in_row),
+                           kk > 0 ? 1 : 0);
         }
         wgmma_commit();
       };
@@ -477,9 +482,10 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         mbar_wait(bar_vfull(s), (it / S) & 1);
         reg_fence(o);
         wgmma_fence();
+        const SmemDesc dVs = stage_desc(dV, s);
 #pragma unroll
         for (int kk = 0; kk < BN / 16; ++kk) {
-          Wgmma<T, D>::rs_mn(o, pa[kk], dV + (s * C::kKvBytes + kk * 16 * 128), 1);
+          Wgmma<T, D>::rs_mn(o, pa[kk], dVs + kk * 16 * 128, 1);
         }
         wgmma_commit();
       };

@@ -448,14 +448,18 @@ __global__ void __launch_bounds__(GemmTilesSm90::kThreads, 1)
     //    k-step is 16 K-rows (2048 bytes).
     //  B K-major: 256 rows of 128 bytes. B N-major: four 64-wide column blocks of 64 K-rows,
     //    8 KB apart (the LBO).
-    // Built once (SmemDesc): a stage or k-step further on is one add.
+    // Built once (SmemDesc): a stage or k-step further on is one add. The stage's base is
+    // formed first and the k-step's constant added to it (an immediate): a sum of the two
+    // offsets became an OR, a zero high word and the add per wgmma.
     const SmemDesc da0 = smem_desc_sw128(sA + cw * 64 * 128, kATrans ? 64 * 128 : 16, 1024);
     const SmemDesc db0 = smem_desc_sw128(sB, kBTrans ? 64 * 128 : 16, 1024);
     auto desc_a = [&](int s, int kk) {
-      return da0 + (s * C::kABytes + kk * (kATrans ? 2048 : 32));
+      const SmemDesc base = da0 + s * C::kABytes;
+      return base + kk * (kATrans ? 2048 : 32);
     };
     auto desc_b = [&](int s, int kk) {
-      return db0 + (s * C::kBBytes + kk * (kBTrans ? 2048 : 32));
+      const SmemDesc base = db0 + s * C::kBBytes;
+      return base + kk * (kBTrans ? 2048 : 32);
     };
     auto release = [&](int s) {
       __syncwarp();
