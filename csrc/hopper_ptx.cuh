@@ -283,6 +283,14 @@ __device__ __forceinline__ SmemDesc smem_desc_sw128(uint32_t addr, uint32_t lbo,
   return {(static_cast<uint64_t>(hi) << 32) | lo};
 }
 
+// d with a run-time zero ORed into its high word: ptxas then cannot treat that word as the known
+// constant it is, and adds a k-step's offset with one 64-bit add (UIADD3.64 with an immediate)
+// instead of an add with carry on each word plus a move of the constant (3 instructions per
+// operand). `zero` must be 0 at run time (e.g. a non-negative int shifted right by 31).
+__device__ __forceinline__ SmemDesc opaque_desc(SmemDesc d, uint32_t zero) {
+  return {d.v | (static_cast<uint64_t>(zero) << 32)};
+}
+
 // wgmma.mma_async m64nNk16 with float32 accumulators for T = __nv_bfloat16 / __half. Per warp w
 // of the warpgroup, the accumulator d[N / 8][4] holds rows 16 w + (lane / 4) (+ 8 for e >= 2)
 // and column 8 i + 2 (lane % 4) + (e & 1) in d[i][e] -- the m16n8 layout of mma.sync, per

@@ -406,9 +406,11 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     const int cw = warpgroup_uniform() - 1;  // consumer warpgroup: query rows [64 cw, 64 cw + 64)
     // The wgmma descriptors of stage 0 (SmemDesc: a k-step or stage further on is one add): Q
     // (this warpgroup's 64 rows) and K K-major, V MN-major.
-    const SmemDesc dQ = smem_desc_sw128(sQ + cw * 64 * 128, 16, 1024);
-    const SmemDesc dK = smem_desc_sw128(sK, 16, 1024);
-    const SmemDesc dV = smem_desc_sw128(sV, BN * 128, 1024);
+    // opaque_desc: the batch size is positive, so `zero` is 0.
+    const uint32_t zero = static_cast<uint32_t>(p.batch) >> 31;
+    const SmemDesc dQ = opaque_desc(smem_desc_sw128(sQ + cw * 64 * 128, 16, 1024), zero);
+    const SmemDesc dK = opaque_desc(smem_desc_sw128(sK, 16, 1024), zero);
+    const SmemDesc dV = opaque_desc(smem_desc_sw128(sV, BN * 128, 1024), zero);
     auto stage_desc = [](SmemDesc d, uint32_t s) { return d + s * C::kKvBytes; };
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const int row0 = 64 * cw + 16 * warp;  // the warp's first row in the block
