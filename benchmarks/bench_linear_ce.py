@@ -210,6 +210,8 @@ def methods(softcap, kind="mean"):
         try:
             from quack.linear_cross_entropy import chunked_linear_cross_entropy as quack_lce
             out["quack"] = lambda x, w, t: quack_lce(x, w, t, chunk_size=4096)
+            # 2048-token chunks: quack 0.6.5 rejects a chunk of as many rows as H has columns
+            out["quack-c2048"] = lambda x, w, t: quack_lce(x, w, t, chunk_size=2048)
         except Exception as exc:
             print(f"quack: skipped ({type(exc).__name__}: {exc})", file=sys.stderr)
     return out
