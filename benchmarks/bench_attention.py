@@ -21,7 +21,8 @@ the sm90 backward storing dK/dV from registers, -bwd-lagged /
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
 -m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
 schedule, -bn176 its 176-key tiles at D=128, -mc / -nomc its K/V multicast in clusters of two
-forced on (where the launch allows it) or off.
+forced on (where the launch allows it) or off, -qstart / -qend its q-blocks counted from each
+sequence's start or end.
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ METHOD_ENV = {
     "-bwd-regs": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "regs"},
     "-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
+    "-qstart": {"FUSEDOPS_ATTN_SM90_QALIGN": "start"},
+    "-qend": {"FUSEDOPS_ATTN_SM90_QALIGN": "end"},
     "-static": {"FUSEDOPS_ATTN_SM90_TILES": "static"},
     "-dynamic": {"FUSEDOPS_ATTN_SM90_TILES": "dynamic"},
     "-nonpersistent": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "0"},

@@ -86,6 +86,13 @@ struct TileOrderSm90 {
   // sec_big * n_mb, the first tile and the first pair after the small sections.
   int per, per_big, small_end, small_pairs;
   int reverse;     // 1: block n_mb - 1 first
+  // 1: q-block mb holds queries [lq - (n_mb - mb) BM, lq - (n_mb - mb - 1) BM) of its sequence,
+  // counted from the end, so that a partial block is the first, not the last (rows before the
+  // sequence's start are computed on whatever Q rows the load brings, never stored); 0: [mb BM,
+  // mb BM + BM). Under a causal mask the first block sees the fewest keys and the last the
+  // most: aligned to the start, a partial last block (L = 4096 in 192-query tiles) did a whole
+  // row of key tiles for a third of its rows.
+  int align_end;
   int dynamic;     // 1: tiles after the first from the tile counter (persistent launches only)
   // kNarrow: n_work < 2^31 is known (persistent launches), so the 64-bit path is not compiled
   // at all (its loop-invariant products would stay live in the producer thread's registers).
@@ -119,10 +126,11 @@ struct TileOrderSm90 {
 };
 
 // Synchronisation across work tiles (every count and parity; a miscount is a hang):
-// - A work tile is *skipped* by every role alike when m0 >= lq (its sequence is shorter than
-//   max_q) and is *empty* when its queries see no key (n_tiles == 0): the producer loads
-//   nothing for it, the consumers touch no barrier and store zeros and lse -inf from registers.
-//   Both roles compute m0, lq and n_tiles with the same code (tile_at, key_tiles), so they
+// - A work tile is *skipped* by every role alike when none of its queries lies in the sequence
+//   (m0 >= lq, or m0 + BM <= 0 with align_end: the sequence is shorter than max_q) and is
+//   *empty* when its queries see no key (n_tiles == 0): the producer loads nothing for it, the
+//   consumers touch no barrier and store zeros and lse -inf from registers. Both roles compute
+//   m0, lq and n_tiles with the same code (tile_at, first_query, skipped, key_tiles), so they
 //   agree on which tiles use the pipeline.
 // - K/V stages: a running index kv over the key tiles of the CTA's non-empty tiles, kept by the
 //   producer thread and by every consumer thread; key tile kv uses stage kv % S at phase
@@ -226,12 +234,17 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
   // that one tile alone (the others: no back edge, straight-line code as registers demand).
   auto next_tile = [&](int64_t t) { return C::kPersistent ? t + gridDim.x : order.t_end; };
 
-  // Work tile t: sequence b, head h, first query m0 (TileOrderSm90); the key tiles
-  // [t_lo, t_lo + n_tiles) its queries [m0, min(m0 + BM, lq)) can see.
-  auto tile_at = [&](int64_t t, int& b, int& h, int& m0) {
-    order.template decode<kHandOver>(t, b, h, m0);
-    m0 *= BM;
+  // Work tile t: sequence b, head h, q-block mb (TileOrderSm90); its first query m0 (negative
+  // for a partial first block with align_end); skipped when none of its queries lies in the
+  // sequence; the key tiles [t_lo, t_lo + n_tiles) its queries [max(m0, 0), min(m0 + BM, lq))
+  // can see.
+  auto tile_at = [&](int64_t t, int& b, int& h, int& mb) {
+    order.template decode<kHandOver>(t, b, h, mb);
   };
+  auto first_query = [&](const Seq& sq, int mb) {
+    return order.align_end ? sq.lq - (order.n_mb - mb) * BM : mb * BM;
+  };
+  auto skipped = [&](const Seq& sq, int m0) { return m0 >= sq.lq || m0 + BM <= 0; };
   auto key_tiles = [&](const Seq& sq, int m0, int& t_lo) {
     int t_hi;
     sq.key_tiles_of<BN>(m0, BM, p, t_lo, t_hi);
@@ -318,10 +331,11 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     };
     // Tile t's loads, or n_tiles = 0 for a tile that is skipped or sees no key.
     auto plan = [&](int64_t t, int& h, int& hk, int& q_row, int& k_row0) {
-      int b, m0, t_lo;
-      tile_at(t, b, h, m0);
+      int b, mb, t_lo;
+      tile_at(t, b, h, mb);
       const Seq sq(p, b);
-      if (m0 >= sq.lq) return 0;
+      const int m0 = first_query(sq, mb);
+      if (skipped(sq, m0)) return 0;
       const int n_tiles = key_tiles(sq, m0, t_lo);
       hk = h / (p.hq / p.hkv);
       q_row = sq.q_start + m0;
@@ -430,10 +444,11 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
     uint32_t j = 0;
     for (Tile t = fetch(0, order.t_begin + blockIdx.x); t < order.t_end;
          t = fetch(++j, next_tile(t))) {
-      int b, h, m0, t_lo;
-      tile_at(t, b, h, m0);
+      int b, h, mb, t_lo;
+      tile_at(t, b, h, mb);
       const Seq sq(p, b);
-      if (m0 >= sq.lq) {  // uniform over the CTA
+      const int m0 = first_query(sq, mb);
+      if (skipped(sq, m0)) {  // uniform over the CTA
         // A multicast pair runs only where no tile is skipped (the host's check of the packed
         // totals): cu_seqlens that disagree with them would leave the other CTA waiting for
         // this one's halves forever, so stop with an error instead.
@@ -444,7 +459,8 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       const int i0 = m0 + row0 + g;  // the lane's first query (+8: its second)
       // This warpgroup's O goes out by a TMA store (warpgroup-uniform); q_late: staged in the Q
       // rows, which then go back to the producer only after the store has read them.
-      const bool tma_slab = epilogue != 0 && m0 + 64 * cw + 64 <= sq.lq && n_tiles > 0;
+      const bool tma_slab =
+          epilogue != 0 && m0 + 64 * cw >= 0 && m0 + 64 * cw + 64 <= sq.lq && n_tiles > 0;
       const bool q_late = tma_slab && o_in_q;
 
       float o[D / 8][4];
@@ -689,14 +705,14 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         release_kv(vempty(n_tiles - 1));
       }
 
-      // ---- epilogue: normalise, lse (natural log), store rows < lq ----
+      // ---- epilogue: normalise, lse (natural log), store rows in [0, lq) ----
       float inv[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const float l = quad_sum(l_run[r]);
         inv[r] = l > 0.f ? 1.f / l : 0.f;
         const int i = i0 + r * 8;
-        if (tq == 0 && i < sq.lq)
+        if (tq == 0 && i >= 0 && i < sq.lq)
           p.lse[static_cast<int64_t>(h) * p.total_q + sq.q_start + i] =
               l > 0.f ? (m_run[r] + __log2f(l)) * kLn2 : -INFINITY;
       }
@@ -745,7 +761,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const int i = i0 + r * 8;
-          if (i >= sq.lq) continue;
+          if (i < 0 || i >= sq.lq) continue;
           T* dst = O + static_cast<int64_t>(i) * p.o_row + 2 * tq;
 #pragma unroll
           for (int d8 = 0; d8 < D / 8; ++d8)

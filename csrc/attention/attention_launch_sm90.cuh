@@ -143,6 +143,18 @@ inline bool sm90_dynamic_tiles(const AttnParams& p) {
 // a left bound) over sections of whole KV-head groups, as many as keep their K/V (max_k rows of
 // K and V per KV head) within half the L2 at most, of sizes that differ by one group at most,
 // the smaller first.
+// Q-blocks counted from each sequence's end (TileOrderSm90::align_end) when the mask has a
+// right bound (causal): later queries see more keys, so the partial block is best first.
+// FUSEDOPS_ATTN_SM90_QALIGN=start|end forces one, for measurement (read at every call).
+inline bool sm90_q_align_end(const AttnParams& p) {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_QALIGN");
+  if (s != nullptr) {
+    if (std::strcmp(s, "start") == 0) return false;
+    if (std::strcmp(s, "end") == 0) return true;
+  }
+  return p.right >= 0;
+}
+
 inline TileOrderSm90 sm90_tile_order(const AttnParams& p, int block_m, int l2_bytes) {
   TileOrderSm90 o;
   o.n_mb = (p.max_q + block_m - 1) / block_m;
@@ -152,6 +164,7 @@ inline TileOrderSm90 sm90_tile_order(const AttnParams& p, int block_m, int l2_by
   o.t_begin = 0;
   o.t_end = o.n_work;
   o.reverse = !(p.left >= 0 && p.right < 0);
+  o.align_end = sm90_q_align_end(p) ? 1 : 0;
   o.dynamic = 0;
   o.sec = o.sec_big = 1;
   o.n_small = o.n_bh;

@@ -1,7 +1,8 @@
 """The Hopper forward's measurable variants against the oracle rule on the GPU: the polynomial
-exponentials (FUSEDOPS_ATTN_SM90_EXP2=poly) and the 192-query tiles (FUSEDOPS_ATTN_SM90_TILE=m192,
-three consumer warpgroups, D=64), under both overlapped schedules, masks and rows that see no key
-included (the default variants run in test_attention.py's parity suite)."""
+exponentials (FUSEDOPS_ATTN_SM90_EXP2=poly), the 192-query tiles (FUSEDOPS_ATTN_SM90_TILE=m192,
+three consumer warpgroups, D=64) and the q-blocks' alignment (FUSEDOPS_ATTN_SM90_QALIGN), under
+both overlapped schedules, masks and rows that see no key included (the default variants run in
+test_attention.py's parity suite)."""
 
 import attn_oracle as A
 import pytest
@@ -20,6 +21,11 @@ VARIANTS = {
     "poly": {"FUSEDOPS_ATTN_SM90_EXP2": "poly"},
     "m192": {"FUSEDOPS_ATTN_SM90_TILE": "m192"},
     "m192-poly": {"FUSEDOPS_ATTN_SM90_TILE": "m192", "FUSEDOPS_ATTN_SM90_EXP2": "poly"},
+    # q-blocks counted from the sequence's start under a causal mask (the default there counts
+    # them from its end), and from its end without one
+    "m192-qstart": {"FUSEDOPS_ATTN_SM90_TILE": "m192", "FUSEDOPS_ATTN_SM90_QALIGN": "start"},
+    "qstart": {"FUSEDOPS_ATTN_SM90_QALIGN": "start"},
+    "qend": {"FUSEDOPS_ATTN_SM90_QALIGN": "end"},
 }
 
 
