@@ -138,12 +138,13 @@ constexpr int sm90_auto_schedule(int head_dim, bool causal, int max_k) {
 // benchmarks/check_attention_sm90.py (git ae6b1d6, 2026-12-01, bf16, B*L = 16384, H*D = 2048,
 // ping-pong, TFLOP/s 128 / 192 queries per CTA):
 //   D=64: L=1024 347/364, causal 251/216; 4096 402/463, causal 355/378; 16384 415/501, causal
-//     398/471. So 192 queries (3 warpgroups) except causal (or windowed) calls of at most 2048
-//     keys, where the masked diagonal tiles of 192 rows cost more than the extra warpgroup gains.
+//     398/471. Causal calls of at most 2048 keys then kept 128 queries: their q-blocks counted
+//     from the start, so a partial last block of 192 rows read every key tile. Counted from the
+//     end (TileOrderSm90::align_end; run b3f4af60, git 32f1a4a, 128 / 192): causal L=1024
+//     272/282, 2048 332/362. So 192 queries (3 warpgroups) at D=64 everywhere.
 //   D=128/256: 2 (the 192-query tile is built for D=64 only).
-constexpr int sm90_consumer_warpgroups(int head_dim, bool causal, int max_k) {
-  if (head_dim != 64) return 2;
-  return causal && max_k <= 2048 ? 2 : 3;
+constexpr int sm90_consumer_warpgroups(int head_dim, bool /*causal*/, int /*max_k*/) {
+  return head_dim == 64 ? 3 : 2;
 }
 
 // Whether the softmax uses ex2_poly for TilesSm90's kExp2PolyBlocks of its column blocks: no.
