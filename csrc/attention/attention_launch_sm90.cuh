@@ -136,13 +136,6 @@ inline bool sm90_dynamic_tiles(const AttnParams& p) {
   return sm90_unequal_tiles(p);
 }
 
-// The work tiles and their order (TileOrderSm90, attention_fwd_kernel_sm90.cuh). Unmasked, all
-// q-blocks see the same keys: sections of one (sequence, head) pair, q-blocks fastest (the
-// non-persistent grid's order: the blocks of a few heads at a time share their K/V in L2).
-// Causal or windowed, the blocks of most keys go first (the last ones, or the first with only
-// a left bound) over sections of whole KV-head groups, as many as keep their K/V (max_k rows of
-// K and V per KV head) within half the L2 at most, of sizes that differ by one group at most,
-// the smaller first.
 // Q-blocks counted from each sequence's end (TileOrderSm90::align_end) when the mask has a
 // right bound (causal): later queries see more keys, so the partial block is best first.
 // FUSEDOPS_ATTN_SM90_QALIGN=start|end forces one, for measurement (read at every call).
@@ -155,6 +148,13 @@ inline bool sm90_q_align_end(const AttnParams& p) {
   return p.right >= 0;
 }
 
+// The work tiles and their order (TileOrderSm90, attention_fwd_kernel_sm90.cuh). Unmasked, all
+// q-blocks see the same keys: sections of one (sequence, head) pair, q-blocks fastest (the
+// non-persistent grid's order: the blocks of a few heads at a time share their K/V in L2).
+// Causal or windowed, the blocks of most keys go first (the last ones, or the first with only
+// a left bound) over sections of whole KV-head groups, as many as keep their K/V (max_k rows of
+// K and V per KV head) within half the L2 at most, of sizes that differ by one group at most,
+// the smaller first.
 inline TileOrderSm90 sm90_tile_order(const AttnParams& p, int block_m, int l2_bytes) {
   TileOrderSm90 o;
   o.n_mb = (p.max_q + block_m - 1) / block_m;

@@ -418,9 +418,10 @@ SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FU
 @pytest.mark.parametrize("feature", list(FEATURES))
 @NEEDS_EXT
 def test_cuda_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, monkeypatch):
-    """cuda-sm90's backward is the sm90 kernel (serial schedule, its dQ products a step
-    behind or not, or overlapped, by FUSEDOPS_ATTN_SM90_BWD_SCHEDULE, or deterministic in either order of its dQ reductions);
-    FUSEDOPS_ATTN_SM90_BWD=sm80 takes the sm80 one. All pass the oracle."""
+    """cuda-sm90's backward is the sm90 kernel (serial schedule with its dQ products a step
+    behind or not, or overlapped, by FUSEDOPS_ATTN_SM90_BWD_SCHEDULE; or deterministic in
+    either order of its dQ reductions); FUSEDOPS_ATTN_SM90_BWD=sm80 takes the sm80 one. All
+    pass the oracle."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 kernels run on compute capability 9.0")
     for name in SM90_BWD_ENV:
