@@ -516,6 +516,9 @@ BAD = [
      r"cache_seqlens = 9 with S_new = 2 must lie in \[0, 8\]"),
     (lambda: {**_good(), "cache_seqlens": -1, "check": False}, ValueError,
      r"cache_seqlens = -1"),
+    # past int32: named, not torch.full's overflow error
+    (lambda: {**_good(), "cache_seqlens": 2**40}, ValueError,
+     r"cache_seqlens = 1099511627776 with S_new = 0 must lie in \[0, 10\]"),
     (lambda: {**_paged(), "k_cache": torch.randn(1, 2**16, 1, 1),
               "v_cache": torch.randn(1, 2**16, 1, 1), "q": torch.randn(2, 1, 1, 1),
               "page_table": torch.zeros(2, 2**15, dtype=torch.int32)}, ValueError,

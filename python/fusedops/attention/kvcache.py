@@ -311,7 +311,6 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     lens_int = None
     if isinstance(cache_seqlens, int):
         lens_int = check_int("cache_seqlens", cache_seqlens)
-        cache_seqlens = torch.full((batch,), lens_int, dtype=torch.int32, device=q.device)
     cap = reference.capacity(k_cache, page_table)
     if cap > MAX_CAPACITY:
         raise ValueError(f"the cache holds {cap} keys per sequence (page_table's max_pages x "
@@ -322,6 +321,8 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         # A Python int is checked whatever `check` says: it costs no synchronisation.
         raise ValueError(f"cache_seqlens = {lens_int} with S_new = {n_new} must lie in [0, "
                          f"{cap - n_new}] (the cache holds {cap} keys per sequence)")
+    if lens_int is not None:  # made after the range check: int32 cannot hold every int
+        cache_seqlens = torch.full((batch,), lens_int, dtype=torch.int32, device=q.device)
     if check or (check is None and q.device.type == "cpu"
                  and not torch.compiler.is_compiling()):
         check_values(cache_seqlens, page_table, n_new, cap, k_cache.shape[0], k_cache.shape[1])
