@@ -519,6 +519,11 @@ BAD = [
     # past int32: named, not torch.full's overflow error
     (lambda: {**_good(), "cache_seqlens": 2**40}, ValueError,
      r"cache_seqlens = 1099511627776 with S_new = 0 must lie in \[0, 10\]"),
+    # An append writes the cache in place: an expanded one would get one key for several rows
+    (lambda: {**_new(_good()), "k_cache": torch.randn(1, 10, 2, 16).expand(2, 10, 2, 16)},
+     ValueError, r"k_cache is expanded \(stride 0 in dimension 0\)"),
+    (lambda: {**_new(_paged()), "v_cache": torch.randn(5, 4, 1, 16).expand(5, 4, 2, 16)},
+     ValueError, r"v_cache is expanded \(stride 0 in dimension 2\)"),
     (lambda: {**_paged(), "k_cache": torch.randn(1, 2**16, 1, 1),
               "v_cache": torch.randn(1, 2**16, 1, 1), "q": torch.randn(2, 1, 1, 1),
               "page_table": torch.zeros(2, 2**15, dtype=torch.int32)}, ValueError,
@@ -531,6 +536,15 @@ def test_bad_input_names_the_argument(make, exc, match):
     args = make()
     with pytest.raises(exc, match=match):
         attention_with_kvcache(**args, backend="torch")
+
+
+def test_expanded_cache_without_append_is_read():
+    """Only an append refuses an expanded (stride 0) cache; reading one is fine."""
+    a = _good()
+    kc, vc = torch.randn(1, 10, 2, 16).expand(2, 10, 2, 16), torch.randn(2, 10, 2, 16)
+    out = attention_with_kvcache(a["q"], kc, vc, a["cache_seqlens"], backend="torch")
+    want = attention_with_kvcache(a["q"], kc.clone(), vc, a["cache_seqlens"], backend="torch")
+    torch.testing.assert_close(out, want)
 
 
 def test_unused_page_table_entries_are_not_checked():

@@ -100,6 +100,14 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, wi
             if tuple(t.shape) != want:
                 raise ValueError(f"{name} must be (B, S_new, Hkv, D) = {want}, got "
                                  f"{tuple(t.shape)}")
+        # The append writes the cache in place: in an expanded cache one slot would hold the
+        # keys of several sequences (or heads), and every one of them would read the last.
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            shared = [d for d in range(4) if t.stride(d) == 0 and t.shape[d] > 1]
+            if shared:
+                raise ValueError(f"{name} is expanded (stride 0 in dimension {shared[0]}); "
+                                 "appending k_new/v_new writes it in place, so it must own "
+                                 "its memory (e.g. .clone() it once)")
     check_attention_options(window_size, softcap, softmax_scale)
     if num_splits is not None:
         check_int("num_splits", num_splits)
