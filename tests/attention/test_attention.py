@@ -572,6 +572,7 @@ def _qkv(b=1, s=5, hq=4, hkv=2, d=16, sk=None):
     (lambda: (lambda q, k, v: (q, k[..., :8], v[..., :8]))(*_qkv()), {}, ValueError,
      "head dims differ"),
     (lambda: _qkv(hq=3, hkv=2), {}, ValueError, "multiple of the number of k/v heads"),
+    (lambda: _qkv(hq=0, hkv=2), {}, ValueError, r"number of q heads \(0\) must be a positive"),
     (lambda: (lambda q, k, v: (q, k, v[:, :3]))(*_qkv()), {}, ValueError, "k and v must have"),
     (lambda: (lambda q, k, v: (q[0], k[0], v[0]))(*_qkv()), {}, ValueError,
      r"must be \(B, S, H, D\)"),

@@ -40,9 +40,9 @@ def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k, window_size, softcap, soft
     if not 1 <= q.shape[-1] <= 256:
         raise ValueError(f"head dim must be in [1, 256], got {q.shape[-1]}")
     hq, hkv = q.shape[-2], k.shape[-2]
-    if hkv == 0 or hq % hkv != 0:
-        raise ValueError(f"the number of q heads ({hq}) must be a multiple of the number of k/v "
-                         f"heads ({hkv})")
+    if hq == 0 or hkv == 0 or hq % hkv != 0:  # (no head: the backward cannot split 0 groups)
+        raise ValueError(f"the number of q heads ({hq}) must be a positive multiple of the "
+                         f"number of k/v heads ({hkv})")
     if not varlen and q.shape[0] != k.shape[0]:
         raise ValueError(f"q has batch {q.shape[0]}, k and v have batch {k.shape[0]}")
     if varlen:
