@@ -32,6 +32,20 @@ def test_bad_option_types(kwargs, exc, match):
         attention(q, k, v, backend="torch", **kwargs)
 
 
+def test_window_past_int64_is_unlimited():
+    """A window side of Sq + Sk keys or more sees every key: it runs as -1, so that an int past
+    int64 never reaches an op argument (the custom op's schema refused 2**63 under compile)."""
+    q, k, v = _qkv()
+    want = attention(q, k, v, causal=True, backend="torch")
+
+    def f(q, k, v):
+        return attention(q, k, v, causal=True, window_size=(2**63, 2**64), backend="torch")
+
+    torch.testing.assert_close(f(q, k, v), want)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v),
+                               want)
+
+
 def test_one_dtype_and_one_device():
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="v dtype torch.float64 differs from q dtype"):

@@ -134,9 +134,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
         max_q, max_k = sq, sk
     q3, k3, v3 = (t if t.is_contiguous() else t.contiguous() for t in (q3, k3, v3))
     name = dispatch.select("attention", q, head_dim, backend, causal=bool(causal))
+    # A window side of Sq + Sk keys or more sees every key: unlimited (-1), so that any int the
+    # user passes fits the ops' int64 arguments and the kernels' int32 index arithmetic.
+    left, right = (-1 if int(w) >= max_q + max_k else int(w) for w in window_size)
     out, lse = _ops.forward(q3, k3, v3, cu_q, cu_k, int(max_q), int(max_k), scale, bool(causal),
-                            int(window_size[0]), int(window_size[1]), float(softcap or 0.0),
-                            varlen, name)
+                            left, right, float(softcap or 0.0), varlen, name)
     if varlen:
         return (out, lse) if return_lse else out
     out = out.view(q.shape)
