@@ -46,6 +46,22 @@ def test_window_past_int64_is_unlimited():
                                want)
 
 
+@pytest.mark.parametrize("varlen", [False, True])
+def test_meta_tensors_give_shapes(varlen):
+    """Meta tensors (shape inference) get the outputs' shapes and a backward, as
+    linear_cross_entropy's do, instead of the reference failing to read their values."""
+    q, k, v = (t.to("meta").requires_grad_() for t in _qkv(b=2))
+    kwargs = {}
+    if varlen:
+        q, k, v = (t.flatten(0, 1) for t in (q, k, v))
+        cu = torch.tensor([0, 5, 10], dtype=torch.int32, device="meta")
+        kwargs = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=5, max_seqlen_k=5)
+    out, lse = attention(q, k, v, causal=True, return_lse=True, **kwargs)
+    assert out.device.type == "meta" and out.shape == q.shape
+    assert lse.shape == ((4, 10) if varlen else (2, 4, 5))
+    out.sum().backward()
+
+
 def test_one_dtype_and_one_device():
     q, k, v = _qkv()
     with pytest.raises(TypeError, match="v dtype torch.float64 differs from q dtype"):

@@ -201,7 +201,9 @@ class _Eager(torch.autograd.Function):
 
 def forward(*inputs) -> tuple[Tensor, Tensor]:
     """(out, lse) = fusedops::attention_fwd(*inputs), differentiable in q, k, v."""
-    if torch.compiler.is_compiling():
+    # Meta tensors (shape inference) take the op too, whose fake implementation gives the shapes
+    # the implementations would read values for.
+    if torch.compiler.is_compiling() or inputs[0].device.type == "meta":
         return attention_fwd(*inputs)
     if torch.is_grad_enabled() and any(t.requires_grad for t in inputs[:3]):
         return _Eager.apply(*inputs)
