@@ -81,6 +81,7 @@ def test_first_order_gradients_with_create_graph_are_still_right():
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(ignore_index=-100.0), TypeError, "ignore_index must be an int"),
     (dict(ignore_index=None), TypeError, "ignore_index must be an int"),
+    (dict(ignore_index=2**63), ValueError, "ignore_index must fit in int64"),
     (dict(reduction=None), ValueError, "reduction must be one of"),
     (dict(label_smoothing="0.1"), TypeError, "label_smoothing must be a number"),
     (dict(softcap=True), TypeError, "softcap must be a number or None"),

@@ -63,7 +63,9 @@ def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, soft
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
     if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    check_int("ignore_index", ignore_index)
+    if not -2**63 <= check_int("ignore_index", ignore_index) < 2**63:
+        raise ValueError(f"ignore_index must fit in int64 (targets' widest dtype), got "
+                         f"{ignore_index}")
     check_bool("return_lse", return_lse)
     if check_targets is not None:
         check_bool("check_targets", check_targets)
