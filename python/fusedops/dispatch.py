@@ -197,19 +197,27 @@ def candidates(request: str, sig: InputSig) -> list[str]:
     return [request]
 
 
+def check_backend(request, source: str = "backend") -> str:
+    """`request` (a backend= argument, or the FUSEDOPS_BACKEND value) lowercased, after checking
+    that it is one of REQUESTS; the errors name `source`."""
+    if not isinstance(request, str):
+        raise TypeError(f"{source} must be a str or None, got {type(request).__name__}")
+    request = request.lower()
+    if request not in REQUESTS:
+        raise ValueError(f"{source} must be one of {REQUESTS}, got {request!r}")
+    return request
+
+
 @torch.compiler.assume_constant_result
 def select_name(op: str, device_type: str, device_index: int, dtype_name: str, inner_dim: int,
                 backend: str | None, causal: bool = False) -> str:
     """Backend name for these static facts (plain values, so torch.compile can fold the call)."""
     dtype = getattr(torch, dtype_name)
     sig = InputSig(op, device_type, device_index, dtype, inner_dim, causal)
-    request = backend if backend is not None else os.environ.get("FUSEDOPS_BACKEND", "auto")
-    if not isinstance(request, str):
-        raise TypeError(f"backend must be a str or None, got {type(request).__name__}")
-    request = request.lower()
-    if request not in REQUESTS:
-        source = "backend" if backend is not None else "FUSEDOPS_BACKEND"
-        raise ValueError(f"{source} must be one of {REQUESTS}, got {request!r}")
+    if backend is not None:
+        request = check_backend(backend)
+    else:
+        request = check_backend(os.environ.get("FUSEDOPS_BACKEND", "auto"), "FUSEDOPS_BACKEND")
     reasons = []
     for name in candidates(request, sig):
         reason = why_not(name, sig)

@@ -563,6 +563,40 @@ def test_module():
     assert "causal=True" in repr(m)
 
 
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(causal=1), TypeError, "causal"),
+    (dict(return_lse="yes"), TypeError, "return_lse"),
+    (dict(window_size=4), TypeError, "window_size"),
+    (dict(window_size=(4, 2, 1)), TypeError, "window_size"),
+    (dict(window_size=(-2, 0)), ValueError, "window_size"),
+    (dict(window_size=(1.5, 0)), TypeError, "window_size"),
+    (dict(softcap=0.0), ValueError, "softcap"),
+    (dict(softcap=-1.0), ValueError, "softcap"),
+    (dict(softcap="30"), TypeError, "softcap"),
+    (dict(softmax_scale=float("inf")), ValueError, "softmax_scale"),
+    (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
+    (dict(backend="flash"), ValueError, "backend"),
+    (dict(backend=0), TypeError, "backend"),
+])
+def test_module_refuses_bad_options_at_construction(kwargs, exc, match):
+    """Attention raises when built, with the error attention() gives at its first call."""
+    with pytest.raises(exc, match=match) as built:
+        Attention(**kwargs)
+    q = torch.randn(1, 5, 2, 16)
+    with pytest.raises(exc) as called:
+        attention(q, q, q, **{"backend": "torch", **kwargs})
+    assert str(built.value) == str(called.value)
+
+
+def test_module_with_every_option_valid_constructs_and_runs():
+    opts = dict(causal=True, softmax_scale=0.3, window_size=(2, 0), softcap=20.0,
+                return_lse=True, backend="torch")
+    m = Attention(**opts)
+    q, k, v = _qkv()
+    for a, b in zip(m(q, k, v), attention(q, k, v, **opts), strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def _qkv(b=1, s=5, hq=4, hkv=2, d=16, sk=None):
     return (torch.randn(b, s, hq, d), torch.randn(b, sk or s, hkv, d),
             torch.randn(b, sk or s, hkv, d))

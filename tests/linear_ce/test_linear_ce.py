@@ -167,6 +167,68 @@ def test_module_matches_function():
         linear_cross_entropy(h, w, t, label_smoothing=0.1, reduction="sum", backend="torch"))
 
 
+_BAD_MODULE_OPTIONS = [
+    (dict(reduction="foo"), ValueError, "reduction"),
+    (dict(reduction=None), ValueError, "reduction"),
+    (dict(label_smoothing=1.5), ValueError, "label_smoothing"),
+    (dict(label_smoothing=-0.1), ValueError, "label_smoothing"),
+    (dict(label_smoothing="0.1"), TypeError, "label_smoothing"),
+    (dict(softcap=0.0), ValueError, "softcap"),
+    (dict(softcap=-2.0), ValueError, "softcap"),
+    (dict(softcap=float("inf")), ValueError, "softcap"),
+    (dict(z_loss=-1e-4), ValueError, "z_loss"),
+    (dict(z_loss=None), TypeError, "z_loss"),
+    (dict(ignore_index=-100.0), TypeError, "ignore_index"),
+    (dict(ignore_index=2**63), ValueError, "ignore_index"),
+    (dict(memory_budget_mib=0), ValueError, "memory_budget_mib"),
+    (dict(memory_budget_mib="64"), TypeError, "memory_budget_mib"),
+    (dict(return_lse=1), TypeError, "return_lse"),
+    (dict(check_targets="no"), TypeError, "check_targets"),
+    (dict(backend="cudnn"), ValueError, "backend"),
+    (dict(backend=3), TypeError, "backend"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", _BAD_MODULE_OPTIONS)
+def test_module_refuses_bad_options_at_construction(kwargs, exc, match):
+    """The module raises when built, with the error the function gives at its first call."""
+    from fusedops import LinearCrossEntropyLoss
+    with pytest.raises(exc, match=match) as built:
+        LinearCrossEntropyLoss(**kwargs)
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(3, 8, generator=g), torch.randn(10, 8, generator=g)
+    t = torch.randint(0, 10, (3,), generator=g)
+    with pytest.raises(exc) as called:
+        linear_cross_entropy(h, w, t, **{"backend": "torch", **kwargs})
+    assert str(built.value) == str(called.value)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(process_group=object()), TypeError, "process_group"),
+    (dict(vocab_start="0"), TypeError, "vocab_start"),
+    (dict(vocab_start=2.0), TypeError, "vocab_start"),
+    (dict(check_replicated="yes"), TypeError, "check_replicated"),
+])
+def test_module_refuses_bad_parallel_options_at_construction(kwargs, exc, match):
+    from fusedops import LinearCrossEntropyLoss
+    with pytest.raises(exc, match=match):
+        LinearCrossEntropyLoss(**kwargs)
+
+
+def test_module_with_every_option_valid_constructs_and_runs():
+    from fusedops import LinearCrossEntropyLoss
+    opts = dict(ignore_index=-1, reduction="none", label_smoothing=1, softcap=30,
+                z_loss=1e-4, return_lse=True, backend="TORCH", check_targets=False,
+                memory_budget_mib=4)
+    mod = LinearCrossEntropyLoss(**opts)
+    g = torch.Generator().manual_seed(6)
+    h, w = torch.randn(2, 3, 8, generator=g), torch.randn(10, 8, generator=g)
+    t = torch.randint(0, 10, (2, 3), generator=g)
+    t[0, 1] = -1
+    for a, b in zip(mod(h, w, t), linear_cross_entropy(h, w, t, **opts), strict=True):
+        torch.testing.assert_close(a, b)
+
+
 def test_extension_status_is_reported():
     """Where the extension was built, it loads and says which archs it holds."""
     if _ext.available():

@@ -16,7 +16,7 @@ __all__ = ["attention", "Attention", "attention_with_kvcache"]
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k, window_size, softcap, softmax_scale):
+def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -64,6 +64,12 @@ def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k, window_size, softcap, soft
                 raise ValueError(f"{name} must be an int >= 0 with cu_seqlens, got {m!r}")
     elif cu_q is not None or cu_k is not None:
         raise ValueError("pass both cu_seqlens_q and cu_seqlens_k (packed q, k, v) or neither")
+
+
+def _check_options(causal, return_lse, window_size, softcap, softmax_scale):
+    """The checks of attention's plain options; Attention runs them at construction."""
+    check_bool("causal", causal)
+    check_bool("return_lse", return_lse)
     check_attention_options(window_size, softcap, softmax_scale)
 
 
@@ -113,11 +119,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     cuda-sm90's backward at head dim 64/128 adds the same fp32 partials in a fixed order instead
     of running a separate pass).
     """
-    check_bool("causal", causal)
-    check_bool("return_lse", return_lse)
+    _check_options(causal, return_lse, window_size, softcap, softmax_scale)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    _check(q, k, v, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, window_size,
-           softcap, softmax_scale)
+    _check(q, k, v, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     head_dim = q.shape[-1]
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     if varlen:
@@ -154,6 +158,10 @@ class Attention(nn.Module):
                  window_size: tuple[int, int] = (-1, -1), softcap: float | None = None,
                  return_lse: bool = False, backend: str | None = None):
         super().__init__()
+        # Bad options raise here, with attention()'s messages, not at the first forward.
+        _check_options(causal, return_lse, window_size, softcap, softmax_scale)
+        if backend is not None:
+            dispatch.check_backend(backend)
         self.options = dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                             softcap=softcap, return_lse=return_lse, backend=backend)
 

@@ -61,6 +61,14 @@ def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, soft
     for name, t in (("weight", weight), ("target", target), ("bias", bias)):
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    _check_options(reduction, label_smoothing, softcap, z_loss, memory_budget_mib, ignore_index,
+                   return_lse, check_targets)
+
+
+def _check_options(reduction, label_smoothing, softcap, z_loss, memory_budget_mib, ignore_index,
+                   return_lse, check_targets):
+    """The checks of the plain options (no tensor); LinearCrossEntropyLoss runs them at
+    construction."""
     if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     if not -2**63 <= check_int("ignore_index", ignore_index) < 2**63:
@@ -200,6 +208,13 @@ class LinearCrossEntropyLoss(nn.Module):
                  process_group=None, vocab_start: int | None = None,
                  check_replicated: bool = False):
         super().__init__()
+        # Bad options raise here, with linear_cross_entropy's messages, not at the first forward.
+        _check_options(reduction, label_smoothing, softcap, z_loss, memory_budget_mib,
+                       ignore_index, return_lse, check_targets)
+        if backend is not None:
+            dispatch.check_backend(backend)
+        if process_group is not None or vocab_start is not None or check_replicated:
+            _parallel.check_options(process_group, vocab_start, check_replicated)
         self.options = dict(ignore_index=ignore_index, reduction=reduction,
                             label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
                             return_lse=return_lse, backend=backend, check_targets=check_targets,

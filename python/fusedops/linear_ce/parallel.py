@@ -229,6 +229,33 @@ def _fingerprint(h2: Tensor, t1: Tensor) -> Tensor:
     return torch.stack([hd.abs().sum(), row.sum(), (row * pos).sum(), tt.sum(), (tt * pos).sum()])
 
 
+def _require_dist() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError("process_group / vocab_start need torch.distributed, which this "
+                           "torch build lacks")
+
+
+def _check_group_type(group) -> None:
+    import torch.distributed as dist
+
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got "
+                        f"{type(group).__name__} (for a DeviceMesh, pass mesh.get_group())")
+
+
+def check_options(process_group, vocab_start, check_replicated) -> None:
+    """The checks of the vocab-parallel options that need no tensor and no collective
+    (LinearCrossEntropyLoss runs them at construction; linear_cross_entropy below runs each)."""
+    _require_dist()
+    if process_group is not None:
+        _check_group_type(process_group)
+    if vocab_start is not None:
+        check_int("vocab_start", vocab_start)
+    check_bool("check_replicated", check_replicated)
+
+
 def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reduction,
                          label_smoothing, softcap, z_loss, return_lse, backend, check_targets,
                          memory_budget_mib, process_group, vocab_start, check_replicated):
@@ -237,9 +264,7 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
 
     from fusedops.linear_ce import _check_inputs, _flat_inputs
 
-    if not dist.is_available():
-        raise RuntimeError("process_group / vocab_start need torch.distributed, which this "
-                           "torch build lacks")
+    _require_dist()
     group = process_group
     if is_dtensor(weight):
         weight, mesh_group = _shard0_group("weight", weight)
@@ -260,9 +285,7 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     if group is None:
         raise ValueError("vocab_start needs process_group (the group the weight is split over) "
                          "or a DTensor weight sharded on dim 0")
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got "
-                        f"{type(group).__name__} (for a DeviceMesh, pass mesh.get_group())")
+    _check_group_type(group)
     if not dist.is_initialized():
         raise RuntimeError("process_group given but torch.distributed is not initialised")
     rank = dist.get_rank(group)
