@@ -68,6 +68,38 @@ def test_out_of_range_target_raises(bad):
         linear_cross_entropy(h, w, t, backend="torch")
 
 
+@pytest.mark.parametrize("algo", ["auto", "recompute"])
+@pytest.mark.parametrize("reduction,return_lse", [("mean", False), ("none", False),
+                                                  ("sum", True)])
+@pytest.mark.parametrize("lead,pos", [((2, 3), (1, 1)), ((2, 3, 4), (1, 0, 2)),
+                                      ((2, 3, 4), (0, 2, 3))])
+def test_out_of_range_target_is_named_in_the_callers_shape(lead, pos, reduction, return_lse,
+                                                           algo, monkeypatch):
+    """target[1, 1] of a (2, 3) target, not its flat index target[4]; on every op path."""
+    monkeypatch.setenv("FUSEDOPS_LCE_ALGO", algo)
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(*lead, 16, generator=g)
+    w = torch.randn(11, 16, generator=g)
+    t = torch.randint(0, 11, lead, generator=g)
+    t[pos] = 99
+    where = ", ".join(map(str, pos))
+    with pytest.raises(ValueError, match=rf"^target\[{where}\] = 99 is outside \[0, 11\) and "
+                       r"is not ignore_index \(-100\)$"):
+        linear_cross_entropy(h, w, t, backend="torch", reduction=reduction,
+                             return_lse=return_lse)
+
+
+def test_out_of_range_target_index_of_a_non_contiguous_target():
+    """The index is the caller's, also when the target is a strided view."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(3, 2, 16, generator=g)
+    w = torch.randn(11, 16, generator=g)
+    t = torch.randint(0, 11, (2, 3), generator=g)
+    t[0, 2] = 50  # t.T[2, 0]
+    with pytest.raises(ValueError, match=r"^target\[2, 0\] = 50 is outside"):
+        linear_cross_entropy(h, w, t.T, backend="torch")
+
+
 def test_out_of_range_target_unchecked_reads_nothing_outside():
     """With the check off, an out-of-range target contributes its lse alone (documented)."""
     h, w, t = _inputs()

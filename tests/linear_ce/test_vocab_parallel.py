@@ -446,7 +446,8 @@ _MISUSE_EXPECT = {
     "start_out_of_range": ("ValueError", "outside [0, 37)"),
     "overlap": ("ValueError", "do not tile [0, 37)"),
     "start_on_one_rank": ("ValueError", "whether vocab_start is given differs"),
-    "target_range": ("ValueError", "target[3] = 37 is outside [0, 37)"),
+    "target_range": ("TargetOutOfRangeError",  # a ValueError naming the index in t's shape
+                     "target[0, 3] = 37 is outside [0, 37)"),
     "mismatch_hidden": ("ValueError", "hidden or target differs across the ranks"),
     "bad_dtype_one_rank": ("TypeError", ["rank(s) [1]", "weight dtype torch.float32"]),
     "tokens_differ": ("ValueError", "the number of tokens differs"),

@@ -181,19 +181,25 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     algo = os.environ.get("FUSEDOPS_LCE_ALGO", "auto")
     if algo not in ("auto", "recompute"):
         raise ValueError(f"FUSEDOPS_LCE_ALGO must be 'auto' or 'recompute', got {algo!r}")
-    if reduction != "none" and not return_lse and algo == "auto":
-        return _ops.fused_loss(h2, w, b, t1, int(ignore_index), reduction, float(label_smoothing),
-                               float(softcap or 0.0), float(z_loss), memory_budget_mib,
-                               bool(check_targets), name)
-    if algo == "auto":
-        lse, z_target, z_sum = _ops.stats(h2, w, b, t1, int(ignore_index), float(softcap or 0.0),
-                                          memory_budget_mib, bool(check_targets), name)
-    else:
-        if w.dtype != h2.dtype:  # mixed precision on the recompute path: cast (autograd casts
-            w = w.to(h2.dtype)   # back)
-            b = None if b is None else b.to(h2.dtype)
-        lse, z_target, z_sum = torch.ops.fusedops.linear_ce_fwd(
-            h2, w, b, t1, int(ignore_index), float(softcap or 0.0), bool(check_targets), name)
+    # The ops check the flat target; the error is re-raised here with the caller's index (eager
+    # only: under torch.compile the op's own error, with the flat index, comes out).
+    try:
+        if reduction != "none" and not return_lse and algo == "auto":
+            return _ops.fused_loss(h2, w, b, t1, int(ignore_index), reduction,
+                                   float(label_smoothing), float(softcap or 0.0), float(z_loss),
+                                   memory_budget_mib, bool(check_targets), name)
+        if algo == "auto":
+            lse, z_target, z_sum = _ops.stats(h2, w, b, t1, int(ignore_index),
+                                              float(softcap or 0.0), memory_budget_mib,
+                                              bool(check_targets), name)
+        else:
+            if w.dtype != h2.dtype:  # mixed precision on the recompute path: cast (autograd
+                w = w.to(h2.dtype)   # casts back)
+                b = None if b is None else b.to(h2.dtype)
+            lse, z_target, z_sum = torch.ops.fusedops.linear_ce_fwd(
+                h2, w, b, t1, int(ignore_index), float(softcap or 0.0), bool(check_targets), name)
+    except _ops.TargetOutOfRangeError as e:
+        raise e.in_shape(lead_shape) from None
     return _ops.loss_from_statistics(lse, z_target, z_sum, t1 != ignore_index, vocab_size,
                                      label_smoothing, z_loss, reduction, lead_shape, return_lse)
 

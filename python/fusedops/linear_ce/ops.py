@@ -26,14 +26,49 @@ def _stat_dtype(hidden: Tensor) -> torch.dtype:
     return torch.float64 if hidden.dtype == torch.float64 else torch.float32
 
 
-def check_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int) -> None:
-    """Raises ValueError naming the first target outside [0, V) that is not ignore_index."""
+class TargetOutOfRangeError(ValueError):
+    """A target outside [0, V) that is not ignore_index. `index` is its position in the flat
+    target; the message gives it in `shape` (the caller's target shape) when that has more than
+    one dimension, so that the ops, which see (N,) targets, raise it and linear_cross_entropy
+    re-raises it with `in_shape(the caller's shape)`."""
+
+    def __init__(self, index: int, value: int, vocab_size: int, ignore_index: int,
+                 shape: tuple[int, ...] = ()):
+        self.index, self.value, self.shape = index, value, tuple(shape)
+        self.vocab_size, self.ignore_index = vocab_size, ignore_index
+        super().__init__(f"target[{_position(index, self.shape)}] = {value} is outside "
+                         f"[0, {vocab_size}) and is not ignore_index ({ignore_index})")
+
+    def __reduce__(self):
+        return type(self), (self.index, self.value, self.vocab_size, self.ignore_index,
+                            self.shape)
+
+    def in_shape(self, shape) -> TargetOutOfRangeError:
+        return TargetOutOfRangeError(self.index, self.value, self.vocab_size, self.ignore_index,
+                                     tuple(int(d) for d in shape))
+
+
+def _position(index: int, shape: tuple[int, ...]) -> str:
+    """"1, 1" for flat index 4 of a (2, 3) target (row-major, as reshape(-1) flattens); the
+    flat index itself for 0 or 1 dimensions. Host arithmetic, no device access."""
+    if len(shape) < 2:
+        return str(index)
+    pos = []
+    for size in reversed(shape):
+        index, rem = divmod(index, size)
+        pos.append(rem)
+    return ", ".join(str(p) for p in reversed(pos))
+
+
+def check_targets_in_range(target: Tensor, vocab_size: int, ignore_index: int,
+                           shape: tuple[int, ...] = ()) -> None:
+    """Raises TargetOutOfRangeError (a ValueError) naming the first target outside [0, V) that
+    is not ignore_index; `shape`: the caller's shape of `target`, for the message."""
     bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index)
     if bool(bad.any()):  # one host sync; pass check_targets=False to skip it
         idx = int(torch.nonzero(bad.flatten())[0, 0])
-        raise ValueError(
-            f"target[{idx}] = {int(target.flatten()[idx])} is outside [0, {vocab_size}) and is not "
-            f"ignore_index ({ignore_index})")
+        raise TargetOutOfRangeError(idx, int(target.flatten()[idx]), vocab_size, ignore_index,
+                                    shape)
 
 
 @torch.library.custom_op("fusedops::linear_ce_fwd", mutates_args=())

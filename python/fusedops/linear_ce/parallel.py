@@ -348,7 +348,7 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     if check_targets is None:
         check_targets = os.environ.get("FUSEDOPS_CHECK_TARGETS", "1") != "0"
     if check_targets:
-        _ops.check_targets_in_range(t1, vocab_size, int(ignore_index))
+        _ops.check_targets_in_range(t1, vocab_size, int(ignore_index), lead_shape)
     # Targets relative to the shard: those of other shards (and ignore_index) fall outside
     # [0, V_r), where the row kernels and the single-device op give a target logit of 0 and no
     # one-hot gradient.
