@@ -45,6 +45,7 @@
 #include "../hopper_ptx.cuh"
 #include "attention_common.cuh"
 #include "attention_config_sm90.h"
+#include "attention_order_sm90.h"
 
 namespace fusedops {
 namespace attn {
@@ -70,60 +71,8 @@ namespace attn {
 // fit within part of the L2, of sizes that differ by at most one group, the smaller first (a
 // short last section would put its longest tiles at the very end; attention_launch_sm90.cuh).
 // With grid = n_work and one tile per CTA the same kernel is the non-persistent launch; tile
-// tables without TilesSm90::kPersistent compile it without the loop's back edge.
-struct TileOrderSm90 {
-  int64_t n_work;  // n_mb * n_bh
-  // The tiles of this launch: [t_begin, t_end) of [0, n_work) (several launches only when one
-  // CTA per tile needs more than 2^31 - 1 CTAs).
-  int64_t t_begin, t_end;
-  int64_t n_bh;    // batch * hq
-  int n_mb;        // q-blocks per sequence: ceil(max_q / BM)
-  int hq;
-  int sec;         // pairs per section of the first n_small sections, >= 1
-  int sec_big;     // pairs per later section; sec_big * n_mb < 2^31
-  int64_t n_small;  // sections of sec pairs: n_small * sec + k * sec_big = n_bh
-  // For the 32-bit decoding (n_work < 2^31; set by the host with the above): sec * n_mb,
-  // sec_big * n_mb, the first tile and the first pair after the small sections.
-  int per, per_big, small_end, small_pairs;
-  int reverse;     // 1: block n_mb - 1 first
-  // 1: q-block mb holds queries [lq - (n_mb - mb) BM, lq - (n_mb - mb - 1) BM) of its sequence,
-  // counted from the end, so that a partial block is the first, not the last (rows before the
-  // sequence's start are computed on whatever Q rows the load brings, never stored); 0: [mb BM,
-  // mb BM + BM). Under a causal mask the first block sees the fewest keys and the last the
-  // most: aligned to the start, a partial last block (L = 4096 in 192-query tiles) did a whole
-  // row of key tiles for a third of its rows.
-  int align_end;
-  int dynamic;     // 1: tiles after the first from the tile counter (persistent launches only)
-  // kNarrow: n_work < 2^31 is known (persistent launches), so the 64-bit path is not compiled
-  // at all (its loop-invariant products would stay live in the producer thread's registers).
-  template <bool kNarrow = false>
-  __host__ __device__ void decode(int64_t t, int& b, int& h, int& mb) const {
-    int k;
-    if (kNarrow || n_work <= 0x7fffffff) {  // 32-bit divisions (uniform over the grid)
-      // Selects rather than branches, and the products precomputed: the producer thread runs
-      // this within its 24 (one-tile tables) or 40 registers.
-      const int ti = static_cast<int>(t);
-      const bool big = ti >= small_end;
-      const int t2 = big ? ti - small_end : ti, pr = big ? per_big : per, w = big ? sec_big : sec;
-      const int s = t2 / pr, r = t2 - s * pr;
-      k = r / w;
-      const int bh = (big ? small_pairs : 0) + s * w + (r - k * w);
-      b = bh / hq;
-      h = bh - b * hq;
-    } else {
-      const int64_t per64 = static_cast<int64_t>(sec) * n_mb, small = n_small * per64;
-      const bool big = t >= small;
-      const int64_t pr = big ? static_cast<int64_t>(sec_big) * n_mb : per64;
-      const int64_t t2 = big ? t - small : t, s = t2 / pr;
-      const int r = static_cast<int>(t2 - s * pr), w = big ? sec_big : sec;
-      k = r / w;
-      const int64_t bh = (big ? n_small * sec : 0) + s * w + (r - k * w);
-      b = static_cast<int>(bh / hq);
-      h = static_cast<int>(bh - static_cast<int64_t>(b) * hq);
-    }
-    mb = reverse ? n_mb - 1 - k : k;
-  }
-};
+// tables without TilesSm90::kPersistent compile it without the loop's back edge. The struct is
+// in attention_order_sm90.h (the backward orders its key blocks with it too).
 
 // Synchronisation across work tiles (every count and parity; a miscount is a hang):
 // - A work tile is *skipped* by every role alike when none of its queries lies in the sequence

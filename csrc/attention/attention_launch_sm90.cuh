@@ -148,7 +148,7 @@ inline bool sm90_q_align_end(const AttnParams& p) {
   return p.right >= 0;
 }
 
-// The work tiles and their order (TileOrderSm90, attention_fwd_kernel_sm90.cuh). Unmasked, all
+// The work tiles and their order (TileOrderSm90, attention_order_sm90.h). Unmasked, all
 // q-blocks see the same keys: sections of one (sequence, head) pair, q-blocks fastest (the
 // non-persistent grid's order: the blocks of a few heads at a time share their K/V in L2).
 // Causal or windowed, the blocks of most keys go first (the last ones, or the first with only
@@ -160,32 +160,15 @@ inline TileOrderSm90 sm90_tile_order(const AttnParams& p, int block_m, int l2_by
   o.n_mb = (p.max_q + block_m - 1) / block_m;
   o.hq = p.hq;
   o.n_bh = static_cast<int64_t>(p.batch) * p.hq;
-  o.n_work = o.n_bh * o.n_mb;
-  o.t_begin = 0;
-  o.t_end = o.n_work;
   o.reverse = !(p.left >= 0 && p.right < 0);
   o.align_end = sm90_q_align_end(p) ? 1 : 0;
   o.dynamic = 0;
-  o.sec = o.sec_big = 1;
-  o.n_small = o.n_bh;
-  if (p.left >= 0 || p.right >= 0) {
-    const int64_t group = p.hq / p.hkv, groups = o.n_bh / group;
-    const int64_t kv_bytes = static_cast<int64_t>(p.max_k > 0 ? p.max_k : 1) * p.head_dim * 4;
-    // Groups per section: at most what fits (and at most 2^30 / n_mb pairs: 32-bit decoding).
-    int64_t cap = std::max<int64_t>(1, (l2_bytes / 2) / kv_bytes);
-    cap = std::max<int64_t>(1, std::min(cap, ((int64_t{1} << 30) / std::max(1, o.n_mb)) / group));
-    const int64_t n_sec = (groups + cap - 1) / cap;
-    const int64_t small = groups / n_sec, n_big = groups - small * n_sec;
-    o.sec = static_cast<int>(small * group);
-    o.sec_big = static_cast<int>((small + 1) * group);
-    o.n_small = n_sec - n_big;
-  }
-  if (o.n_work <= 0x7fffffff) {
-    o.per = o.sec * o.n_mb;
-    o.per_big = o.sec_big * o.n_mb;
-    o.small_end = static_cast<int>(o.n_small * o.per);
-    o.small_pairs = static_cast<int>(o.n_small * o.sec);
-  }
+  const bool masked = p.left >= 0 || p.right >= 0;
+  // A unit: a KV-head group (its query heads adjacent), max_k rows of K and V per KV head.
+  const int64_t kv_bytes = static_cast<int64_t>(p.max_k > 0 ? p.max_k : 1) * p.head_dim * 4;
+  tile_order_sections(o, p.hq / p.hkv, masked ? kv_bytes : 0, l2_bytes);
+  o.t_begin = 0;
+  o.t_end = o.n_work;
   return o;
 }
 
