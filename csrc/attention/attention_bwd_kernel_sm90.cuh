@@ -19,7 +19,10 @@
 //   dV += P^T dO, dK += dS^T Q      (rs: A from registers, dO/Q MN-major);
 //   dQ_part = dS K                  (ss, both operands MN-major: dS^T and K as stored), a
 //     64 x 64 piece per warpgroup (D=128: all queries x head-dim half w; D=64: query half w x
-//     all columns), added to p.dq_acc (dq_acc_index layout) by red.global.add.v2.f32.
+//     all columns), added to p.dq_acc (dq_acc_index layout) by red.global.add.v2.f32; with
+//     80-query steps (kDqT, D=128) dQ^T = K^T dS^T instead, from dS stored queries x keys,
+//     64 head-dim rows x 80 queries per warpgroup, into dq_acc_index_t's column-major tiles
+//     (the comments at add_dq and attention_config_bwd_sm90.h say why).
 // Schedule (kOverlap false, the default): S^T and dP^T waited for together; dV's products
 // run while dS^T is stored and the two warpgroups meet at the named barrier, dK's while
 // dQ_part is added to the accumulator; the other consumer warpgroup's work fills the tensor
@@ -35,7 +38,7 @@
 // Each barrier's next arrival comes only after the other warpgroup's sync of the last (the
 // chain of the other barrier), so no phase is overtaken. The first step forms a product from a
 // buffer nobody wrote and drops it (no conditional wgmma); the last is formed after the loop.
-// dK is scaled by p.scale here, dQ by dq_convert_kernel. dK and dV leave through the K and V
+// dK is scaled by p.scale here, dQ by dq_convert_kernel (kDqT: dq_convert_t_kernel). dK and dV leave through the K and V
 // buffers by TMA stores (the epilogue at the end says where).
 // Deterministic mode (kDet, p.dq_sem set; serial schedule): each step's dQ block (BM queries of
 // one query head, all D columns) is added by the contributing CTAs in one fixed order, key
@@ -77,7 +80,9 @@
 // dO) or 64 (dK, dV: a consumer warpgroup's keys), 128-byte swizzle. A tile that crosses a
 // sequence's end reads the next sequence's rows (TMA zero-fills only past the tensor's end):
 // keys >= lk and queries >= lq are masked by index (P = dS = 0), their gradients never stored.
-// Launch: TilesBwdSm90<D>::kThreads threads, kSmem bytes of dynamic shared memory. The body is
+// Launch: TilesBwdSm90<D, kBM>::kThreads threads, kSmem bytes of dynamic shared memory. kBM = 80
+// (kDqT) has no softcap path (a call with softcap traps) and runs only the lockstep serial
+// schedule without the deterministic mode (static_assert). The body is
 // empty (a trap) unless compiled for sm_90a.
 #pragma once
 
@@ -188,7 +193,8 @@ __device__ __forceinline__ void red_add4(float* dst, float4 v) {
 // columns each, so that a warp's loads of O and dO are whole rows of D contiguous elements:
 // delta sums a thread's 8 products in order, then over the row's threads by shuffles (a fixed
 // tree: the same bits every run); the row's first thread writes the statistics; each thread
-// zeroes its 8 floats of the row in the accumulator (one 32-byte run, dq_acc_index). Only rows
+// zeroes its 8 floats of the row in the accumulator (one 32-byte run, dq_acc_index; with BM = 80
+// eight floats 32 bytes apart, dq_acc_index_t). Only rows
 // of [0, lq) are zeroed: they are all that bwd_kernel_sm90 adds to and dq_convert_kernel
 // reads, since the sequences cover the packed rows. In the deterministic mode the first
 // contributor of a whole query block (m + BM <= lq) of a sequence whose rows start on an 8-row
@@ -566,6 +572,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dk[d8][e] = dv[d8][e] = 0.f;
 
+    if constexpr (kDqT)
+      if (score.capped()) __trap();  // the launcher never sends softcap here: no such path
     // Every consumer thread arrives: an arrival releases only its own thread's earlier reads
     // (of the stage's statistics, here), so one lane arriving for its warp would not order the
     // other lanes' reads before the producer's next copy into the stage.
@@ -646,11 +654,22 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
           float* dst0 = p.dq_acc + dq_acc_index_t<D>(sq.q_start + q, h_of, d, p.hq);
           float* dst1 = p.dq_acc + dq_acc_index_t<D>(sq.q_start + q + 1, h_of, d, p.hq);
 #pragma unroll
-          for (int n8 = 0; n8 < kDqN8; ++n8, dst0 += tile, dst1 += tile) {
-            red_add1_if(q + 8 * n8 < sq.lq, dst0, dq[n8][0]);
-            red_add1_if(q + 8 * n8 + 1 < sq.lq, dst1, dq[n8][1]);
-            red_add1_if(q + 8 * n8 < sq.lq, dst0 + 64, dq[n8][2]);
-            red_add1_if(q + 8 * n8 + 1 < sq.lq, dst1 + 64, dq[n8][3]);
+          if (m_of + BM <= sq.lq) {
+#pragma unroll
+            for (int n8 = 0; n8 < kDqN8; ++n8, dst0 += tile, dst1 += tile) {
+              atomicAdd(dst0, dq[n8][0]);
+              atomicAdd(dst1, dq[n8][1]);
+              atomicAdd(dst0 + 64, dq[n8][2]);
+              atomicAdd(dst1 + 64, dq[n8][3]);
+            }
+          } else {
+#pragma unroll
+            for (int n8 = 0; n8 < kDqN8; ++n8, dst0 += tile, dst1 += tile) {
+              red_add1_if(q + 8 * n8 < sq.lq, dst0, dq[n8][0]);
+              red_add1_if(q + 8 * n8 + 1 < sq.lq, dst1, dq[n8][1]);
+              red_add1_if(q + 8 * n8 < sq.lq, dst0 + 64, dq[n8][2]);
+              red_add1_if(q + 8 * n8 + 1 < sq.lq, dst1 + 64, dq[n8][3]);
+            }
           }
         }
         return;

@@ -531,6 +531,7 @@ def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
     conv_t = any("dq_convert_t_kernel" in n for n in names)
     main80 = any("bwd_kernel_sm90" in n and ("128, false, false, false, 80>" in n or
                                               "Li128ELb0ELb0ELb0ELi80E" in n) for n in names)
+    assert any("bwd_kernel_sm90" in n for n in names), sorted(names)
     assert conv_t == want80 and main80 == want80, sorted(names)
 
 
