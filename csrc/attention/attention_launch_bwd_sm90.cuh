@@ -100,7 +100,10 @@ inline bool sm90_bwd_q80(const AttnParams& p) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_BM");
   if (s != nullptr && std::strcmp(s, "80") == 0) return true;
   if (s != nullptr && std::strcmp(s, "64") == 0) return false;
-  return p.left < 0 && p.right < 0;
+  // By default also only where 80-row steps add at most 4% rows over 64-row ones for the
+  // longest sequence (a sequence of 128 queries would run 160 rows, 25% more; 1024 runs 1040).
+  const int64_t rows80 = (p.max_q + 79) / 80 * 80, rows64 = (p.max_q + 63) / 64 * 64;
+  return p.left < 0 && p.right < 0 && rows80 * 25 <= rows64 * 26;
 }
 
 // Needs p.dq_acc (rows rounded up to a multiple of 8, any contents: the preprocess zeroes the

@@ -511,9 +511,9 @@ def test_sm90_deterministic_backward_runs_the_sm90_kernel(head_dim, monkeypatch)
 @pytest.mark.parametrize("feature", ["plain", "causal", "softcap"])
 def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
     """At D=128 the sm90 backward takes 80-query steps (its kernel's template argument 80, dQ
-    converted from column-major tiles by dq_convert_t_kernel) on unmasked calls without softcap,
-    64-query steps otherwise; FUSEDOPS_ATTN_SM90_BWD_BM=64|80 forces either, except that
-    softcap always takes 64."""
+    converted from column-major tiles by dq_convert_t_kernel) on unmasked calls without softcap
+    (300 queries: 320 rows either way), 64-query steps otherwise; FUSEDOPS_ATTN_SM90_BWD_BM=64|80
+    forces either, except that softcap always takes 64."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 backward runs on compute capability 9.0")
     for name in SM90_BWD_ENV:
