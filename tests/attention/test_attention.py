@@ -523,7 +523,8 @@ def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
     opts = {"plain": {}, "causal": {"causal": True}, "softcap": {"softcap": 30.0}}[feature]
     case = A.Case(2, 300, 300, 4, 2, 128, torch.bfloat16, "cuda", **opts)
     inp = A.make_inputs(case)
-    names = _kernel_names(lambda: A.run(lambda *a, **k: attention(*a, **k, backend="cuda-sm90"),
+    names = _kernel_names(lambda: A.run(lambda *a, **k: attention(*a, **k, return_lse=True,
+                                                                  backend="cuda-sm90"),
                                         inp, case, case.dtype))
     if not names:
         pytest.skip("the profiler recorded no CUDA kernels (CUPTI unavailable)")
