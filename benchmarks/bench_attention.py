@@ -17,7 +17,7 @@ Methods with a suffix run the fusedops backend under an environment override (ME
 -atomic-dq / -deterministic the dQ modes (-deterministic-ascending with the deterministic mode's
 linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backward, -bwd-regs
 the sm90 backward storing dK/dV from registers, -bwd-lagged /
--bwd-lockstep its dQ products a step behind or not,
+-bwd-lockstep its dQ products a step behind or not, -bm64 / -bm80 its query steps at D=128,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
 -m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
 schedule, -bn176 its 176-key tiles at D=128, -mc / -nomc its K/V multicast in clusters of two
@@ -111,6 +111,8 @@ METHOD_ENV = {
     "-bwd-regs": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "regs"},
     "-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
+    "-bm64": {"FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
+    "-bm80": {"FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
     "-qstart": {"FUSEDOPS_ATTN_SM90_QALIGN": "start"},
     "-qend": {"FUSEDOPS_ATTN_SM90_QALIGN": "end"},
     "-static": {"FUSEDOPS_ATTN_SM90_TILES": "static"},

@@ -234,7 +234,8 @@ def fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
 # Arch 90's backwards at D=64/128, as the environment overrides that select them: the sm90
 # kernel (attention_bwd_kernel_sm90.cuh; FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=overlap its overlapped
 # schedule, =lagged / lockstep its dQ products a step behind or not,
-# FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs its dK/dV stores from registers) and
+# FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs its dK/dV stores from registers,
+# FUSEDOPS_ATTN_SM90_BWD_BM=80|64 its query steps at D=128) and
 # FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; the det variants run the op's
 # deterministic mode (the sm90 kernel's ordered dQ reductions, key blocks ascending or
 # descending by FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER; "sm90-det" the launcher's default order, the
@@ -244,6 +245,8 @@ BWD_VARIANTS = {
     "sm90-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm90-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "sm90-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
+    "sm90-bm80": {"FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
+    "sm90-bm64": {"FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
     "sm80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
     "sm90-regs": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "regs"},
     "sm90-det": {},
@@ -268,7 +271,7 @@ class bwd_env:
         self.saved = {k: os.environ.pop(k, None)
                       for k in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE",
                                 "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER",
-                                "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE")}
+                                "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE", "FUSEDOPS_ATTN_SM90_BWD_BM")}
         os.environ.update(self.env)
 
     def __exit__(self, *exc):

@@ -189,6 +189,16 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t a, uint32_t 
                "r"(a), "r"(b), "r"(c), "r"(d)
                : "memory");
 }
+// The same with .trans: matrix k's element (row r, column c) -- register k of lane 4 r + c / 2 --
+// goes to column r of its row c, so lanes 8 k .. 8 k + 7 give the addresses of the rows that
+// hold the fragment's columns 0..7 (an accumulator tile stored transposed).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t a, uint32_t b,
+                                                  uint32_t c, uint32_t d) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(
+                   addr),
+               "r"(a), "r"(b), "r"(c), "r"(d)
+               : "memory");
+}
 __device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
   uint32_t v;
   asm volatile("ld.shared.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
@@ -389,6 +399,8 @@ struct WgmmaSs;
                    : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransA), "n"(kTransB));     \
     }                                                                                         \
   };
+FUSEDOPS_WGMMA_SS(__nv_bfloat16, 80, "bf16", 40, 41, 42, 43, 44)
+FUSEDOPS_WGMMA_SS(__half, 80, "f16", 40, 41, 42, 43, 44)
 FUSEDOPS_WGMMA_SS(__nv_bfloat16, 128, "bf16", 64, 65, 66, 67, 68)
 FUSEDOPS_WGMMA_SS(__half, 128, "f16", 64, 65, 66, 67, 68)
 FUSEDOPS_WGMMA_SS(__nv_bfloat16, 256, "bf16", 128, 129, 130, 131, 132)

@@ -19,7 +19,10 @@
 //   dV += P^T dO, dK += dS^T Q      (rs: A from registers, dO/Q MN-major);
 //   dQ_part = dS K                  (ss, both operands MN-major: dS^T and K as stored), a
 //     64 x 64 piece per warpgroup (D=128: all queries x head-dim half w; D=64: query half w x
-//     all columns), added to p.dq_acc (dq_acc_index layout) by red.global.add.v2.f32.
+//     all columns), added to p.dq_acc (dq_acc_index layout) by red.global.add.v2.f32; with
+//     80-query steps (kDqT, D=128) dQ^T = K^T dS^T instead, from dS stored queries x keys,
+//     64 head-dim rows x 80 queries per warpgroup, into dq_acc_index_t's column-major tiles
+//     (the comments at add_dq and attention_config_bwd_sm90.h say why).
 // Schedule (kOverlap false, the default): S^T and dP^T waited for together; dV's products
 // run while dS^T is stored and the two warpgroups meet at the named barrier, dK's while
 // dQ_part is added to the accumulator; the other consumer warpgroup's work fills the tensor
@@ -35,7 +38,7 @@
 // Each barrier's next arrival comes only after the other warpgroup's sync of the last (the
 // chain of the other barrier), so no phase is overtaken. The first step forms a product from a
 // buffer nobody wrote and drops it (no conditional wgmma); the last is formed after the loop.
-// dK is scaled by p.scale here, dQ by dq_convert_kernel. dK and dV leave through the K and V
+// dK is scaled by p.scale here, dQ by dq_convert_kernel (kDqT: dq_convert_t_kernel). dK and dV leave through the K and V
 // buffers by TMA stores (the epilogue at the end says where).
 // Deterministic mode (kDet, p.dq_sem set; serial schedule): each step's dQ block (BM queries of
 // one query head, all D columns) is added by the contributing CTAs in one fixed order, key
@@ -77,7 +80,9 @@
 // dO) or 64 (dK, dV: a consumer warpgroup's keys), 128-byte swizzle. A tile that crosses a
 // sequence's end reads the next sequence's rows (TMA zero-fills only past the tensor's end):
 // keys >= lk and queries >= lq are masked by index (P = dS = 0), their gradients never stored.
-// Launch: TilesBwdSm90<D>::kThreads threads, kSmem bytes of dynamic shared memory. The body is
+// Launch: TilesBwdSm90<D, kBM>::kThreads threads, kSmem bytes of dynamic shared memory. kBM = 80
+// (kDqT) has no softcap path (a call with softcap traps) and runs only the lockstep serial
+// schedule without the deterministic mode (static_assert). The body is
 // empty (a trap) unless compiled for sm_90a.
 #pragma once
 
@@ -162,6 +167,21 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, ui
       "r"(src), "r"(bytes)
       : "memory");
 }
+// red_add2 (dst[0] += a, dst[1] += b) where `pred` (and red_add1_if: dst[0] += a), as a
+// predicated instruction.
+__device__ __forceinline__ void red_add2_if(bool pred, float* dst, float a, float b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p red.global.add.v2.f32 [%1], {%2, %3};\n}\n" ::"r"(
+          static_cast<int>(pred)),
+      "l"(dst), "f"(a), "f"(b)
+      : "memory");
+}
+__device__ __forceinline__ void red_add1_if(bool pred, float* dst, float a) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p red.global.add.f32 [%1], %2;\n}\n" ::"r"(
+                   static_cast<int>(pred)),
+               "l"(dst), "f"(a)
+               : "memory");
+}
 __device__ __forceinline__ void red_add4(float* dst, float4 v) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(v.x), "f"(v.y),
                "f"(v.z), "f"(v.w)
@@ -173,7 +193,8 @@ __device__ __forceinline__ void red_add4(float* dst, float4 v) {
 // columns each, so that a warp's loads of O and dO are whole rows of D contiguous elements:
 // delta sums a thread's 8 products in order, then over the row's threads by shuffles (a fixed
 // tree: the same bits every run); the row's first thread writes the statistics; each thread
-// zeroes its 8 floats of the row in the accumulator (one 32-byte run, dq_acc_index). Only rows
+// zeroes its 8 floats of the row in the accumulator (one 32-byte run, dq_acc_index; with BM = 80
+// eight floats 32 bytes apart, dq_acc_index_t). Only rows
 // of [0, lq) are zeroed: they are all that bwd_kernel_sm90 adds to and dq_convert_kernel
 // reads, since the sequences cover the packed rows. In the deterministic mode the first
 // contributor of a whole query block (m + BM <= lq) of a sequence whose rows start on an 8-row
@@ -209,7 +230,11 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
       sq.keys_of(m0, m0 + BM, p, klo, khi);
       zero = klo >= khi;  // no contributor: nobody stores the block
     }
-    if (zero) {
+    if (zero && BM % 64 != 0) {  // TilesBwdSm90's kDqT: the column-major tiles
+      float* const z = p.dq_acc + dq_acc_index_t<D>(row, h, 8 * c, p.hq);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) z[8 * k] = 0.f;
+    } else if (zero) {
       float4* const z =
           reinterpret_cast<float4*>(p.dq_acc + dq_acc_index<D>(row, h, 8 * c, p.hq));
       z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -229,6 +254,26 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
   const int64_t at = static_cast<int64_t>(h) * rows + stats_start_sm90<BM>(sq.q_start, b) + i;
   p.delta[at] = lse2;
   p.delta[static_cast<int64_t>(p.hq) * rows + at] = acc;
+}
+
+// dQ = scale * the float32 accumulator in dq_acc_index_t's column-major tiles: one thread per
+// column of a tile (its 8 rows, 32 contiguous bytes), the 8 threads of a tile writing 8
+// consecutive columns of each row (16 bytes; a warp's four tiles, 64 contiguous bytes of a
+// row). Grid ceil(ceil(total_q / 8) hq D / 256) x 256 threads; any architecture.
+template <typename T, int D>
+__global__ void __launch_bounds__(256) dq_convert_t_kernel(const AttnParams p) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * 256 + threadIdx.x;
+  const int64_t per_run = static_cast<int64_t>(p.hq) * D;  // columns of 8 rows (all heads)
+  if (idx >= (p.total_q + 7) / 8 * per_run) return;
+  const int64_t run = idx / per_run;
+  const int64_t col = idx % per_run;  // h D + c; tile idx / 8, column idx % 8 of it
+  const float4* src = reinterpret_cast<const float4*>(p.dq_acc + (idx / 8) * 64 + (idx % 8) * 8);
+  const float4 x = src[0], y = src[1];
+  const float v[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+  T* const dst = static_cast<T*>(p.dq) + 8 * run * p.dq_row + col;
+#pragma unroll
+  for (int r = 0; r < 8; ++r)
+    if (8 * run + r < p.total_q) dst[r * p.dq_row] = from_float<T>(v[r] * p.scale);
 }
 
 // A 1-D bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) from global
@@ -272,8 +317,9 @@ FUSEDOPS_WGMMA_TT(__nv_bfloat16, "bf16")
 FUSEDOPS_WGMMA_TT(__half, "f16")
 #undef FUSEDOPS_WGMMA_TT
 
-template <typename T, int D, bool kOverlap, bool kDet = false, bool kLag = false>
-__global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
+template <typename T, int D, bool kOverlap, bool kDet = false, bool kLag = false,
+          int kBM = TilesBwdSm90<D>::kBlockM>
+__global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     bwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
                     const __grid_constant__ CUtensorMap tm_v,
@@ -283,10 +329,15 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
                     const __grid_constant__ CUtensorMap tm_dv) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fusedops::sm90;
-  using C = TilesBwdSm90<D>;
+  using C = TilesBwdSm90<D, kBM>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, S = C::kStages;
   constexpr int kBlocks = D / 64;  // 64-element (128-byte) column blocks of a Q/K/V/dO row
   static_assert(!kLag || (!kOverlap && !kDet), "the lagged dQ is a form of the serial schedule");
+  // The transposed dQ (80-query steps) in the lockstep serial schedule only.
+  constexpr bool kDqT = C::kDqT;
+  static_assert(!kDqT || (!kOverlap && !kDet && !kLag), "kDqT: the lockstep serial schedule");
+  // dQ's accumulator per consumer thread: m64n64 (dQ = dS K) or m64nBM (kDqT: dQ^T = K^T dS^T).
+  constexpr int kDqN8 = kDqT ? BM / 8 : 8;
   // kLag's named barriers (256 threads: 128 arrive, the other warpgroup's 128 sync), per
   // consumer warpgroup w and dS^T buffer b: "ready" (w's half of buffer b written) and "free"
   // (w's dQ products have read buffer b).
@@ -521,6 +572,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) dk[d8][e] = dv[d8][e] = 0.f;
 
+    if constexpr (kDqT)
+      if (score.capped()) __trap();  // the launcher never sends softcap here: no such path
     // Every consumer thread arrives: an arrival releases only its own thread's earlier reads
     // (of the stage's statistics, here), so one lane arriving for its warp would not order the
     // other lanes' reads before the producer's next copy into the stage.
@@ -528,7 +581,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
 
     // The wgmma descriptors of the tiles' stage 0 (SmemDesc: a step, stage or buffer further on
     // is one add): K-major K and V (this warpgroup's 64 rows), Q and dO; MN-major Q and dO (the
-    // B of dK and dV), dS^T's column block dq_r and K's column block dq_c (dQ's A and B).
+    // B of dK and dV), dS^T's column block dq_r and K's column block dq_c (dQ's A and B; kDqT:
+    // K's column block cw as A, MN-major, and dS K-major as B).
     const SmemDesc dK_km = smem_desc_sw128(sK + cw * 64 * 128, 16, 1024);
     const SmemDesc dV_km = smem_desc_sw128(sV + cw * 64 * 128, 16, 1024);
     const SmemDesc dQ_km = smem_desc_sw128(sQ, 16, 1024);
@@ -537,20 +591,89 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
     const SmemDesc dDo_mn = smem_desc_sw128(sDo, BM * 128, 1024);
     const SmemDesc dDs_mn = smem_desc_sw128(sDs + dq_r * BN * 128, BN * 128, 1024);
     const SmemDesc dK_mn = smem_desc_sw128(sK + dq_c * BN * 128, BN * 128, 1024);
+    const SmemDesc dDs_km = smem_desc_sw128(sDs, 16, 1024);
 
     // dQ_part = dS K from dS^T buffer `buf`: BN / 16 k-steps of 16 keys; A = dS^T's column
     // block dq_r, B = K's column block dq_c (committed as one group).
-    auto issue_dq = [&](int buf, float (&dq)[8][4]) {
+    // kDqT: dQ^T = K^T dS^T, this warpgroup's head-dim rows 64 cw + [0, 64) (dq_c = cw) by
+    // the step's BM queries, over BN / 16 k-steps of 16 keys; A = K's column block cw (its 16
+    // key rows per k-step, MN-major), B = dS's key chunk (K-major: kk / 4 the column block,
+    // 32 bytes per k-step inside its 128-byte rows).
+    auto issue_dq = [&](int buf, float (&dq)[kDqN8][4]) {
       wgmma_fence();
-      const SmemDesc da = dDs_mn + buf * C::kDsBytes;
+      if constexpr (kDqT) {
+        const SmemDesc db = dDs_km + buf * C::kDsBytes;
 #pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        WgmmaTT<T>::ss(dq, da + kk * 2048, dK_mn + kk * 2048, kk > 0 ? 1 : 0);
+        for (int kk = 0; kk < BN / 16; ++kk)
+          WgmmaSs<T, BM>::template run<1, 0>(dq, dK_mn + kk * 2048,
+                                             db + ((kk / 4) * BM * 128 + (kk % 4) * 32),
+                                             kk > 0 ? 1 : 0);
+      } else {
+        const SmemDesc da = dDs_mn + buf * C::kDsBytes;
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+          WgmmaTT<T>::ss(dq, da + kk * 2048, dK_mn + kk * 2048, kk > 0 ? 1 : 0);
+      }
       wgmma_commit();
     };
     // dQ accumulation of step (h, m): the piece's rows 16 warp + g (+ 8), columns 8 n8 + 2 tq
     // (+ 1); row i + 8 is one 8-row tile further (dq_acc_index): hq D 8 floats on from row i.
-    auto add_dq = [&](const float (&dq)[8][4], int h_of, int m_of) {
+    // kDqT: the lane holds head-dim rows d = 64 cw + 16 warp + g (+ 8 r) of queries q = 8 n8 +
+    // 2 tq (+ 1): two rows of one column, adjacent in dq_acc_index_t's column-major tiles when
+    // the packed row q_start + q is even (q is: m and 2 tq are). A warp's red.v2 then cover
+    // one 256-byte tile (or two, when q_start % 8 != 0). Query q + 8 is one tile row further
+    // (hq D 8 floats), head-dim row d + 8 one tile (64 floats). Where q < lq <= q + 1 the
+    // second float is 0 (dS is 0 for queries >= lq) and lands in the next sequence's row or the
+    // padding, which the preprocess zeroed or nobody reads: x + 0 = x. Sequences starting on an
+    // odd row add float by float.
+    auto add_dq = [&](const float (&dq)[kDqN8][4], int h_of, int m_of) {
+      if constexpr (kDqT) {
+        const int q = m_of + 2 * tq, d = 64 * cw + 16 * warp + g;
+        const int64_t tile = static_cast<int64_t>(p.hq) * D * 8;
+        if ((sq.q_start & 1) == 0) {
+          float* dst = p.dq_acc + dq_acc_index_t<D>(sq.q_start + q, h_of, d, p.hq);
+          if (m_of + BM <= sq.lq) {  // every query of the step inside the sequence
+#pragma unroll
+            for (int n8 = 0; n8 < kDqN8; ++n8, dst += tile) {
+              red_add2(dst, dq[n8][0], dq[n8][1]);
+              red_add2(dst + 64, dq[n8][2], dq[n8][3]);
+            }
+          } else {
+            // ptxas makes each predicated reduction a branch with its convergence barrier:
+            // only in the sequence's last step.
+#pragma unroll
+            for (int n8 = 0; n8 < kDqN8; ++n8, dst += tile) {
+              const bool in = q + 8 * n8 < sq.lq;
+              red_add2_if(in, dst, dq[n8][0], dq[n8][1]);
+              red_add2_if(in, dst + 64, dq[n8][2], dq[n8][3]);
+            }
+          }
+        } else {
+          // Rows q_start + q and + 1 (the lane's two queries) lie in one tile unless the first
+          // is the tile's last row; either way the same for every n8.
+          float* dst0 = p.dq_acc + dq_acc_index_t<D>(sq.q_start + q, h_of, d, p.hq);
+          float* dst1 = p.dq_acc + dq_acc_index_t<D>(sq.q_start + q + 1, h_of, d, p.hq);
+#pragma unroll
+          if (m_of + BM <= sq.lq) {
+#pragma unroll
+            for (int n8 = 0; n8 < kDqN8; ++n8, dst0 += tile, dst1 += tile) {
+              atomicAdd(dst0, dq[n8][0]);
+              atomicAdd(dst1, dq[n8][1]);
+              atomicAdd(dst0 + 64, dq[n8][2]);
+              atomicAdd(dst1 + 64, dq[n8][3]);
+            }
+          } else {
+#pragma unroll
+            for (int n8 = 0; n8 < kDqN8; ++n8, dst0 += tile, dst1 += tile) {
+              red_add1_if(q + 8 * n8 < sq.lq, dst0, dq[n8][0]);
+              red_add1_if(q + 8 * n8 + 1 < sq.lq, dst1, dq[n8][1]);
+              red_add1_if(q + 8 * n8 < sq.lq, dst0 + 64, dq[n8][2]);
+              red_add1_if(q + 8 * n8 + 1 < sq.lq, dst1 + 64, dq[n8][3]);
+            }
+          }
+        }
+        return;
+      }
       const int i = m_of + 64 * dq_r + 16 * warp + g;
       float* const dst =
           p.dq_acc + dq_acc_index<D>(sq.q_start + i, h_of, 64 * dq_c + 2 * tq, p.hq);
@@ -675,7 +798,17 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
         wgmma_wait<0>();
         reg_fence(st);
         reg_fence(dpt);
-        run_path(full, score.capped(), grad_tile);
+        if constexpr (kDqT) {
+          // No softcap here (sm90_bwd_q80): its path's tanh values, held across the 40
+          // elements, took the registers that the wgmmas' accumulators need (ptxas serialised
+          // every wgmma of the kernel, C7512).
+          if (full)
+            grad_tile(Path<0>{});
+          else
+            grad_tile(Path<1>{});
+        } else {
+          run_path(full, score.capped(), grad_tile);
+        }
         to_frag(st, pa);
         issue_dv();
       } else {
@@ -723,12 +856,26 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       // kLag: the other warpgroup's dQ products of step it - 2 have read this buffer.
       if constexpr (kLag)
         if (it >= 1) named_bar_sync<256>(kBarFree + 2 * (1 - cw) + (it & 1));
+      if constexpr (kDqT) {
+        // dS (queries x keys) instead, for dQ^T's K-major B: query q at byte 128 q of column
+        // block cw (this warpgroup's 64 keys, BM rows x 128 bytes), the 8 keys of its 16-byte
+        // chunk c at chunk c ^ (q % 8). stmatrix.trans writes matrix k = dsa[kk][k] (keys 8 (k
+        // & 1) + [0, 8) of the warp's 16, queries 16 kk + 8 (k / 2) + [0, 8)) as 8 query rows
+        // of 8 keys; lane L gives row L % 8 of matrix L / 8: query 16 kk + 8 (L / 16) + L % 8,
+        // key chunk 2 warp + (L / 8) % 2. Each kk is 16 rows (2048 bytes) further.
+        const uint32_t lane_q = sDs_b + cw * BM * 128 + (8 * (lane >> 4) + (lane & 7)) * 128 +
+                                (((2 * warp + ((lane >> 3) & 1)) ^ (lane & 7)) << 4);
 #pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-        stmatrix_x4((lane_x ^ (((2 * kk) % 8) << 4)) + ((2 * kk) / 8) * BN * 128, dsa[kk][0],
-                    dsa[kk][1], dsa[kk][2], dsa[kk][3]);
+        for (int kk = 0; kk < BM / 16; ++kk)
+          stmatrix_x4_trans(lane_q + kk * 2048, dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < BM / 16; ++kk)
+          stmatrix_x4((lane_x ^ (((2 * kk) % 8) << 4)) + ((2 * kk) / 8) * BN * 128, dsa[kk][0],
+                      dsa[kk][1], dsa[kk][2], dsa[kk][3]);
+      }
       fence_proxy_async_smem();  // the stores, before the wgmmas (async proxy) read them
-      float dq[8][4];
+      float dq[kDqN8][4];
       if constexpr (kLag) {
         // This warpgroup's half of dS^T(it) is written; dQ_part(it - 1) needs the other's half of
         // dS^T(it - 1), which it wrote a step ago, so the warpgroups are not held in lockstep.
@@ -787,7 +934,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       // The last step's dQ_part (n_it - 1).
       if (n_it > 0) {
         named_bar_sync<256>(kBarReady + 2 * (1 - cw) + ((n_it - 1) & 1));
-        float dq[8][4];
+        float dq[kDqN8][4];
         reg_fence(dq);
         issue_dq((n_it - 1) & 1, dq);
         wgmma_wait<0>();

@@ -11,19 +11,26 @@ namespace attn {
 // The tiles follow FlashAttention-3's published backward shapes (keys as wgmma's M, 128 keys per
 // CTA in two consumer warpgroups of 64) and the register budget; they have not been measured
 // against neighbouring shapes yet (the stages have).
-template <int D>
+template <int D, int BM = D == 128 ? 64 : 128>
 struct TilesBwdSm90 {
   static_assert(D == 64 || D == 128, "the sm90 backward takes head dim 64 or 128");
+  static_assert(BM == (D == 128 ? 64 : 128) || (D == 128 && BM == 80),
+                "query steps: 64 (D=128), 128 (D=64), or 80 (D=128, transposed dQ)");
   // Keys per CTA: two consumer warpgroups of 64 keys (wgmma's M) each, sharing every Q/dO tile.
   static constexpr int kBlockN = 128;
   // Queries per step. Per consumer thread the dK and dV accumulators take 2 D / 2 floats
   // (64 keys x D over 128 lanes) and S^T, dP^T 2 BM / 2: D=128, BM=64: 128 + 64; D=64, BM=128:
-  // 64 + 128 -- 192 floats either way, within the consumers' 240 registers.
-  static constexpr int kBlockM = D == 128 ? 64 : 128;
-  // dQ = dS K (queries x D) is one m64n64 accumulator per consumer warpgroup: at D=128 the
-  // warpgroups split the head dim (columns 64 w + [0, 64)), at D=64 the queries (rows 64 w).
-  static constexpr int kDqRowSplit = kBlockM / 64;  // 1 at D=128, 2 at D=64
-  static_assert((kBlockM / 64) * (D / 64) == 2);
+  // 64 + 128 -- 192 floats either way, within the consumers' 240 registers; D=128, BM=80:
+  // 128 + 80 = 208.
+  static constexpr int kBlockM = BM;
+  // dQ of a step. BM a multiple of 64: dQ = dS K (queries x D) is one m64n64 accumulator per
+  // consumer warpgroup: at D=128 the warpgroups split the head dim (columns 64 w + [0, 64)), at
+  // D=64 the queries (rows 64 w). BM = 80 (kDqT; no m80 wgmma): dQ^T = K^T dS^T (D x queries),
+  // an m64n80 accumulator per warpgroup, head-dim rows 64 w + [0, 64), from dS stored queries x
+  // keys (K-major, the B of that product).
+  static constexpr bool kDqT = BM % 64 != 0;
+  static constexpr int kDqRowSplit = kDqT ? 1 : kBlockM / 64;  // 1 at D=128, 2 at D=64
+  static_assert(kDqT || (kBlockM / 64) * (D / 64) == 2);
   // Q/dO stages: 3 (192 KiB of shared memory) measured no faster than 2 on the H200
   // (2026-12-01, bf16, B*L = 16384, H*D = 2048, TFLOP/s 2 / 3 stages: D=128 L=4096 535/509,
   // L=16384 547/537; D=64 L=4096 436/436, L=16384 462/463).
@@ -43,7 +50,8 @@ struct TilesBwdSm90 {
   static constexpr int kElem = 2;
   static constexpr int kKvBytes = kBlockN * D * kElem;  // K or V
   static constexpr int kQBytes = kBlockM * D * kElem;   // one Q or dO stage
-  // dS^T (keys x queries) in kBlockM / 64 column blocks of kBlockN rows, two buffers.
+  // dS^T (keys x queries) in kBlockM / 64 column blocks of kBlockN rows, or (kDqT) dS
+  // (queries x keys) in kBlockN / 64 column blocks of kBlockM rows; two buffers.
   static constexpr int kDsBytes = kBlockN * kBlockM * kElem;
   static constexpr int kKOff = 0;
   static constexpr int kVOff = kKOff + kKvBytes;
@@ -68,8 +76,11 @@ struct TilesBwdSm90 {
   static constexpr int kDqOff = (kTicketOff + 16 + 1023) / 1024 * 1024;
   // + 1024: base alignment. kSmemDet: the deterministic kernel's.
   static constexpr size_t kSmem = kTicketOff + 16 + 1024;
-  static constexpr size_t kSmemDet = kDqInDs ? kSmem : kDqOff + 2 * kDqBytes + 1024;
+  // (kDqT has no deterministic mode.)
+  static constexpr size_t kSmemDet =
+      kDqInDs || kDqT ? kSmem : kDqOff + 2 * kDqBytes + 1024;
   static_assert(!kDqInDs || kDqBytes == kDsBytes, "a dQ block per dS^T buffer");
+  static_assert(kBlockM % 16 == 0 && kBlockM <= 128, "whole k-steps; stats_rows_sm90's bound");
   static_assert(kQBytes % 1024 == 0 && kKvBytes % 1024 == 0 && kDsBytes % 1024 == 0);
   static_assert(kSmem <= 227 * 1024 && kSmemDet <= 227 * 1024,
                 "exceeds Hopper's shared memory per block");

@@ -1,6 +1,6 @@
 // Host-side launch of the Hopper attention backward: the preprocess (padded lse2 and delta),
 // the dK/dV/dQ kernel with its TMA tensor maps, and the dQ conversion (the sm80 one: same
-// float32 accumulator layout). Tile sizes and shared memory: attention_config_bwd_sm90.h.
+// float32 accumulator layout; with 80-query steps dq_convert_t_kernel, column-major tiles). Tile sizes and shared memory: attention_config_bwd_sm90.h.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -87,13 +87,34 @@ inline bool make_dq_acc_map(CUtensorMap* map, float* acc, int hq, int total_q) {
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// Query steps of 80 rows at D=128 (TilesBwdSm90<128, 80>, the transposed dQ product): 25% more
+// work per step for about the same fixed cost of a step (barriers, statistics, descriptors), in
+// the lockstep serial schedule only, without softcap (its kernel has no softcap path). Taken
+// where no mask cuts the tiles (no causality, no window: an 80-row step crosses more diagonal
+// tiles than a 64-row one); FUSEDOPS_ATTN_SM90_BWD_BM=64|80 forces either (80 still only in
+// that schedule, without softcap or the deterministic mode). Read at every call.
+inline bool sm90_bwd_q80(const AttnParams& p) {
+  if (p.head_dim != 128 || p.dq_sem != nullptr || p.softcap > 0.f || sm90_bwd_overlap() ||
+      sm90_bwd_lagged(128))
+    return false;
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_BM");
+  if (s != nullptr && std::strcmp(s, "80") == 0) return true;
+  if (s != nullptr && std::strcmp(s, "64") == 0) return false;
+  // By default also only for sequences of at least 4096 queries (on the H200 at B*L=16384,
+  // 80-row steps run 2-3% faster at L=4096 and 16384 and 10% slower at 1024: the fixed cost of
+  // a key block's prologue and epilogue weighs more against fewer, longer steps) and where
+  // 80-row steps add at most 4% rows over 64-row ones for the longest sequence.
+  const int64_t rows80 = (p.max_q + 79) / 80 * 80, rows64 = (p.max_q + 63) / 64 * 64;
+  return p.left < 0 && p.right < 0 && p.max_q >= 4096 && rows80 * 25 <= rows64 * 26;
+}
+
 // Needs p.dq_acc (rows rounded up to a multiple of 8, any contents: the preprocess zeroes the
 // rows the kernels add to and read) and p.delta of 2 hq
 // stats_rows_sm90(p) floats; p.dq_sem (dq_sem_count_sm90 ints, any contents: the preprocess
 // zeroes them) selects the deterministic mode, which runs the serial schedule whatever
-// FUSEDOPS_ATTN_SM90_BWD_SCHEDULE says.
-template <typename T, int D>
-cudaError_t run_bwd_sm90(const AttnParams& params) {
+// FUSEDOPS_ATTN_SM90_BWD_SCHEDULE says. BM: the query rows of a step (TilesBwdSm90).
+template <typename T, int D, int BM>
+cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
   AttnParams p = params;
   if (p.dq_sem != nullptr) sm90_bwd_dq_order(p, (p.max_k + TilesBwdSm90<D>::kBlockN - 1) /
                                                      TilesBwdSm90<D>::kBlockN);
@@ -101,10 +122,9 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
     p.dq_probe = std::atoi(probe);
   if (const char* epi = std::getenv("FUSEDOPS_ATTN_SM90_BWD_EPILOGUE"))
     p.dkv_regs = std::strcmp(epi, "regs") == 0;
-  using C = TilesBwdSm90<D>;
+  using C = TilesBwdSm90<D, BM>;
   static_assert(sizeof(T) == C::kElem);
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
-  constexpr int BM = C::kBlockM;
   if (p.dq_acc == nullptr) return cudaErrorInvalidValue;
   const int64_t padded_q = (static_cast<int64_t>(p.max_q) + BM - 1) / BM * BM;
   constexpr int kPrepRows = kPrepRowsSm90<D>;
@@ -126,10 +146,17 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
     CUtensorMap tm_dq{};  // unused by the kernels with unordered reductions
     if (p.dq_sem != nullptr && !make_dq_acc_map<D, BM>(&tm_dq, p.dq_acc, p.hq, p.total_q))
       return cudaErrorInvalidValue;
-    auto kernel = p.dq_sem != nullptr    ? bwd_kernel_sm90<T, D, false, true>
-                  : sm90_bwd_overlap()    ? bwd_kernel_sm90<T, D, true, false>
-                  : sm90_bwd_lagged(D)    ? bwd_kernel_sm90<T, D, false, false, true>
-                                          : bwd_kernel_sm90<T, D, false, false>;
+    auto pick = [&] {
+      if constexpr (C::kDqT) {
+        return bwd_kernel_sm90<T, D, false, false, false, BM>;  // sm90_bwd_q80's schedule
+      } else {
+        return p.dq_sem != nullptr ? bwd_kernel_sm90<T, D, false, true>
+               : sm90_bwd_overlap() ? bwd_kernel_sm90<T, D, true, false>
+               : sm90_bwd_lagged(D) ? bwd_kernel_sm90<T, D, false, false, true>
+                                    : bwd_kernel_sm90<T, D, false, false>;
+      }
+    };
+    const auto kernel = pick();
     const int smem = static_cast<int>(p.dq_sem != nullptr ? C::kSmemDet : C::kSmem);
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
@@ -138,8 +165,20 @@ cudaError_t run_bwd_sm90(const AttnParams& params) {
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
+  if constexpr (C::kDqT) {
+    const int64_t n = (static_cast<int64_t>(p.total_q) + 7) / 8 * p.hq * D;
+    return launch(dq_convert_t_kernel<T, D>, dim3(static_cast<unsigned>((n + 255) / 256)), 256,
+                  0, p);
+  }
   const int64_t n = static_cast<int64_t>(p.total_q) * p.hq * (D / 8);
   return launch(dq_convert_kernel<T, D>, dim3(static_cast<unsigned>((n + 255) / 256)), 256, 0, p);
+}
+
+template <typename T, int D>
+cudaError_t run_bwd_sm90(const AttnParams& p) {
+  if constexpr (D == 128)
+    if (sm90_bwd_q80(p)) return run_bwd_sm90_bm<T, D, 80>(p);
+  return run_bwd_sm90_bm<T, D, TilesBwdSm90<D>::kBlockM>(p);
 }
 
 }  // namespace attn

@@ -21,7 +21,9 @@ struct AttnParams {
   void* dv = nullptr;
   float* lse = nullptr;
   float* delta = nullptr;
-  float* dq_acc = nullptr;  // float32 dQ in 8 x 8 tiles (dq_acc_index), zeroed; null: dQ pass
+  // float32 dQ in 8 x 8 tiles (dq_acc_index; the sm90 backward's 80-query steps use
+  // dq_acc_index_t), zeroed; null: dQ pass
+  float* dq_acc = nullptr;
   // The sm90 backward's deterministic mode (with dq_acc): int32 counters that order the dQ
   // reductions (attention_bwd_kernel_sm90.cuh), at least dq_sem_count_sm90 of them, zeroed by
   // the backward's preprocess; null: unordered reductions. dq_desc: the order (set by the

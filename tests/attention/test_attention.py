@@ -396,6 +396,10 @@ SM90_BWD_VARIANTS = {
     "sm90-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm90-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "sm90-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
+    # 80-query steps at D=128 (the transposed dQ product) under masks too, and 64-query ones
+    # where 80 is the default (unmasked, no softcap).
+    "sm90-bwd-bm80": {"FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
+    "sm90-bwd-bm64": {"FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
     "sm80-bwd": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
     # The deterministic mode (ordered dQ reductions): the default order (rotated on unmasked
     # calls, else one of the other two) and both linear orders.
@@ -406,7 +410,7 @@ SM90_BWD_VARIANTS = {
                               "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
 }
 SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ",
-                "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER")
+                "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER", "FUSEDOPS_ATTN_SM90_BWD_BM")
 
 
 @pytest.mark.gpu
@@ -499,6 +503,39 @@ def test_sm90_deterministic_backward_runs_the_sm90_kernel(head_dim, monkeypatch)
     assert not any("bwd_kernel_sm90" in n for n in sm80), sorted(sm80)
     assert any(dq_pass(n) for n in sm80), sorted(sm80)
     assert not torch.equal(grads[None]["dq"], grads["sm80"]["dq"])
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
+@pytest.mark.parametrize("bm", [None, "64", "80"])
+@pytest.mark.parametrize("feature", ["plain", "short", "causal", "softcap"])
+def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
+    """At D=128 the sm90 backward takes 80-query steps (its kernel's template argument 80, dQ
+    converted from column-major tiles by dq_convert_t_kernel) on unmasked calls without softcap
+    of at least 4096 queries, 64-query steps otherwise (300 queries: "short");
+    FUSEDOPS_ATTN_SM90_BWD_BM=64|80 forces either, except that softcap always takes 64."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backward runs on compute capability 9.0")
+    for name in SM90_BWD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    if bm is not None:
+        monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_BM", bm)
+    opts = {"plain": {}, "short": {}, "causal": {"causal": True},
+            "softcap": {"softcap": 30.0}}[feature]
+    n = 300 if feature == "short" else 4096
+    case = A.Case(1, n, n, 2, 1, 128, torch.bfloat16, "cuda", **opts)
+    inp = A.make_inputs(case)
+    names = _kernel_names(lambda: A.run(lambda *a, **k: attention(*a, **k, return_lse=True,
+                                                                  backend="cuda-sm90"),
+                                        inp, case, case.dtype))
+    if not names:
+        pytest.skip("the profiler recorded no CUDA kernels (CUPTI unavailable)")
+    want80 = feature != "softcap" and (bm == "80" or (bm is None and feature == "plain"))
+    conv_t = any("dq_convert_t_kernel" in n for n in names)
+    main80 = any("bwd_kernel_sm90" in n and ("128, false, false, false, 80>" in n or
+                                              "Li128ELb0ELb0ELb0ELi80E" in n) for n in names)
+    assert any("bwd_kernel_sm90" in n for n in names), sorted(names)
+    assert conv_t == want80 and main80 == want80, sorted(names)
 
 
 def test_dq_mode_selection(monkeypatch):
