@@ -599,17 +599,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       const int jw = n0 + 64 * cw + 16 * warp;  // the warp's first key
       const bool full = m + BM <= sq.lq && sq.all_visible(m, m + BM, jw, jw + 16, p);
       // Both at once (the serial schedule, and the softcap's, whose dS needs tanh of S).
-      // The masked paths' visible queries of the lane's two keys j0, j0 + 8, as bands of the
-      // column offsets ni * 8 + (e & 1) from query m + 2 tq (attention_mask.h): a subtraction and
-      // an unsigned compare per element.
-      auto key_bands = [&](Band (&band)[2]) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) band[r] = sq.queries_band(j0 + 8 * r, m + 2 * tq, BM, p);
-      };
       auto grad_tile = [&](auto path) {  // three copies: see run_path
         constexpr int kPath = decltype(path)::value;
-        Band band[2];
-        if constexpr (kPath > 0) key_bands(band);
 #pragma unroll
         for (int ni = 0; ni < BM / 8; ++ni)
 #pragma unroll
@@ -620,7 +611,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
             if constexpr (kPath > 0) {
               float t = 0.f;
               const float x = score.at<kPath == 2>(st[ni][e], t);
-              const bool vis = band[e >> 1].has(ni * 8 + (e & 1));  // query m + c, key j0 + ..
+              const int i = m + c;
+              const bool vis = (i < sq.lq) & sq.visible(i, j0 + (e >> 1) * 8, p);
               pv = vis ? ex2(x - lse2) : 0.f;
               ds = pv * (dpt[ni][e] - dl);
               if constexpr (kPath == 2) ds *= 1.f - t * t;
@@ -635,8 +627,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
       // P^T alone (the overlapped schedule without softcap): Path<0> or Path<1>.
       auto p_tile = [&](auto path) {
         constexpr int kPath = decltype(path)::value;
-        Band band[2];
-        if constexpr (kPath > 0) key_bands(band);
 #pragma unroll
         for (int ni = 0; ni < BM / 8; ++ni)
 #pragma unroll
@@ -644,7 +634,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D>::kThreads, 1)
             const int c = ni * 8 + 2 * tq + (e & 1);
             const float lse2 = l_s[c];
             if constexpr (kPath > 0) {
-              const bool vis = band[e >> 1].has(ni * 8 + (e & 1));
+              const int i = m + c;
+              const bool vis = (i < sq.lq) & sq.visible(i, j0 + (e >> 1) * 8, p);
               st[ni][e] = vis ? ex2(st[ni][e] * score.scale_log2() - lse2) : 0.f;
             } else {
               st[ni][e] = ex2(st[ni][e] * score.scale_log2() - lse2);

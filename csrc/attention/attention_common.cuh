@@ -43,11 +43,6 @@ struct Seq {
                                             const AttnParams& p) const {
     return attn::keys_band(i, base, span, lk, off, p.left, p.right);
   }
-  // The queries base + [0, span), below lq, that see key j, as a Band.
-  __device__ __forceinline__ Band queries_band(int j, int base, int span,
-                                               const AttnParams& p) const {
-    return attn::queries_band(j, base, span, lq, lk, off, p.left, p.right);
-  }
   // Every (i, j) in [m0, m1) x [n0, n1) visible (keys past lk are not).
   __device__ __forceinline__ bool all_visible(int m0, int m1, int n0, int n1,
                                               const AttnParams& p) const {

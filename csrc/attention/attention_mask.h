@@ -68,16 +68,5 @@ __host__ __device__ __forceinline__ Band keys_band(int i, int base, int span, in
   return band_of(lo, hi, base, span);
 }
 
-// The queries below lq among base + [0, span) that see key j: (base + c < lq) &&
-// pair_visible(base + c, j, ...) == has(c) for every c in [0, span).
-__host__ __device__ __forceinline__ Band queries_band(int j, int base, int span, int lq, int lk,
-                                                      int off, int left, int right) {
-  if (j >= lk) return band_of(1, 0, base, span);  // empty
-  int64_t lo = static_cast<int64_t>(j) - (right >= 0 ? off + right : 1 << 30);
-  int64_t hi = static_cast<int64_t>(j) - (left >= 0 ? off - left : -(1 << 30));
-  if (hi > lq - 1) hi = lq - 1;
-  return band_of(lo, hi, base, span);
-}
-
 }  // namespace attn
 }  // namespace fusedops
