@@ -9,14 +9,7 @@ alone is larger; the 32-bit decoding equals the 64-bit one. A broken decoding wo
 repeat a work tile (the forward) or a key block (the backward's dK and dV); on the GPU that shows
 only as wrong gradients for some shapes.
 """
-import os
-import shutil
-import subprocess
-
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-HEADER = os.path.join(ROOT, "csrc", "attention", "attention_order_sm90.h")
+from host_cxx import run_program
 
 PROGRAM = r"""
 #include "attention_order_sm90.h"
@@ -112,24 +105,5 @@ int main() {
 """
 
 
-def _compiler():
-    for name in ("c++", "g++", "clang++"):
-        path = shutil.which(name)
-        if path:
-            return path
-    return None
-
-
 def test_tile_order_is_a_bijection_in_sections(tmp_path):
-    cxx = _compiler()
-    if cxx is None:
-        pytest.skip("no host C++ compiler (c++, g++ or clang++) on PATH")
-    src = tmp_path / "order.cpp"
-    src.write_text(PROGRAM)
-    exe = tmp_path / "order"
-    build = subprocess.run([cxx, "-std=c++17", "-O1", "-I", os.path.dirname(HEADER), str(src),
-                            "-o", str(exe)], capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr
-    run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stdout + run.stderr
-    assert "failed 0" in run.stdout
+    assert "failed 0" in run_program(tmp_path, PROGRAM)
