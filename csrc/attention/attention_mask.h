@@ -5,16 +5,7 @@
 
 #include <cstdint>
 
-// Outside nvcc and without the CUDA headers (a host-only test build), no qualifiers.
-#if !defined(__CUDACC__) && !defined(__host__)
-#define __host__
-#endif
-#if !defined(__CUDACC__) && !defined(__device__)
-#define __device__
-#endif
-#if !defined(__CUDACC__) && !defined(__forceinline__)
-#define __forceinline__ inline
-#endif
+#include "../host_device.h"
 
 namespace fusedops {
 namespace attn {
