@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "../device_utils.cuh"
+#include "attention_mask.h"
 #include "attention_params.h"
 
 namespace fusedops {
@@ -32,14 +33,15 @@ struct Seq {
     lk = p.cu_k[b + 1] - k_start;
     off = lk - lq;
   }
-  // Query i sees key j < lk iff lo <= j - i <= hi (+-2^30: no bound). Without branches
-  // (bitwise ands), so that the masked element loops stay straight-line code; the bounds are
-  // recomputed from the parameters (common to a tile's elements) rather than held in registers.
+  // Query i sees key j (attention_mask.h's pair_visible); the bounds are recomputed from the
+  // parameters (common to a tile's elements) rather than held in registers.
   __device__ __forceinline__ bool visible(int i, int j, const AttnParams& p) const {
-    const int d = j - i;
-    const int lo = p.left >= 0 ? off - p.left : -(1 << 30);
-    const int hi = p.right >= 0 ? off + p.right : 1 << 30;
-    return (j < lk) & (d <= hi) & (d >= lo);
+    return pair_visible(i, j, lk, off, p.left, p.right);
+  }
+  // The keys base + [0, span) that query i sees, as a Band of column offsets (attention_mask.h).
+  __device__ __forceinline__ Band keys_band(int i, int base, int span,
+                                            const AttnParams& p) const {
+    return attn::keys_band(i, base, span, lk, off, p.left, p.right);
   }
   // Every (i, j) in [m0, m1) x [n0, n1) visible (keys past lk are not).
   __device__ __forceinline__ bool all_visible(int m0, int m1, int n0, int n1,

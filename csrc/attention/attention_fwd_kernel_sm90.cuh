@@ -495,6 +495,18 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
           // choice), combined at the end, so that the FMNMX dependency chain that every
           // exponential waits for is BN / 4 / kMaxChains deep instead of BN / 4.
           constexpr int kMaxChains = C::kMaxChains;
+          // The masked paths' visible keys of the lane's two rows i0, i0 + 8, as bands of the
+          // column offsets ni * 8 + (e & 1) from key n0 + 2 tq (attention_mask.h): a
+          // subtraction and an unsigned compare per element, against a subtraction and three
+          // compares for each pair with Seq::visible. Not with three consumer warpgroups, whose
+          // 160 registers leave no room for the bands (28-112 bytes of spills in every way tried),
+          // nor at D=256, whose 240 then spilled 4-12 bytes.
+          constexpr bool kBands = NW == 2 && D <= 128;
+          Band band[2];
+          if constexpr (kPath > 0 && kBands) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) band[r] = sq.keys_band(i0 + 8 * r, n0 + 2 * tq, BN, p);
+          }
           float mxc[2][kMaxChains];
 #pragma unroll
           for (int r = 0; r < 2; ++r)
@@ -507,9 +519,10 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
               if constexpr (kPath > 0) {
                 float unused;
                 const float x = score.at<kPath == 2>(sacc[ni][e], unused);
-                sacc[ni][e] = sq.visible(i0 + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p)
-                                  ? x
-                                  : -INFINITY;
+                const bool vis =
+                    kBands ? band[e >> 1].has(ni * 8 + (e & 1))
+                           : sq.visible(i0 + (e >> 1) * 8, n0 + ni * 8 + 2 * tq + (e & 1), p);
+                sacc[ni][e] = vis ? x : -INFINITY;
               }
               float& m = mxc[e >> 1][(2 * ni + (e & 1)) % kMaxChains];
               m = fmaxf(m, sacc[ni][e]);
