@@ -38,8 +38,8 @@
 // Each barrier's next arrival comes only after the other warpgroup's sync of the last (the
 // chain of the other barrier), so no phase is overtaken. The first step forms a product from a
 // buffer nobody wrote and drops it (no conditional wgmma); the last is formed after the loop.
-// dK is scaled by p.scale here, dQ by dq_convert_kernel (kDqT: dq_convert_t_kernel). dK and dV leave through the K and V
-// buffers by TMA stores (the epilogue at the end says where).
+// dK is scaled by p.scale here, dQ by dq_convert_kernel (kDqT: dq_convert_t_kernel). dK and
+// dV leave through the K and V buffers by TMA stores (the epilogue at the end says where).
 // Deterministic mode (kDet, p.dq_sem set; serial schedule): each step's dQ block (BM queries of
 // one query head, all D columns) is added by the contributing CTAs in one fixed order, key
 // blocks ascending, (p.dq_desc) descending or (p.dq_rot, unmasked calls: dq_rotated below) in
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
       sq.keys_of(m0, m0 + BM, p, klo, khi);
       zero = klo >= khi;  // no contributor: nobody stores the block
     }
-    if (zero && BM % 64 != 0) {  // TilesBwdSm90's kDqT: the column-major tiles
+    if (zero && TilesBwdSm90<D, BM>::kDqT) {  // the column-major tiles
       float* const z = p.dq_acc + dq_acc_index_t<D>(row, h, 8 * c, p.hq);
 #pragma unroll
       for (int k = 0; k < 8; ++k) z[8 * k] = 0.f;
@@ -653,7 +653,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
           // is the tile's last row; either way the same for every n8.
           float* dst0 = p.dq_acc + dq_acc_index_t<D>(sq.q_start + q, h_of, d, p.hq);
           float* dst1 = p.dq_acc + dq_acc_index_t<D>(sq.q_start + q + 1, h_of, d, p.hq);
-#pragma unroll
           if (m_of + BM <= sq.lq) {
 #pragma unroll
             for (int n8 = 0; n8 < kDqN8; ++n8, dst0 += tile, dst1 += tile) {

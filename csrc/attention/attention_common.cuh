@@ -136,14 +136,18 @@ __device__ __forceinline__ void row_stats(const AttnParams& p, int h, int q_star
 // covers one contiguous 256-byte tile instead of 32-byte pieces of eight rows 8 KiB apart
 // (FlashAttention-2 permutes its accumulator for the same reason).
 template <int D>
+__device__ __forceinline__ int64_t dq_acc_tile(int64_t i, int h, int c, int hq) {
+  return (((i >> 3) * hq + h) * (D / 8) + (c >> 3)) << 6;
+}
+template <int D>
 __device__ __forceinline__ int64_t dq_acc_index(int64_t i, int h, int c, int hq) {
-  return ((((i >> 3) * hq + h) * (D / 8) + (c >> 3)) << 6) + ((i & 7) << 3) + (c & 7);
+  return dq_acc_tile<D>(i, h, c, hq) + ((i & 7) << 3) + (c & 7);
 }
 // The same tiles column-major (the sm90 backward with 80-query steps, whose dQ^T accumulator
 // holds two rows of one column per lane): (i, h, c) at tile + 8 (c % 8) + i % 8.
 template <int D>
 __device__ __forceinline__ int64_t dq_acc_index_t(int64_t i, int h, int c, int hq) {
-  return ((((i >> 3) * hq + h) * (D / 8) + (c >> 3)) << 6) + ((c & 7) << 3) + (i & 7);
+  return dq_acc_tile<D>(i, h, c, hq) + ((c & 7) << 3) + (i & 7);
 }
 
 // acc + the products of 8 elements of O and dO (one 16-byte load each), summed in element

@@ -1,6 +1,7 @@
 // Host-side launch of the Hopper attention backward: the preprocess (padded lse2 and delta),
 // the dK/dV/dQ kernel with its TMA tensor maps, and the dQ conversion (the sm80 one: same
-// float32 accumulator layout; with 80-query steps dq_convert_t_kernel, column-major tiles). Tile sizes and shared memory: attention_config_bwd_sm90.h.
+// float32 accumulator layout; with 80-query steps dq_convert_t_kernel, column-major tiles).
+// Tile sizes and shared memory: attention_config_bwd_sm90.h.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -12,14 +12,18 @@ namespace attn {
 
 // A sequence of lq queries and lk keys, off = lk - lq (bottom-right alignment): query i sees key
 // j < lk iff lo <= j - i <= hi, lo = off - left and hi = off + right, a negative left or right
-// meaning no bound (+-2^30). Without branches (bitwise ands), so that the masked element loops
-// stay straight-line code.
+// meaning no bound (+-2^30).
+__host__ __device__ __forceinline__ int diag_lo(int off, int left) {
+  return left >= 0 ? off - left : -(1 << 30);
+}
+__host__ __device__ __forceinline__ int diag_hi(int off, int right) {
+  return right >= 0 ? off + right : 1 << 30;
+}
+// Without branches (bitwise ands), so that the masked element loops stay straight-line code.
 __host__ __device__ __forceinline__ bool pair_visible(int i, int j, int lk, int off, int left,
                                                       int right) {
   const int d = j - i;
-  const int lo = left >= 0 ? off - left : -(1 << 30);
-  const int hi = right >= 0 ? off + right : 1 << 30;
-  return (j < lk) & (d <= hi) & (d >= lo);
+  return (j < lk) & (d <= diag_hi(off, right)) & (d >= diag_lo(off, left));
 }
 
 // The visible columns c in [0, span) of one row of a tile, as one interval: has(c) is one
@@ -53,8 +57,8 @@ __host__ __device__ __forceinline__ Band band_of(int64_t lo, int64_t hi, int bas
 // every c in [0, span), for any i (rows before the sequence's start included).
 __host__ __device__ __forceinline__ Band keys_band(int i, int base, int span, int lk, int off,
                                                    int left, int right) {
-  const int64_t lo = static_cast<int64_t>(i) + (left >= 0 ? off - left : -(1 << 30));
-  int64_t hi = static_cast<int64_t>(i) + (right >= 0 ? off + right : 1 << 30);
+  const int64_t lo = static_cast<int64_t>(i) + diag_lo(off, left);
+  int64_t hi = static_cast<int64_t>(i) + diag_hi(off, right);
   if (hi > lk - 1) hi = lk - 1;
   return band_of(lo, hi, base, span);
 }
