@@ -31,9 +31,15 @@ def check_real(name: str, value, *, optional: bool = False) -> float | None:
     return value
 
 
+# The kernels take scale and softcap as float32: values past its range would become inf or 0.
+_F32_MAX = 3.4028234663852886e38
+_F32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+
+
 def check_attention_options(window_size, softcap, softmax_scale) -> None:
     """window_size a (left, right) pair of ints >= -1 (-1 = unlimited); softcap None or a
-    positive finite number; softmax_scale None or finite."""
+    positive number within float32's normal range; softmax_scale None or a number whose
+    magnitude float32 holds."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a (left, right) pair of ints, got {window_size!r}")
     for side, w in zip(("left", "right"), window_size, strict=True):
@@ -42,8 +48,11 @@ def check_attention_options(window_size, softcap, softmax_scale) -> None:
             raise ValueError(f"window_size entries must be >= -1 (-1 = unlimited), got "
                              f"{window_size!r}")
     softcap = check_real("softcap", softcap, optional=True)
-    if softcap is not None and not (softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+    if softcap is not None and not (_F32_TINY <= softcap <= _F32_MAX):
+        raise ValueError(f"softcap must be a positive finite number or None, within float32's "
+                         f"normal range [{_F32_TINY:.4g}, {_F32_MAX:.4g}], got {softcap}")
     softmax_scale = check_real("softmax_scale", softmax_scale, optional=True)
-    if softmax_scale is not None and not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+    if softmax_scale is not None and not (math.isfinite(softmax_scale)
+                                          and abs(softmax_scale) <= _F32_MAX):
+        raise ValueError(f"softmax_scale must be finite in float32 (|scale| <= {_F32_MAX:.4g}), "
+                         f"got {softmax_scale}")

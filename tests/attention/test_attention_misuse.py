@@ -1,11 +1,20 @@
 """Attention misuse: argument types, double backward, repeated backward, empty batches."""
 
+import os
+
+import numpy as np
 import pytest
 import torch
 
 from fusedops.attention import attention
 
 HAS_GPU = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+try:
+    import triton  # noqa: F401
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
 BACKENDS = ["torch"] + ([pytest.param("triton", marks=pytest.mark.gpu)] if HAS_GPU else [])
 
 
@@ -25,6 +34,11 @@ def _qkv(b=1, s=5, hq=4, hkv=2, d=16, dtype=torch.float32, device="cpu"):
     (dict(softmax_scale=[0.1]), TypeError, "softmax_scale must be a number"),
     (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must not be NaN"),
     (dict(return_lse=None), TypeError, "return_lse must be a bool"),
+    # the kernels take scale and softcap as float32: past its range they would be inf or 0
+    (dict(softmax_scale=1e39), ValueError, "softmax_scale must be finite in float32"),
+    (dict(softmax_scale=-1e300), ValueError, "softmax_scale must be finite in float32"),
+    (dict(softcap=1e-50), ValueError, "softcap must be a positive finite number"),
+    (dict(softcap=1e39), ValueError, "softcap must be a positive finite number"),
 ])
 def test_bad_option_types(kwargs, exc, match):
     q, k, v = _qkv()
@@ -75,7 +89,7 @@ def test_varlen_bool_max_seqlen_and_non_contiguous_cu_seqlens():
     k = torch.randn(12, 2, 16)
     cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
     cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
-    with pytest.raises(ValueError, match="max_seqlen_q must be an int"):
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int"):
         attention(q, k, k, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=True,
                   max_seqlen_k=7, backend="torch")
     strided = torch.tensor([0, 9, 4, 9, 10, 9], dtype=torch.int32)[::2]
@@ -135,3 +149,78 @@ def test_empty_batch_or_sequence(shape):
     out.sum().backward()
     for t in (q, k, v):
         assert t.grad.shape == t.shape and torch.all(t.grad == 0)
+
+
+VARLEN_BACKENDS = ["torch"] + (["triton"] if INTERPRET and HAS_TRITON and not HAS_GPU else [])
+
+
+def _packed():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(10, 2, 16, generator=g)
+    k = torch.randn(12, 2, 16, generator=g)
+    v = torch.randn(12, 2, 16, generator=g)
+    cu_q = torch.tensor([0, 4, 10], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 12], dtype=torch.int32)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize("backend", VARLEN_BACKENDS)
+@pytest.mark.parametrize("window", [(0, 2**31 - 1), (2**31 - 1, 2**31 - 1), (3, 1)])
+def test_max_seqlen_above_the_packed_length(backend, window):
+    """A maximum above the packed length is allowed (no sequence exceeds it) and counts as that
+    length: it once left a window side of 2^31 - 1 keys "limited", whose int32 arithmetic in the
+    Triton kernel overflowed into all-zero rows, and sized the launch grid."""
+    q, k, v, cu_q, cu_k = _packed()
+    want = attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6,
+                     max_seqlen_k=7, window_size=window, backend="torch")
+    got = attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=6,
+                    max_seqlen_k=2**32, window_size=window, backend=backend)
+    assert want.abs().max() > 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_max_seqlen_above_the_packed_length_reaches_no_op(monkeypatch):
+    """The ops (and the launch grids they size) get the packed length, not 2^40."""
+    import fusedops.attention as fa
+    seen = []
+    forward = fa._ops.forward
+
+    def spy(q, k, v, cu_q, cu_k, max_q, max_k, *args):
+        seen.append((max_q, max_k))
+        return forward(q, k, v, cu_q, cu_k, max_q, max_k, *args)
+
+    monkeypatch.setattr(fa._ops, "forward", spy)
+    q, k, v, cu_q, cu_k = _packed()
+    attention(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=2**40,
+              max_seqlen_k=2**32, backend="torch")
+    assert seen == [(10, 12)]
+
+
+def test_max_seqlen_types():
+    q, k, v, cu_q, cu_k = _packed()
+    kw = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, backend="torch")
+    want = attention(q, k, v, max_seqlen_q=6, max_seqlen_k=7, **kw)
+    got = attention(q, k, v, max_seqlen_q=np.int64(6), max_seqlen_k=np.int32(7), **kw)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for bad in (6.0, None, torch.tensor(6)):
+        with pytest.raises(TypeError, match="max_seqlen_q must be an int with cu_seqlens"):
+            attention(q, k, v, max_seqlen_q=bad, max_seqlen_k=7, **kw)
+    with pytest.raises(ValueError, match="max_seqlen_k must be >= 0"):
+        attention(q, k, v, max_seqlen_q=6, max_seqlen_k=-1, **kw)
+
+
+def test_max_seqlen_without_cu_seqlens_raises():
+    q, k, v = _qkv()
+    for kw in (dict(max_seqlen_q=3), dict(max_seqlen_k=3), dict(max_seqlen_q=5, max_seqlen_k=5)):
+        with pytest.raises(ValueError, match="max_seqlen_q and max_seqlen_k go with cu_seqlens"):
+            attention(q, k, v, backend="torch", **kw)
+
+
+def test_dense_token_count_past_int32_raises():
+    """Dense batches run on int32 offsets (arange(B + 1) * S): B * S past 2^31 - 1 would wrap."""
+    q = torch.empty(65536, 32768, 1, 8, device="meta")
+    k = torch.empty(1, 8, 1, 8, device="meta").expand(65536, 8, 1, 8)
+    with pytest.raises(ValueError, match=r"q holds B \* S = 65536 \* 32768 = 2147483648 tokens"):
+        attention(q, k, k, backend="torch")
+    with pytest.raises(ValueError, match=r"k holds B \* S"):
+        attention(k[:, :1].expand(65536, 1, 1, 8), q, q, backend="torch")

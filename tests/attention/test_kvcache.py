@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 
 import attn_oracle as A
+import numpy as np
 import pytest
 import torch
 
@@ -349,6 +350,10 @@ def test_int_cache_seqlens_and_num_splits_agree():
     b = attention_with_kvcache(q, kc, vc, torch.tensor([17, 17], dtype=torch.int32),
                                backend="torch")
     assert torch.equal(a, b)
+    # a NumPy integer is an int too (it used to be refused as "not an int32 Tensor")
+    assert torch.equal(attention_with_kvcache(q, kc, vc, np.int32(17), backend="torch"), a)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        attention_with_kvcache(q, kc, vc, np.int64(31), backend="torch")
     if INTERPRET and HAS_TRITON and not HAS_GPU:
         for splits in (1, 2, 7):
             c = attention_with_kvcache(q, kc, vc, 17, backend="triton", num_splits=splits)

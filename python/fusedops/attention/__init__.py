@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 from torch import Tensor, nn
@@ -14,6 +15,7 @@ from fusedops.attention import backends as _backends  # noqa: F401  (declares th
 __all__ = ["attention", "Attention", "attention_with_kvcache"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_MAX_TOKENS = 2**31 - 1
 
 
 def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k):
@@ -60,10 +62,24 @@ def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k):
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), "
                              f"got {cu_q.shape[0]} and {cu_k.shape[0]}")
         for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
-            if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-                raise ValueError(f"{name} must be an int >= 0 with cu_seqlens, got {m!r}")
+            if isinstance(m, bool) or not isinstance(m, numbers.Integral):
+                raise TypeError(f"{name} must be an int with cu_seqlens, got "
+                                f"{type(m).__name__} {m!r}")
+            if m < 0:
+                raise ValueError(f"{name} must be >= 0, got {m}")
     elif cu_q is not None or cu_k is not None:
         raise ValueError("pass both cu_seqlens_q and cu_seqlens_k (packed q, k, v) or neither")
+    else:
+        if max_q is not None or max_k is not None:
+            raise ValueError("max_seqlen_q and max_seqlen_k go with cu_seqlens_q/cu_seqlens_k "
+                             "(packed q, k, v); dense (B, S, H, D) inputs take their lengths "
+                             "from the shapes")
+        # dense inputs get int32 cu_seqlens (arange(B + 1) * S)
+        for name, t in (("q", q), ("k", k)):
+            tokens = t.shape[0] * t.shape[1]
+            if tokens > _MAX_TOKENS:
+                raise ValueError(f"{name} holds B * S = {t.shape[0]} * {t.shape[1]} = {tokens} "
+                                 f"tokens; at most 2^31 - 1 are supported (int32 offsets)")
 
 
 def _check_options(causal, return_lse, window_size, softcap, softmax_scale):
@@ -104,7 +120,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     """Exact attention softmax(scale * q k^T (+ masks, softcap)) v without the score matrix.
 
     Dense: q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), Hq a multiple of Hkv (MHA, GQA, MQA);
-    returns out (B, Sq, Hq, D) and, with return_lse, lse (B, Hq, Sq) float32.
+    returns out (B, Sq, Hq, D) and, with return_lse, lse (B, Hq, Sq) float32 (float64 for
+    float64 inputs).
     Packed variable-length: q (total_q, Hq, D), k and v (total_k, Hkv, D), int32 cu_seqlens_q and
     cu_seqlens_k (batch + 1) and the maximum lengths; lse (Hq, total_q).
     causal is aligned to the bottom-right corner (query i sees key j <= i + Sk - Sq);
@@ -127,7 +144,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     if varlen:
         q3, k3, v3 = q, k, v
         cu_q, cu_k = cu_seqlens_q, cu_seqlens_k
-        max_q, max_k = max_seqlen_q, max_seqlen_k
+        # no sequence is longer than its packed tensor: a larger maximum is clamped, so that
+        # it sizes no launch grid and hides no window bound below
+        max_q, max_k = min(int(max_seqlen_q), q.shape[0]), min(int(max_seqlen_k), k.shape[0])
     else:
         batch, sq, hq, _ = q.shape
         sk = k.shape[1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
@@ -49,6 +50,11 @@ def _check_int32(name, t, q, shape: tuple, what: str):
         raise ValueError(f"{name} must have shape {shape} {what}, got {tuple(t.shape)}")
 
 
+def _is_int(x) -> bool:
+    """A Python or NumPy integer (not a bool): one length for every sequence."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def _check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, window_size,
                 softcap, softmax_scale, num_splits):
     if not isinstance(q, Tensor):
@@ -89,7 +95,7 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, wi
     elif k_cache.shape[0] != batch:
         raise ValueError(f"q has batch {batch}, k_cache and v_cache have batch "
                          f"{k_cache.shape[0]} (a paged cache needs page_table)")
-    if not isinstance(cache_seqlens, int) or isinstance(cache_seqlens, bool):
+    if not _is_int(cache_seqlens):
         _check_int32("cache_seqlens", cache_seqlens, q, (batch,), "(one length per sequence)")
     if (k_new is None) != (v_new is None):
         raise ValueError("pass both k_new and v_new (keys to append) or neither")
@@ -287,7 +293,7 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
     [L - Sq + i - left, L - Sq + i + right] (-1 = unlimited); softcap applies
     softcap * tanh(s / softcap); softmax_scale defaults to 1 / sqrt(D). A query that sees no
     key returns zeros and lse -inf. Returns out (B, Sq, Hq, D) and, with return_lse, lse
-    (B, Hq, Sq) float32 (natural log).
+    (B, Hq, Sq) float32 (float64 for float64 inputs; natural log).
 
     num_splits: how many parts each sequence's keys are split into (flash-decoding), None for a
     heuristic of B * Hkv against the GPU's SMs and the cache capacity (no host synchronisation:
@@ -317,7 +323,7 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         raise ValueError(f"q has {batch} sequences; the {name} kernels take at most "
                          f"{MAX_GRID_BATCH} a call (one grid row each): split the batch")
     lens_int = None
-    if isinstance(cache_seqlens, int):
+    if _is_int(cache_seqlens):
         lens_int = check_int("cache_seqlens", cache_seqlens)
     cap = reference.capacity(k_cache, page_table)
     if cap > MAX_CAPACITY:
