@@ -50,6 +50,9 @@ def test_bad_bias(bias, exc, match):
     (dict(label_smoothing=-0.1), "label_smoothing must be in"),
     (dict(softcap=0.0), "softcap must be a positive"),
     (dict(softcap=float("inf")), "softcap must be a positive"),
+    # the kernels' softcap is a float32: past its normal range it would be inf or 0
+    (dict(softcap=1e39), "within float32's normal range"),
+    (dict(softcap=1e-46), "within float32's normal range"),
     (dict(z_loss=-1.0), "z_loss must be"),
     (dict(backend="cudnn"), "backend must be one of"),
 ])

@@ -116,3 +116,81 @@ def test_targets_on_another_device_are_refused():
     x, w, t, _ = _inputs(device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="target is on cpu but hidden is on cuda"):
         linear_cross_entropy(x, w, t.cpu())
+
+
+def _eager(x, w, t, **kw):
+    return torch.nn.functional.cross_entropy(x.double() @ w.double().T, t, **kw)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_ignored_tokens_with_overflowing_logits_add_zero(reduction):
+    """A padding row whose logits overflow (float16) or hold NaN adds exactly 0 to the loss, as
+    with F.cross_entropy (0 * inf used to turn the mean into NaN)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 8, generator=g)
+    w = torch.randn(5, 8, generator=g)
+    t = torch.randint(0, 5, (6,), generator=g)
+    t[0] = -100
+    want = _eager(x[1:], w, t[1:], reduction=reduction)
+    x16 = x.half()
+    x16[0] = 30000.0  # its logits overflow float16
+    got = linear_cross_entropy(x16, w.half(), t, reduction=reduction, backend="torch")
+    assert torch.isfinite(got)
+    torch.testing.assert_close(got.double(), want, rtol=2e-3, atol=2e-3)
+    xn = x.clone()
+    xn[0, 2] = float("nan")
+    got = linear_cross_entropy(xn, w, t, reduction=reduction, backend="torch")
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_float16_gradients_scaled_past_65504_stay_finite():
+    """GradScaler multiplies the loss by 2^16: the gradients are scaled in float32 and rounded
+    once (a float16 2^16 is inf)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 16, generator=g)
+    w = torch.randn(32, 16, generator=g)
+    t = torch.randint(0, 32, (64,), generator=g)
+    t[:4] = -100
+    xh, wh = x.half().requires_grad_(), w.half().requires_grad_()
+    (linear_cross_entropy(xh, wh, t, backend="torch") * 65536.0).backward()
+    xd, wd = x.half().double().requires_grad_(), w.half().double().requires_grad_()
+    (_eager(xd, wd, t) * 65536.0).backward()
+    for got, want in ((xh.grad, xd.grad), (wh.grad, wd.grad)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
+
+
+@pytest.mark.parametrize("raw", ["abc", "nan", "inf", "-5", "0"])
+def test_memory_budget_variable_is_checked_by_name(monkeypatch, raw):
+    monkeypatch.setenv("FUSEDOPS_LCE_MEMORY_MIB", raw)
+    x, w, t, _ = _inputs()
+    with pytest.raises(ValueError, match="FUSEDOPS_LCE_MEMORY_MIB must be a positive number"):
+        linear_cross_entropy(x, w, t, backend="torch")
+
+
+@pytest.mark.parametrize("reduction,return_lse", [("mean", False), ("none", False),
+                                                  ("none", True)])
+def test_huge_budget_means_unlimited_and_empty_batches_need_none(reduction, return_lse):
+    x, w, t, _ = _inputs()
+    want = linear_cross_entropy(x, w, t, reduction=reduction, return_lse=return_lse,
+                                backend="torch")
+    got = linear_cross_entropy(x, w, t, reduction=reduction, return_lse=return_lse,
+                               memory_budget_mib=1e300, backend="torch")
+    for a, b in zip(got if return_lse else (got,), want if return_lse else (want,), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # no tokens: nothing to fit into even the smallest budget
+    out = linear_cross_entropy(x[:0], w, t[:0], reduction=reduction, return_lse=return_lse,
+                               memory_budget_mib=1e-6, backend="torch")
+    loss = out[0] if return_lse else out
+    assert loss.numel() == (1 if reduction == "mean" else 0)
+
+
+def test_check_replicated_needs_a_group():
+    x, w, t, _ = _inputs()
+    with pytest.raises(TypeError, match="check_replicated must be a bool"):
+        linear_cross_entropy(x, w, t, check_replicated="yes", backend="torch")
+    with pytest.raises(ValueError, match="check_replicated=True compares hidden and target"):
+        linear_cross_entropy(x, w, t, check_replicated=True, backend="torch")
+    from fusedops.linear_ce import LinearCrossEntropyLoss
+    with pytest.raises(TypeError, match="check_replicated must be a bool"):
+        LinearCrossEntropyLoss(check_replicated="")

@@ -66,7 +66,9 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32}
 MISUSE = ("group_type", "start_out_of_range", "overlap", "start_on_one_rank", "target_range",
           "mismatch_hidden", "bad_dtype_one_rank", "tokens_differ", "empty_shard",
           "start_type", "double_backward", "double_backward_lse", "dtensor_replicate",
-          "module_form", "bias_group_differs")
+          "module_form", "bias_group_differs", "target_one_rank", "check_targets_one_rank",
+          "replicated_one_rank", "replicated_type_one_rank", "start_huge_one_rank",
+          "mismatch_hidden_nan", "same_nan_hidden", "algo_env")
 
 
 def _sizes(split, world, v):
@@ -184,6 +186,33 @@ def _misuse(name, rank, world, group, device):
             if rank == 1:
                 x[1, 2, 3] += 1e-3
             linear_cross_entropy(x, ws, t, bs, check_replicated=True, **kw)
+        elif name == "target_one_rank":  # rank 1 alone has a bad target: no rank may wait
+            t = t.clone()
+            if rank == 1:
+                t[0, 3] = V
+            linear_cross_entropy(x, ws, t, bs, **kw)
+        elif name == "check_targets_one_rank":
+            linear_cross_entropy(x, ws, t, bs, check_targets=rank == 0, **kw)
+        elif name == "replicated_one_rank":
+            linear_cross_entropy(x, ws, t, bs, check_replicated=rank == 0, **kw)
+        elif name == "replicated_type_one_rank":
+            linear_cross_entropy(x, ws, t, bs, check_replicated="yes" if rank == 1 else False,
+                                 **kw)
+        elif name == "start_huge_one_rank":
+            linear_cross_entropy(x, ws, t, bs, vocab_start=start if rank == 0 else 2**70, **kw)
+        elif name in ("mismatch_hidden_nan", "same_nan_hidden"):
+            # NaN and inf compare equal to themselves and unequal to anything else
+            x = x.clone()
+            x[0, 0, 0], x[1, 0, 1] = float("nan"), float("inf")
+            if rank == 1 and name == "mismatch_hidden_nan":
+                x[1, 2, 3] += 1e-3
+            linear_cross_entropy(x, ws, t, bs, check_replicated=True, **kw)
+        elif name == "algo_env":
+            os.environ["FUSEDOPS_LCE_ALGO"] = "bogus"
+            try:
+                linear_cross_entropy(x, ws, t, bs, **kw)
+            finally:
+                del os.environ["FUSEDOPS_LCE_ALGO"]
         elif name == "bad_dtype_one_rank":
             linear_cross_entropy(x, ws.float() if rank == 1 else ws, t, bs, **kw)
         elif name == "tokens_differ":
@@ -458,6 +487,16 @@ _MISUSE_EXPECT = {
     "module_form": ("TypeError", "process_group must be a torch.distributed.ProcessGroup"),
     "dtensor_replicate": ("ValueError", "needs Shard(0) on one mesh dimension"),
     "bias_group_differs": ("ValueError", "bias is a DTensor sharded over another process group"),
+    "target_one_rank": ("TargetOutOfRangeError", ["rank(s) [1] of process_group have targets "
+                                                  "outside [0, 37)",
+                                                  "target[0, 3] = 37 is outside [0, 37)"]),
+    "check_targets_one_rank": ("ValueError", "whether targets are checked differs"),
+    "replicated_one_rank": ("ValueError", "check_replicated differs"),
+    "replicated_type_one_rank": ("TypeError", ["rank(s) [1]", "check_replicated must be a bool"]),
+    "start_huge_one_rank": ("ValueError", ["rank(s) [1]", "vocab_start must be in [0, V)"]),
+    "mismatch_hidden_nan": ("ValueError", "hidden or target differs across the ranks"),
+    "same_nan_hidden": None,  # no error: the same hidden on every rank
+    "algo_env": ("ValueError", "FUSEDOPS_LCE_ALGO must be 'auto' or 'recompute'"),
 }
 
 
@@ -466,6 +505,9 @@ def test_misuse_raises_on_every_rank(tmp_path_factory, name, request):
     if not _gloo_ok():
         pytest.skip("torch.distributed with gloo is not available")
     per_rank = _misuse_results(tmp_path_factory)
+    if _MISUSE_EXPECT[name] is None:
+        assert all(res[("misuse", name)] is None for res in per_rank), per_rank
+        return
     kind, msg = _MISUSE_EXPECT[name]
     for r, res in enumerate(per_rank):
         err = res[("misuse", name)]

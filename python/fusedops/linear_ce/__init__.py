@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from fusedops import dispatch
-from fusedops._checks import check_bool, check_int, check_real
+from fusedops._checks import F32_MAX, F32_TINY, check_bool, check_int, check_real
 from fusedops.linear_ce import backends as _backends  # noqa: F401  (declares the backends)
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss"]
@@ -81,8 +81,9 @@ def _check_options(reduction, label_smoothing, softcap, z_loss, memory_budget_mi
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     softcap = check_real("softcap", softcap, optional=True)
-    if softcap is not None and not (softcap > 0.0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a positive finite number or None, got {softcap}")
+    if softcap is not None and not (F32_TINY <= softcap <= F32_MAX):
+        raise ValueError(f"softcap must be a positive finite number or None, within float32's "
+                         f"normal range [{F32_TINY:.4g}, {F32_MAX:.4g}], got {softcap}")
     z_loss = check_real("z_loss", z_loss)
     if not (z_loss >= 0.0 and math.isfinite(z_loss)):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
@@ -170,6 +171,9 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
             return_lse=return_lse, backend=backend, check_targets=check_targets,
             memory_budget_mib=memory_budget_mib, process_group=process_group,
             vocab_start=vocab_start, check_replicated=check_replicated)
+    if check_bool("check_replicated", check_replicated):
+        raise ValueError("check_replicated=True compares hidden and target across the ranks of "
+                         "process_group; pass process_group (or a DTensor weight) with it")
     _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
                   memory_budget_mib, ignore_index, return_lse, check_targets)
     lead_shape, h2, w, b, t1 = _flat_inputs(hidden, weight, bias, target)
@@ -219,6 +223,7 @@ class LinearCrossEntropyLoss(nn.Module):
                        ignore_index, return_lse, check_targets)
         if backend is not None:
             dispatch.check_backend(backend)
+        check_bool("check_replicated", check_replicated)
         if process_group is not None or vocab_start is not None or check_replicated:
             _parallel.check_options(process_group, vocab_start, check_replicated)
         self.options = dict(ignore_index=ignore_index, reduction=reduction,

@@ -71,10 +71,26 @@ def min_full_rows() -> int:
     return rows
 
 
+# Budgets above this many bytes (4 EiB) are all "unlimited"; the ops take the budget as int64.
+MAX_BUDGET = 1 << 62
+
+
 def budget_bytes(memory_budget_mib: float | None) -> int:
+    """The scratch budget in bytes: memory_budget_mib, or FUSEDOPS_LCE_MEMORY_MIB, or the
+    default; at most MAX_BUDGET."""
     if memory_budget_mib is None:
-        memory_budget_mib = float(os.environ.get("FUSEDOPS_LCE_MEMORY_MIB", DEFAULT_BUDGET_MIB))
-    return int(float(memory_budget_mib) * MIB)
+        raw = os.environ.get("FUSEDOPS_LCE_MEMORY_MIB")
+        if raw is None:
+            memory_budget_mib = DEFAULT_BUDGET_MIB
+        else:
+            try:
+                memory_budget_mib = float(raw)
+            except ValueError:
+                memory_budget_mib = math.nan
+            if not (memory_budget_mib > 0 and math.isfinite(memory_budget_mib)):
+                raise ValueError(f"FUSEDOPS_LCE_MEMORY_MIB must be a positive number of MiB, "
+                                 f"got {raw!r}")
+    return int(min(float(memory_budget_mib) * MIB, MAX_BUDGET))
 
 
 @dataclass(frozen=True)
@@ -206,6 +222,8 @@ def scale_grad_(t: Tensor, g: Tensor, backend: str) -> None:
     elif backend == "triton" and t.is_cuda:
         from fusedops.linear_ce import triton as tk
         tk.scale_if_not_one(t, g)
+    elif t.element_size() < 4:  # 16-bit: the product in float32, one rounding (g may be 2^16)
+        t.copy_(t.float() * g.float())
     else:
         t.mul_(g.to(t.dtype))
 
@@ -379,7 +397,8 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     per_tok = lse - (1.0 - eps) * zt - (eps / vocab) * zsum if eps else lse - zt
     if zl:
         per_tok = per_tok + zl * lse * lse
-    loss = (per_tok * w_tok).sum()
+    # ignored tokens add exactly 0, also when their logits overflowed (0 * inf would be NaN)
+    loss = (torch.where(valid, per_tok, 0.0) * w_tok).sum()
     d_bias = hidden.new_empty(0)
     if need_db:
         d_bias = d_bias32.to(bias.dtype)

@@ -38,7 +38,13 @@ from fusedops._checks import check_bool, check_int
 from fusedops.linear_ce import chunked
 from fusedops.linear_ce import ops as _ops
 
-_META = 9  # ok, rows, vocab_start, has_vocab_start, tokens, hidden size, need_dh, bias, dtype
+# The layout all-gather's row per rank: ok, rows, vocab_start, has_vocab_start, tokens, hidden
+# size, need_dh, bias, dtype, check_replicated, check_targets, and the smallest and largest
+# target that is not ignore_index (_NO_TARGET / -_NO_TARGET when there is none).
+_META = 13
+_NO_TARGET = 2**62
+# vocab_start must leave room for its shard's rows in int64 arithmetic
+_MAX_VOCAB_START = 2**62
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 
 
@@ -221,12 +227,22 @@ class _ShardLoss(torch.autograd.Function):
 
 
 def _fingerprint(h2: Tensor, t1: Tensor) -> Tensor:
-    """Float64 sums that differ when hidden or target differ (values or token order)."""
+    """Float64 sums that differ when hidden or target differ (values or token order): of the
+    finite values (compared within a tolerance: entries 1 and 2), of the targets and of where
+    the non-finite values sit and what they are (compared exactly: entries 3 to 6), so that a NaN
+    or inf compares equal to itself and unequal to anything else."""
     pos = torch.arange(1, h2.shape[0] + 1, dtype=torch.float64, device=h2.device)
     hd = h2.detach().to(torch.float64)
+    finite = torch.isfinite(hd)
+    # 1 for NaN, 2 for +inf, 3 for -inf, weighted by the element's (row, column) position
+    code = torch.where(finite, 0.0, torch.where(torch.isnan(hd), 1.0,
+                                                torch.where(hd > 0, 2.0, 3.0)))
+    col = torch.arange(1, h2.shape[1] + 1, dtype=torch.float64, device=h2.device)
+    hd = torch.where(finite, hd, 0.0)
     row = hd.sum(-1)
     tt = t1.to(torch.float64)
-    return torch.stack([hd.abs().sum(), row.sum(), (row * pos).sum(), tt.sum(), (tt * pos).sum()])
+    return torch.stack([hd.abs().sum(), row.sum(), (row * pos).sum(), tt.sum(), (tt * pos).sum(),
+                        code.sum(), (code * (pos[:, None] * (h2.shape[1] + 1) + col)).sum()])
 
 
 def _require_dist() -> None:
@@ -252,8 +268,27 @@ def check_options(process_group, vocab_start, check_replicated) -> None:
     if process_group is not None:
         _check_group_type(process_group)
     if vocab_start is not None:
-        check_int("vocab_start", vocab_start)
+        _check_vocab_start(vocab_start)
     check_bool("check_replicated", check_replicated)
+
+
+def _check_vocab_start(vocab_start) -> int:
+    vocab_start = check_int("vocab_start", vocab_start)
+    if not 0 <= vocab_start < _MAX_VOCAB_START:
+        raise ValueError(f"vocab_start must be in [0, V) (the first vocabulary row of this "
+                         f"rank's shard), got {vocab_start}")
+    return vocab_start
+
+
+def _target_range(target: Tensor, ignore_index: int) -> Tensor:
+    """(smallest, largest) target that is not ignore_index, as an int64 pair on target's device
+    (no host synchronisation); (_NO_TARGET, -_NO_TARGET) when every target is ignored."""
+    t = target.reshape(-1).long()
+    if t.numel() == 0:
+        return torch.tensor([_NO_TARGET, -_NO_TARGET], dtype=torch.int64, device=t.device)
+    keep = t != ignore_index
+    return torch.stack([torch.where(keep, t, _NO_TARGET).min(),
+                        torch.where(keep, t, -_NO_TARGET).max()])
 
 
 def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reduction,
@@ -292,20 +327,27 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     if rank < 0:
         raise ValueError("this process is not a member of process_group")
     world = dist.get_world_size(group)
-    check_bool("check_replicated", check_replicated)
 
     # Local checks first; their outcome travels with the layout all-gather, so that a rank with
     # bad input raises its own error and the others raise too instead of waiting in a collective.
+    # So do the options every rank must agree on and the range of the targets (checked against
+    # V, which only the all-gather tells).
     local_error = None
     try:
+        check_bool("check_replicated", check_replicated)
         if vocab_start is not None:
-            vocab_start = check_int("vocab_start", vocab_start)
+            vocab_start = _check_vocab_start(vocab_start)
         if isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[0] == 0:
             raise ValueError(f"weight shard on rank {rank} has 0 rows; every rank of the group "
                              "must hold at least one vocabulary row")
         _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
                       memory_budget_mib, ignore_index, return_lse, check_targets)
         check_group_device(dist.get_backend(group), hidden)
+        algo = os.environ.get("FUSEDOPS_LCE_ALGO", "auto")
+        if algo not in ("auto", "recompute"):
+            raise ValueError(f"FUSEDOPS_LCE_ALGO must be 'auto' or 'recompute', got {algo!r}")
+        if check_targets is None:
+            check_targets = os.environ.get("FUSEDOPS_CHECK_TARGETS", "1") != "0"
     except (TypeError, ValueError) as e:
         local_error = e
     ok = local_error is None
@@ -320,7 +362,12 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
         int(ok and hidden.requires_grad and torch.is_grad_enabled()),
         int(ok and bias is not None),
         _DTYPE_CODES.get(hidden.dtype, -1) if ok else -1,
+        int(ok and check_replicated),
+        int(ok and check_targets),
     ], dtype=torch.int64, device=comm_dev)
+    span = (_target_range(target, ignore_index).to(comm_dev) if ok and check_targets else
+            torch.tensor([_NO_TARGET, -_NO_TARGET], dtype=torch.int64, device=comm_dev))
+    meta = torch.cat([meta, span])
     gathered = [torch.empty_like(meta) for _ in range(world)]
     dist.all_gather(gathered, meta, group=group)
     rows_meta = torch.stack(gathered).cpu().tolist()  # one host sync, O(world) values
@@ -334,21 +381,27 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     vocab_size = sum(row[1] for row in rows_meta)
 
     lead_shape, h2, w, b, t1 = _flat_inputs(hidden, weight, bias, target)
+    if check_targets:
+        bad = [r for r, row in enumerate(rows_meta) if row[11] <= row[12]
+               and (row[11] < 0 or row[12] >= vocab_size)]
+        if rank in bad:  # this rank's own error, naming the first bad target
+            _ops.check_targets_in_range(t1, vocab_size, int(ignore_index), lead_shape)
+        if bad:
+            raise ValueError(f"linear_cross_entropy: rank(s) {bad} of process_group have targets "
+                             f"outside [0, {vocab_size}) that are not ignore_index "
+                             f"({ignore_index})")
     hidden_size = h2.shape[1]
     if check_replicated and h2.shape[0] > 0:
         fp = _fingerprint(h2, t1).to(comm_dev)
         both = torch.cat([fp, -fp])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        hi, lo = both[:5], -both[5:]
+        n = fp.numel()
+        hi, lo = both[:n], -both[n:]
         tol = 1e-9 * (hi[0].abs() + 1.0)
         if bool(((hi[1:3] - lo[1:3]).abs() > tol).any()) or bool((hi[3:] != lo[3:]).any()):
             raise ValueError("hidden or target differs across the ranks of process_group (the "
                              "vocab-parallel loss needs the same hidden and target everywhere)")
     name = dispatch.select("linear_ce", h2, hidden_size, backend)
-    if check_targets is None:
-        check_targets = os.environ.get("FUSEDOPS_CHECK_TARGETS", "1") != "0"
-    if check_targets:
-        _ops.check_targets_in_range(t1, vocab_size, int(ignore_index), lead_shape)
     # Targets relative to the shard: those of other shards (and ignore_index) fall outside
     # [0, V_r), where the row kernels and the single-device op give a target logit of 0 and no
     # one-hot gradient.
@@ -383,7 +436,8 @@ def _check_layout(rows_meta, rank: int) -> int:
     for col, what in ((4, "the number of tokens"), (5, "the hidden size"),
                       (8, "hidden's dtype"), (7, "whether a bias is given"),
                       (6, "whether hidden requires grad"),
-                      (3, "whether vocab_start is given")):
+                      (3, "whether vocab_start is given"),
+                      (9, "check_replicated"), (10, "whether targets are checked")):
         values = [row[col] for row in rows_meta]
         if len(set(values)) > 1:
             raise ValueError(f"{what} differs across the ranks of process_group "
