@@ -32,8 +32,10 @@ def check_real(name: str, value, *, optional: bool = False) -> float | None:
 
 
 # The kernels take scale and softcap as float32: values past its range would become inf or 0.
-F32_MAX = 3.4028234663852886e38
-F32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+# Magnitudes below F32_MAX round to a finite float32 (its largest, 3.4028234663852886e38, plus
+# half an ulp); F32_TINY is its smallest normal.
+F32_MAX = 2.0**128 * (1 - 2.0**-25)
+F32_TINY = 1.1754943508222875e-38
 
 
 def check_attention_options(window_size, softcap, softmax_scale) -> None:
@@ -48,11 +50,10 @@ def check_attention_options(window_size, softcap, softmax_scale) -> None:
             raise ValueError(f"window_size entries must be >= -1 (-1 = unlimited), got "
                              f"{window_size!r}")
     softcap = check_real("softcap", softcap, optional=True)
-    if softcap is not None and not (F32_TINY <= softcap <= F32_MAX):
+    if softcap is not None and not (F32_TINY <= softcap < F32_MAX):
         raise ValueError(f"softcap must be a positive finite number or None, within float32's "
                          f"normal range [{F32_TINY:.4g}, {F32_MAX:.4g}], got {softcap}")
     softmax_scale = check_real("softmax_scale", softmax_scale, optional=True)
-    if softmax_scale is not None and not (math.isfinite(softmax_scale)
-                                          and abs(softmax_scale) <= F32_MAX):
-        raise ValueError(f"softmax_scale must be finite in float32 (|scale| <= {F32_MAX:.4g}), "
-                         f"got {softmax_scale}")
+    if softmax_scale is not None and not abs(softmax_scale) < F32_MAX:
+        raise ValueError(f"softmax_scale must be finite and below float32's largest in "
+                         f"magnitude ({F32_MAX:.4g}), got {softmax_scale}")

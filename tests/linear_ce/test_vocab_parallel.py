@@ -68,7 +68,7 @@ MISUSE = ("group_type", "start_out_of_range", "overlap", "start_on_one_rank", "t
           "start_type", "double_backward", "double_backward_lse", "dtensor_replicate",
           "module_form", "bias_group_differs", "target_one_rank", "check_targets_one_rank",
           "replicated_one_rank", "replicated_type_one_rank", "start_huge_one_rank",
-          "mismatch_hidden_nan", "same_nan_hidden", "algo_env")
+          "mismatch_hidden_nan", "same_nan_hidden", "algo_env", "budget_env_one_rank")
 
 
 def _sizes(split, world, v):
@@ -207,6 +207,13 @@ def _misuse(name, rank, world, group, device):
             if rank == 1 and name == "mismatch_hidden_nan":
                 x[1, 2, 3] += 1e-3
             linear_cross_entropy(x, ws, t, bs, check_replicated=True, **kw)
+        elif name == "budget_env_one_rank":
+            if rank == 1:
+                os.environ["FUSEDOPS_LCE_MEMORY_MIB"] = "abc"
+            try:
+                linear_cross_entropy(x, ws, t, bs, **kw)
+            finally:
+                os.environ.pop("FUSEDOPS_LCE_MEMORY_MIB", None)
         elif name == "algo_env":
             os.environ["FUSEDOPS_LCE_ALGO"] = "bogus"
             try:
@@ -497,6 +504,8 @@ _MISUSE_EXPECT = {
     "mismatch_hidden_nan": ("ValueError", "hidden or target differs across the ranks"),
     "same_nan_hidden": None,  # no error: the same hidden on every rank
     "algo_env": ("ValueError", "FUSEDOPS_LCE_ALGO must be 'auto' or 'recompute'"),
+    "budget_env_one_rank": ("ValueError", ["rank(s) [1]",
+                                           "FUSEDOPS_LCE_MEMORY_MIB must be a positive number"]),
 }
 
 

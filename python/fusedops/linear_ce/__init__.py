@@ -81,7 +81,7 @@ def _check_options(reduction, label_smoothing, softcap, z_loss, memory_budget_mi
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     softcap = check_real("softcap", softcap, optional=True)
-    if softcap is not None and not (F32_TINY <= softcap <= F32_MAX):
+    if softcap is not None and not (F32_TINY <= softcap < F32_MAX):
         raise ValueError(f"softcap must be a positive finite number or None, within float32's "
                          f"normal range [{F32_TINY:.4g}, {F32_MAX:.4g}], got {softcap}")
     z_loss = check_real("z_loss", z_loss)

@@ -222,8 +222,15 @@ def scale_grad_(t: Tensor, g: Tensor, backend: str) -> None:
     elif backend == "triton" and t.is_cuda:
         from fusedops.linear_ce import triton as tk
         tk.scale_if_not_one(t, g)
-    elif t.element_size() < 4:  # 16-bit: the product in float32, one rounding (g may be 2^16)
-        t.copy_(t.float() * g.float())
+    elif t.element_size() < 4:
+        # 16-bit: the product in float32 and one rounding (g may be 2^16, inf in float16), by
+        # pieces of 4M elements so that the float32 copies stay small
+        gf = g.float()
+        if not t.is_contiguous():
+            t.copy_(t.float() * gf)
+            return
+        for piece in t.view(-1).split(1 << 22):
+            piece.copy_(piece.float() * gf)
     else:
         t.mul_(g.to(t.dtype))
 

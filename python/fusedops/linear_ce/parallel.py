@@ -187,9 +187,8 @@ class _ShardLoss(torch.autograd.Function):
                 group, comm_dev, need_dh):
         import torch.distributed as dist
 
-        n_tokens, hidden_size = hidden.shape
-        plan = chunked.plan_chunks(n_tokens, hidden_size, weight.shape[0], hidden.element_size(),
-                                   budget, need_dh)
+        plan = _shard_plan(hidden, weight, budget, need_dh)
+        n_tokens = hidden.shape[0]
         lse, zt, zsum, _ = chunked.statistics(hidden, weight, bias, target, cap, plan, backend)
         if n_tokens > 0:
             gmax = _all_reduce_(lse.clone(), dist.ReduceOp.MAX, group, comm_dev)
@@ -226,23 +225,37 @@ class _ShardLoss(torch.autograd.Function):
         return (*grads, *([None] * 11))
 
 
-def _fingerprint(h2: Tensor, t1: Tensor) -> Tensor:
-    """Float64 sums that differ when hidden or target differ (values or token order): of the
-    finite values (compared within a tolerance: entries 1 and 2), of the targets and of where
-    the non-finite values sit and what they are (compared exactly: entries 3 to 6), so that a NaN
-    or inf compares equal to itself and unequal to anything else."""
-    pos = torch.arange(1, h2.shape[0] + 1, dtype=torch.float64, device=h2.device)
+def _shard_plan(hidden: Tensor, weight: Tensor, budget: int, need_dh: bool) -> chunked.Plan:
+    """The chunks of the shard's logits (the budget checked against the shard's own rows);
+    nothing to chunk without tokens."""
+    if hidden.shape[0] == 0:
+        return chunked.Plan(1, weight.shape[0], False)
+    return chunked.plan_chunks(hidden.shape[0], hidden.shape[1], weight.shape[0],
+                               hidden.element_size(), budget, need_dh)
+
+
+def _fingerprint(h2: Tensor, t1: Tensor) -> tuple[Tensor, Tensor]:
+    """Sums that differ when hidden or target differ (values or token order): float64 sums of
+    the finite values (the scale, then two compared within a tolerance) and int64 sums of the
+    targets and of where the non-finite values sit and what they are (compared exactly; int64
+    sums do not depend on the order of the additions, even when they wrap), so that a NaN or
+    inf compares equal to itself and unequal to anything else."""
+    dev = h2.device
+    n, h = h2.shape
     hd = h2.detach().to(torch.float64)
     finite = torch.isfinite(hd)
     # 1 for NaN, 2 for +inf, 3 for -inf, weighted by the element's (row, column) position
-    code = torch.where(finite, 0.0, torch.where(torch.isnan(hd), 1.0,
-                                                torch.where(hd > 0, 2.0, 3.0)))
-    col = torch.arange(1, h2.shape[1] + 1, dtype=torch.float64, device=h2.device)
+    code = torch.where(finite, 0, torch.where(torch.isnan(hd), 1, torch.where(hd > 0, 2, 3)))
+    code = code.to(torch.int64)
+    pos_i = torch.arange(1, n + 1, dtype=torch.int64, device=dev)
+    col_i = torch.arange(1, h + 1, dtype=torch.int64, device=dev)
+    code_at = (code.sum(-1) * pos_i).sum() * (h + 1) + (code * col_i).sum()
     hd = torch.where(finite, hd, 0.0)
     row = hd.sum(-1)
-    tt = t1.to(torch.float64)
-    return torch.stack([hd.abs().sum(), row.sum(), (row * pos).sum(), tt.sum(), (tt * pos).sum(),
-                        code.sum(), (code * (pos[:, None] * (h2.shape[1] + 1) + col)).sum()])
+    pos = pos_i.to(torch.float64)
+    tt = t1.to(torch.int64)
+    return (torch.stack([hd.abs().sum(), row.sum(), (row * pos).sum()]),
+            torch.stack([tt.sum(), (tt * pos_i).sum(), code.sum(), code_at]))
 
 
 def _require_dist() -> None:
@@ -348,6 +361,11 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
             raise ValueError(f"FUSEDOPS_LCE_ALGO must be 'auto' or 'recompute', got {algo!r}")
         if check_targets is None:
             check_targets = os.environ.get("FUSEDOPS_CHECK_TARGETS", "1") != "0"
+        # the budget (FUSEDOPS_LCE_MEMORY_MIB too) and whether this rank's shard fits it
+        budget = chunked.budget_bytes(memory_budget_mib)
+        if algo != "recompute" and not return_lse:
+            _shard_plan(hidden.reshape(-1, hidden.shape[-1]), weight, budget,
+                        hidden.requires_grad and torch.is_grad_enabled())
     except (TypeError, ValueError) as e:
         local_error = e
     ok = local_error is None
@@ -392,13 +410,16 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
                              f"({ignore_index})")
     hidden_size = h2.shape[1]
     if check_replicated and h2.shape[0] > 0:
-        fp = _fingerprint(h2, t1).to(comm_dev)
+        fp, fp_int = (x.to(comm_dev) for x in _fingerprint(h2, t1))
         both = torch.cat([fp, -fp])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        n = fp.numel()
-        hi, lo = both[:n], -both[n:]
+        hi, lo = both[:3], -both[3:]
         tol = 1e-9 * (hi[0].abs() + 1.0)
-        if bool(((hi[1:3] - lo[1:3]).abs() > tol).any()) or bool((hi[3:] != lo[3:]).any()):
+        # the integer sums: the same on every rank iff their maximum equals their minimum
+        # (MIN as the MAX of the bitwise complement, which no int64 value overflows)
+        both_i = torch.cat([fp_int, ~fp_int])
+        dist.all_reduce(both_i, op=dist.ReduceOp.MAX, group=group)
+        if bool(((hi[1:3] - lo[1:3]).abs() > tol).any()) or bool((both_i[:4] != ~both_i[4:]).any()):
             raise ValueError("hidden or target differs across the ranks of process_group (the "
                              "vocab-parallel loss needs the same hidden and target everywhere)")
     name = dispatch.select("linear_ce", h2, hidden_size, backend)
@@ -412,7 +433,7 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     if not return_lse and not recompute:
         per_tok = _ShardLoss.apply(h2, w, b, t_local.long(), valid, vocab_size,
                                    float(label_smoothing), float(z_loss), float(softcap or 0.0),
-                                   chunked.budget_bytes(memory_budget_mib), name, group,
+                                   budget, name, group,
                                    comm_dev, need_dh)
         if reduction == "mean":
             return per_tok.sum() / valid.sum().clamp(min=1).to(per_tok.dtype)
@@ -424,7 +445,7 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
         b = None if b is None else b.to(h2.dtype)
     lse, z_target, z_sum = _ShardStats.apply(h2, w, b, t_local.long(), float(softcap or 0.0),
                                              name, group, comm_dev, need_dh,
-                                             chunked.budget_bytes(memory_budget_mib), recompute)
+                                             budget, recompute)
     return _ops.loss_from_statistics(lse, z_target, z_sum, valid, vocab_size, label_smoothing,
                                      z_loss, reduction, lead_shape, return_lse)
 
