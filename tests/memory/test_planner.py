@@ -132,3 +132,37 @@ def test_bad_arguments():
         plan(LLAMA_1B, batch=1, seq=8, optimizer="lion")
     with pytest.raises(ValueError, match="batch"):
         plan(LLAMA_1B, batch=0, seq=8)
+
+
+def test_bad_arguments_are_named_and_devices_normalised():
+    """device spellings of one type give one plan; sizes, flags, budgets and configs are
+    checked by name (they used to give other numbers, negative bytes or unnamed errors)."""
+    import torch
+
+    base = plan(LLAMA_1B, batch=1, seq=1024, device="cuda").peak_bytes
+    for dev in ("cuda:0", torch.device("cuda")):
+        assert plan(LLAMA_1B, batch=1, seq=1024, device=dev).peak_bytes == base
+    for bad in ("tpu", "CPU", ""):
+        with pytest.raises(ValueError, match="device must be 'cuda' or 'cpu'"):
+            plan(LLAMA_1B, batch=1, seq=8, device=bad)
+    for kw, exc, match in [
+        (dict(batch=1.5), TypeError, "batch must be an int"),
+        (dict(batch=True), TypeError, "batch must be an int"),
+        (dict(seq="8"), TypeError, "seq must be an int"),
+        (dict(world_size=0), ValueError, "world_size must be >= 1"),
+        (dict(fused_loss="no"), TypeError, "fused_loss must be a bool"),
+        (dict(memory_budget_mib=-100), ValueError, "memory_budget_mib must be a positive"),
+        (dict(memory_budget_mib=float("nan")), ValueError, "memory_budget_mib must not be NaN"),
+        (dict(tiled_attention=False, attention_impl="sdpa"), ValueError, "contradicts"),
+    ]:
+        with pytest.raises(exc, match=match):
+            plan(LLAMA_1B, **{"batch": 1, "seq": 8, **kw})
+    for cfg, exc, match in [
+        ("llama-1b", TypeError, "model_config"),
+        ({**LLAMA_1B, "vocab_size": None}, ValueError, "config has no vocab_size"),
+        ({**LLAMA_1B, "hidden_size": -128}, ValueError, "hidden_size must be a positive"),
+        ({**LLAMA_1B, "hidden_size": 128.7}, ValueError, "hidden_size must be a positive"),
+        ({**LLAMA_1B, "num_attention_heads": 0}, ValueError, "num_attention_heads"),
+    ]:
+        with pytest.raises(exc, match=match):
+            plan(cfg, batch=1, seq=8)

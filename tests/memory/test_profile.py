@@ -334,3 +334,18 @@ def test_cuda_path_on_a_fake_allocator_history_matches_the_cpu_tracker():
     assert report.categories() == cpu_report.categories()
     assert report.at_forward_end == cpu_report.at_forward_end
     assert report.peak_phase == cpu_report.peak_phase
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--seq", "0"], "argument --seq: expected an integer >= 1"),
+    (["--batch", "x"], "argument --batch: expected an integer >= 1"),
+    (["--dtype", "bf16"], "argument --dtype: invalid choice"),
+    (["--warmup", "-1"], "argument --warmup: expected an integer >= 0"),
+    (["--memory-budget", "-5"], "argument --memory-budget: expected a positive number"),
+])
+def test_cli_refuses_bad_arguments_by_name(argv, match, capsys):
+    """Bad values stop at the parser, naming the flag (--seq 0 used to run with S=256)."""
+    from fusedops.memory.__main__ import main
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert match in capsys.readouterr().err

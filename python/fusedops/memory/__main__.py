@@ -23,24 +23,40 @@ import sys
 INSTALL_TRANSFORMERS = 'pip install "transformers>=4.56"'
 
 
+def _number(kind, ok, what):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+_positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
+_non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _number(float, lambda v: v > 0 and v < float("inf"), "a positive number")
+
+
 def _parser(gpu: bool) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m fusedops.memory",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None,
                     help="tiny | small | llama-1b | CONFIG.json (default: llama-1b on a GPU, "
                          "tiny on the CPU)")
-    ap.add_argument("--seq", type=int, default=None,
+    ap.add_argument("--seq", type=_positive_int, default=None,
                     help="tokens per sequence (default 8192 on a GPU, 256 on the CPU)")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--dtype", default=None,
-                    help="bfloat16 | float16 | float32 (default bfloat16 on a GPU, float32 on "
-                         "the CPU)")
+    ap.add_argument("--batch", type=_positive_int, default=1)
+    ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
+                    help="default bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--checkpointing", action="store_true",
                     help="activation checkpointing (gradient_checkpointing_enable)")
-    ap.add_argument("--warmup", type=int, default=1,
+    ap.add_argument("--warmup", type=_non_negative_int, default=1,
                     help="unmeasured steps first, so the optimizer state exists (default 1)")
-    ap.add_argument("--memory-budget", type=float, default=None,
+    ap.add_argument("--memory-budget", type=_positive_float, default=None,
                     help="the fused loss's memory_budget_mib (default: its own, 512 MiB)")
     ap.add_argument("--out", default="memory_report", help="folder for JSON, PNG, snapshots")
     return ap
@@ -54,7 +70,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device or ("cuda" if gpu else "cpu"))
     on_gpu = device.type == "cuda"
     args.model = args.model or ("llama-1b" if on_gpu else "tiny")
-    args.seq = args.seq or (8192 if on_gpu else 256)
+    if args.seq is None:
+        args.seq = 8192 if on_gpu else 256
     args.dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     try:
         import transformers  # noqa: F401

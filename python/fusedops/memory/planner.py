@@ -88,6 +88,8 @@ workspaces (tens of MiB), and communication buffers of sharded training.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 from fusedops.memory.report import CATEGORIES, LABELS, Breakdown, format_bytes
@@ -106,6 +108,17 @@ def _get(config, name, default=None):
     return default if v is None else v
 
 
+def _size(config, name, default=None) -> int:
+    """A positive integer entry of the config (a whole-valued float too), named when it is
+    missing or bad."""
+    v = _get(config, name, default)
+    if v is None:
+        raise ValueError(f"config has no {name}")
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or v != int(v) or v < 1:
+        raise ValueError(f"config's {name} must be a positive integer, got {v!r}")
+    return int(v)
+
+
 @dataclass(frozen=True)
 class ModelShape:
     hidden: int
@@ -121,13 +134,17 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
-        h = int(_get(config, "hidden_size"))
-        nq = int(_get(config, "num_attention_heads"))
-        return cls(hidden=h, intermediate=int(_get(config, "intermediate_size")),
-                   layers=int(_get(config, "num_hidden_layers")), heads=nq,
-                   kv_heads=int(_get(config, "num_key_value_heads", nq)),
-                   head_dim=int(_get(config, "head_dim", h // nq)),
-                   vocab=int(_get(config, "vocab_size")),
+        if isinstance(config, str) or config is None:
+            raise TypeError(f"config must be a transformers config or a dict of its sizes, got "
+                            f"{config!r} (a named shape: fusedops.memory.configs."
+                            f"model_config(name))")
+        h = _size(config, "hidden_size")
+        nq = _size(config, "num_attention_heads")
+        return cls(hidden=h, intermediate=_size(config, "intermediate_size"),
+                   layers=_size(config, "num_hidden_layers"), heads=nq,
+                   kv_heads=_size(config, "num_key_value_heads", nq),
+                   head_dim=_size(config, "head_dim", h // nq),
+                   vocab=_size(config, "vocab_size"),
                    tied=bool(_get(config, "tie_word_embeddings", False)),
                    attention_bias=bool(_get(config, "attention_bias", False)),
                    mlp_bias=bool(_get(config, "mlp_bias", False)))
@@ -297,6 +314,31 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
     fused_mlp: the MLP's silu(gate) * up by fusedops.swiglu with its in-place backward
     (apply_fusedops's default, mlp=True).
     """
+    import torch
+
+    from fusedops._checks import check_bool, check_int, check_real
+
+    try:
+        device = torch.device(device).type
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(f"device must be 'cuda' or 'cpu' (or a torch.device), got "
+                         f"{device!r}") from exc
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device must be 'cuda' or 'cpu' (or a torch.device), got {device!r}")
+    for name, value in (("batch", batch), ("seq", seq), ("world_size", world_size)):
+        if check_int(name, value) < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    for name, value in (("activation_checkpointing", activation_checkpointing),
+                        ("fused_loss", fused_loss), ("tiled_attention", tiled_attention),
+                        ("fused_mlp", fused_mlp)):
+        check_bool(name, value)
+    budget = check_real("memory_budget_mib", memory_budget_mib, optional=True)
+    if budget is not None and not (budget > 0 and math.isfinite(budget)):
+        raise ValueError(f"memory_budget_mib must be a positive number or None, got "
+                         f"{memory_budget_mib}")
+    if attention_impl in ("sdpa", "fusedops") and not tiled_attention:
+        raise ValueError(f"attention_impl={attention_impl!r} is tiled; tiled_attention=False "
+                         "contradicts it (pass one of the two)")
     dtype = str(dtype).removeprefix("torch.")
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}, got {dtype!r}")
@@ -313,8 +355,6 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
         raise ValueError(f"attention_impl must be 'sdpa', 'eager' or 'fusedops', got "
                          f"{attention_impl!r}")
     tiled_attention = attention_impl != "eager"
-    if world_size < 1 or batch < 1 or seq < 1:
-        raise ValueError("batch, seq and world_size must be >= 1")
     settings = dict(config=config, batch=batch, seq=seq, dtype=dtype,
                     mixed_precision=mixed_precision,
                     activation_checkpointing=activation_checkpointing, shard=shard,
@@ -460,6 +500,8 @@ def replace_settings(p: MemoryPlan, **changes) -> MemoryPlan:
     """plan() again with some settings changed."""
     s = dict(p.settings)
     config = s.pop("config")
+    if "tiled_attention" in changes and "attention_impl" not in changes:
+        s["attention_impl"] = None  # the default of the new tiled_attention
     s.update(changes)
     return plan(config, **s)
 

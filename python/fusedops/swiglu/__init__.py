@@ -47,8 +47,9 @@ class _SwiGLU(torch.autograd.Function):
             raise RuntimeError(_SECOND_BACKWARD)
         gate, up = ctx.saved_tensors
         dh = dh.contiguous()
-        # Only an input whose gradient is asked for is written over: one that needs none may be
-        # the caller's own tensor (data, a frozen activation).
+        # Only an input that required grad in the forward is written over: one that did not may
+        # be the caller's own tensor (data, a frozen activation). (needs_input_grad is set in
+        # the forward: a backward that asks for d_up alone still writes d_gate over gate.)
         over_gate = ctx.inplace and ctx.needs_input_grad[0]
         over_up = ctx.inplace and ctx.needs_input_grad[1]
         d_gate = gate if over_gate else torch.empty_like(gate)
@@ -86,8 +87,9 @@ def swiglu(gate: Tensor, up: Tensor, *, inplace_backward: bool = False,
 
     inplace_backward: the backward writes d_gate over gate and d_up over up (no allocation).
     Use it only where nothing reads gate or up after the backward (the MLP's projections'
-    outputs); a second backward through the same graph then raises. Only an input whose
-    gradient is needed is written over; where gate and up share memory (one tensor, or
+    outputs); a second backward through the same graph then raises. Only an input that
+    requires grad is written over (also when a backward asks for the other's gradient alone);
+    where gate and up share memory (one tensor, or
     overlapping views of one buffer) the backward allocates its gradients instead, since
     writing one would overwrite the other before it is read. A leaf that requires grad, or a
     view of one, is refused (its gradient would overwrite its value).
