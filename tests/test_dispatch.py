@@ -100,14 +100,27 @@ def test_log_is_off_by_default(monkeypatch, caplog):
 
 def test_info_answers_for_the_users_case(capsys):
     info.main(["--dtype", "float32", "--hidden", "60", "--head-dim", "96", "--causal",
-               "--device", "cpu"])
+               "--width", "88", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "linear_ce on float32 cpu inputs, hidden size 60:" in out
     assert "attention on float32 cpu inputs, head dim 96, causal:" in out
     assert "attention_decode on float32 cpu inputs, head dim 96, causal:" in out
-    assert out.count("default -> torch") == 3
+    assert "swiglu on float32 cpu inputs, width 88:" in out
+    assert out.count("default -> torch") == 4
     for b in dispatch.BACKENDS:
         assert f"  {b}" in out
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--device", "tpu"], "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+    (["--device", "cpu:3"], "--device must be cpu, cuda or cuda:N"),
+    (["--hidden", "0"], "argument --hidden: expected an integer >= 1"),
+    (["--head-dim", "-5"], "argument --head-dim: expected an integer >= 1"),
+])
+def test_info_refuses_bad_arguments(argv, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        info.main(argv)
+    assert match in str(exc.value) + capsys.readouterr().err
 
 
 def test_info_names_the_reason_of_each_backend():

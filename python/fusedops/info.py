@@ -1,7 +1,7 @@
 """`python -m fusedops.info`: versions, the GPU, and which backends can run a case (and why not).
 
     python -m fusedops.info [--dtype bfloat16] [--hidden 4096] [--head-dim 128] [--causal]
-                            [--device cuda|cpu]
+                            [--width 14336] [--device cuda|cpu]
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ from fusedops import _ext, dispatch
 def _device(name: str | None) -> tuple[str, int]:
     if name is None:
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        kind = torch.device(name).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in ("cpu", "cuda") or name.startswith("cpu:"):
+        raise SystemExit(f"fusedops.info: --device must be cpu, cuda or cuda:N, got {name!r}")
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             raise SystemExit("fusedops.info: --device cuda but no CUDA GPU is visible")
@@ -28,7 +34,7 @@ def _device(name: str | None) -> tuple[str, int]:
 
 
 def report(dtype: str = "bfloat16", hidden: int = 4096, head_dim: int = 128,
-           causal: bool = False, device: str | None = None) -> str:
+           causal: bool = False, device: str | None = None, width: int = 14336) -> str:
     lines = [f"fusedops {fusedops.__version__}", f"python {platform.python_version()}",
              f"torch {torch.__version__} (CUDA {torch.version.cuda})"]
     try:
@@ -50,7 +56,10 @@ def report(dtype: str = "bfloat16", hidden: int = 4096, head_dim: int = 128,
     dev_type, dev_index = _device(device)
     for name in ("FUSEDOPS_BACKEND", "FUSEDOPS_CUDA_ARCH", "TRITON_INTERPRET"):
         lines.append(f"{name}={os.environ.get(name, '(unset)')}")
-    sizes = {"linear_ce": hidden, "attention": head_dim, "attention_decode": head_dim}
+    from fusedops import swiglu  # noqa: F401  (declares its backends)
+
+    sizes = {"linear_ce": hidden, "attention": head_dim, "attention_decode": head_dim,
+             "swiglu": width}
     for op, inner in sizes.items():
         table = dispatch.op_backends(op)
         is_attn = op.startswith("attention")
@@ -77,18 +86,32 @@ def report(dtype: str = "bfloat16", hidden: int = 4096, head_dim: int = 128,
     return "\n".join(lines)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fusedops.info", description=__doc__.split(
         "\n")[0])
     parser.add_argument("--dtype", default="bfloat16",
                         choices=["float16", "bfloat16", "float32", "float64"])
-    parser.add_argument("--hidden", type=int, default=4096, help="linear_ce hidden size H")
-    parser.add_argument("--head-dim", type=int, default=128, help="attention head dim D")
+    parser.add_argument("--hidden", type=_positive_int, default=4096,
+                        help="linear_ce hidden size H")
+    parser.add_argument("--head-dim", type=_positive_int, default=128,
+                        help="attention head dim D")
+    parser.add_argument("--width", type=_positive_int, default=14336,
+                        help="swiglu width (the MLP's intermediate size)")
     parser.add_argument("--causal", action="store_true", help="attention with a causal mask")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if "
                         "a GPU is visible)")
     args = parser.parse_args(argv)
-    print(report(args.dtype, args.hidden, args.head_dim, args.causal, args.device))
+    print(report(args.dtype, args.hidden, args.head_dim, args.causal, args.device, args.width))
 
 
 if __name__ == "__main__":
