@@ -12,8 +12,13 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
+def is_int(value) -> bool:
+    """A Python or NumPy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
     return int(value)
 
@@ -57,3 +62,29 @@ def check_attention_options(window_size, softcap, softmax_scale) -> None:
     if softmax_scale is not None and not abs(softmax_scale) < F32_MAX:
         raise ValueError(f"softmax_scale must be finite and below float32's largest in "
                          f"magnitude ({F32_MAX:.4g}), got {softmax_scale}")
+
+
+def check_budget_mib(name: str, value) -> float | None:
+    """A memory budget in MiB: None or a positive finite number."""
+    budget = check_real(name, value, optional=True)
+    if budget is not None and not (budget > 0 and math.isfinite(budget)):
+        raise ValueError(f"{name} must be a positive number or None, got {value}")
+    return budget
+
+
+def cli_number(kind, ok, what: str):
+    """An argparse type: `kind` of the text, refused with `what` unless ok(value)."""
+    import argparse
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+cli_positive_int = cli_number(int, lambda v: v >= 1, "an integer >= 1")

@@ -14,6 +14,7 @@ import torch
 
 import fusedops
 from fusedops import _ext, dispatch
+from fusedops._checks import cli_positive_int
 
 
 def _device(name: str | None) -> tuple[str, int]:
@@ -86,26 +87,16 @@ def report(dtype: str = "bfloat16", hidden: int = 4096, head_dim: int = 128,
     return "\n".join(lines)
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m fusedops.info", description=__doc__.split(
         "\n")[0])
     parser.add_argument("--dtype", default="bfloat16",
                         choices=["float16", "bfloat16", "float32", "float64"])
-    parser.add_argument("--hidden", type=_positive_int, default=4096,
+    parser.add_argument("--hidden", type=cli_positive_int, default=4096,
                         help="linear_ce hidden size H")
-    parser.add_argument("--head-dim", type=_positive_int, default=128,
+    parser.add_argument("--head-dim", type=cli_positive_int, default=128,
                         help="attention head dim D")
-    parser.add_argument("--width", type=_positive_int, default=14336,
+    parser.add_argument("--width", type=cli_positive_int, default=14336,
                         help="swiglu width (the MLP's intermediate size)")
     parser.add_argument("--causal", action="store_true", help="attention with a causal mask")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if "

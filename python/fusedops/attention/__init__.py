@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
 from torch import Tensor, nn
 
 from fusedops import dispatch
-from fusedops._checks import check_attention_options, check_bool
+from fusedops._checks import check_attention_options, check_bool, is_int
 from fusedops.attention import backends as _backends  # noqa: F401  (declares the backends)
 
 __all__ = ["attention", "Attention", "attention_with_kvcache"]
@@ -62,7 +61,7 @@ def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k):
             raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (batch + 1), "
                              f"got {cu_q.shape[0]} and {cu_k.shape[0]}")
         for name, m in (("max_seqlen_q", max_q), ("max_seqlen_k", max_k)):
-            if isinstance(m, bool) or not isinstance(m, numbers.Integral):
+            if not is_int(m):
                 raise TypeError(f"{name} must be an int with cu_seqlens, got "
                                 f"{type(m).__name__} {m!r}")
             if m < 0:

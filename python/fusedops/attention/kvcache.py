@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-import numbers
 import os
 
 import torch
 from torch import Tensor
 
 from fusedops import _ext, dispatch
-from fusedops._checks import check_attention_options, check_bool, check_int
+from fusedops._checks import check_attention_options, check_bool, check_int, is_int
 from fusedops.attention import kvcache_backends as _backends  # noqa: F401  (declares them)
 from fusedops.attention import kvcache_reference as reference
 
@@ -48,11 +47,6 @@ def _check_int32(name, t, q, shape: tuple, what: str):
         raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape} {what}, got {tuple(t.shape)}")
-
-
-def _is_int(x) -> bool:
-    """A Python or NumPy integer (not a bool): one length for every sequence."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, window_size,
@@ -95,7 +89,7 @@ def _check_args(q, k_cache, v_cache, cache_seqlens, k_new, v_new, page_table, wi
     elif k_cache.shape[0] != batch:
         raise ValueError(f"q has batch {batch}, k_cache and v_cache have batch "
                          f"{k_cache.shape[0]} (a paged cache needs page_table)")
-    if not _is_int(cache_seqlens):
+    if not is_int(cache_seqlens):
         _check_int32("cache_seqlens", cache_seqlens, q, (batch,), "(one length per sequence)")
     if (k_new is None) != (v_new is None):
         raise ValueError("pass both k_new and v_new (keys to append) or neither")
@@ -323,7 +317,7 @@ def attention_with_kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor,
         raise ValueError(f"q has {batch} sequences; the {name} kernels take at most "
                          f"{MAX_GRID_BATCH} a call (one grid row each): split the batch")
     lens_int = None
-    if _is_int(cache_seqlens):
+    if is_int(cache_seqlens):
         lens_int = check_int("cache_seqlens", cache_seqlens)
     cap = reference.capacity(k_cache, page_table)
     if cap > MAX_CAPACITY:

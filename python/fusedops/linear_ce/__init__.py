@@ -9,7 +9,8 @@ import torch
 from torch import Tensor, nn
 
 from fusedops import dispatch
-from fusedops._checks import F32_MAX, F32_TINY, check_bool, check_int, check_real
+from fusedops._checks import (F32_MAX, F32_TINY, check_bool, check_budget_mib, check_int,
+                              check_real)
 from fusedops.linear_ce import backends as _backends  # noqa: F401  (declares the backends)
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss"]
@@ -87,10 +88,19 @@ def _check_options(reduction, label_smoothing, softcap, z_loss, memory_budget_mi
     z_loss = check_real("z_loss", z_loss)
     if not (z_loss >= 0.0 and math.isfinite(z_loss)):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
-    budget = check_real("memory_budget_mib", memory_budget_mib, optional=True)
-    if budget is not None and not (budget > 0 and math.isfinite(budget)):
-        raise ValueError(f"memory_budget_mib must be a positive number or None, got "
-                         f"{memory_budget_mib}")
+    check_budget_mib("memory_budget_mib", memory_budget_mib)
+
+
+def _env_check_targets() -> bool:
+    """check_targets=None: FUSEDOPS_CHECK_TARGETS=0 turns the check off."""
+    return os.environ.get("FUSEDOPS_CHECK_TARGETS", "1") != "0"
+
+
+def _env_algo() -> str:
+    algo = os.environ.get("FUSEDOPS_LCE_ALGO", "auto")
+    if algo not in ("auto", "recompute"):
+        raise ValueError(f"FUSEDOPS_LCE_ALGO must be 'auto' or 'recompute', got {algo!r}")
+    return algo
 
 
 def _flat_inputs(hidden, weight, bias, target):
@@ -181,10 +191,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     vocab_size = weight.shape[0]
     name = dispatch.select("linear_ce", h2, hidden_size, backend)
     if check_targets is None:
-        check_targets = os.environ.get("FUSEDOPS_CHECK_TARGETS", "1") != "0"
-    algo = os.environ.get("FUSEDOPS_LCE_ALGO", "auto")
-    if algo not in ("auto", "recompute"):
-        raise ValueError(f"FUSEDOPS_LCE_ALGO must be 'auto' or 'recompute', got {algo!r}")
+        check_targets = _env_check_targets()
+    algo = _env_algo()
     # The ops check the flat target; the error is re-raised here with the caller's index (eager
     # only: under torch.compile the op's own error, with the flat index, comes out).
     try:

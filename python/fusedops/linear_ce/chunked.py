@@ -115,8 +115,10 @@ def plan_chunks(n_tokens: int, hidden_size: int, vocab_size: int, elem_bytes: in
                 budget: int, need_dh: bool, extra_row_bytes: int = 0) -> Plan:
     """Chunk sizes whose scratch (logits chunk, d_hidden buffers, per-token arrays) fits
     `budget` bytes. extra_row_bytes: more scratch per token of a whole-row chunk (the
-    statistics epilogue's partials)."""
-    n = max(n_tokens, 1)
+    statistics epilogue's partials). No tokens: nothing to chunk, no scratch."""
+    if n_tokens == 0:
+        return Plan(1, vocab_size, False)
+    n = n_tokens
     avail = budget - (2 << 20) - 64 * n  # per-token arrays, targets, small temporaries
     if avail <= 0:
         raise ValueError(f"memory_budget_mib={budget / MIB:.3f} is too small for {n_tokens} "

@@ -289,8 +289,6 @@ def fused_loss(hidden, weight, bias, target, ignore_index, reduction, label_smoo
 # the forward for the backward (its GEMM is then not repeated).
 
 def _stats_plan(hidden: Tensor, weight: Tensor, budget_bytes: int, need_dh: bool):
-    if hidden.shape[0] == 0:  # nothing to chunk (and no scratch to fit in the budget)
-        return chunked.Plan(1, weight.shape[0], False)
     return chunked.plan_chunks(hidden.shape[0], hidden.shape[1], weight.shape[0],
                                hidden.element_size(), budget_bytes, need_dh)
 

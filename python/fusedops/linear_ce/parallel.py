@@ -26,7 +26,6 @@ Two implementations of those passes, the same as on one device:
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -187,7 +186,7 @@ class _ShardLoss(torch.autograd.Function):
                 group, comm_dev, need_dh):
         import torch.distributed as dist
 
-        plan = _shard_plan(hidden, weight, budget, need_dh)
+        plan = _ops._stats_plan(hidden, weight, budget, need_dh)
         n_tokens = hidden.shape[0]
         lse, zt, zsum, _ = chunked.statistics(hidden, weight, bias, target, cap, plan, backend)
         if n_tokens > 0:
@@ -223,15 +222,6 @@ class _ShardLoss(torch.autograd.Function):
                  dw if need_dw else None, db if need_db else None)
         grads = refuse_double_backward(_ops.DOUBLE_BACKWARD, (hidden, weight, bias, g), grads)
         return (*grads, *([None] * 11))
-
-
-def _shard_plan(hidden: Tensor, weight: Tensor, budget: int, need_dh: bool) -> chunked.Plan:
-    """The chunks of the shard's logits (the budget checked against the shard's own rows);
-    nothing to chunk without tokens."""
-    if hidden.shape[0] == 0:
-        return chunked.Plan(1, weight.shape[0], False)
-    return chunked.plan_chunks(hidden.shape[0], hidden.shape[1], weight.shape[0],
-                               hidden.element_size(), budget, need_dh)
 
 
 def _fingerprint(h2: Tensor, t1: Tensor) -> tuple[Tensor, Tensor]:
@@ -310,7 +300,7 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     """The vocab-parallel form of fusedops.linear_cross_entropy (see its docstring)."""
     import torch.distributed as dist
 
-    from fusedops.linear_ce import _check_inputs, _flat_inputs
+    from fusedops.linear_ce import _check_inputs, _env_algo, _env_check_targets, _flat_inputs
 
     _require_dist()
     group = process_group
@@ -356,16 +346,14 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
         _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
                       memory_budget_mib, ignore_index, return_lse, check_targets)
         check_group_device(dist.get_backend(group), hidden)
-        algo = os.environ.get("FUSEDOPS_LCE_ALGO", "auto")
-        if algo not in ("auto", "recompute"):
-            raise ValueError(f"FUSEDOPS_LCE_ALGO must be 'auto' or 'recompute', got {algo!r}")
+        algo = _env_algo()
         if check_targets is None:
-            check_targets = os.environ.get("FUSEDOPS_CHECK_TARGETS", "1") != "0"
+            check_targets = _env_check_targets()
         # the budget (FUSEDOPS_LCE_MEMORY_MIB too) and whether this rank's shard fits it
         budget = chunked.budget_bytes(memory_budget_mib)
         if algo != "recompute" and not return_lse:
-            _shard_plan(hidden.reshape(-1, hidden.shape[-1]), weight, budget,
-                        hidden.requires_grad and torch.is_grad_enabled())
+            _ops._stats_plan(hidden.reshape(-1, hidden.shape[-1]), weight, budget,
+                             hidden.requires_grad and torch.is_grad_enabled())
     except (TypeError, ValueError) as e:
         local_error = e
     ok = local_error is None
@@ -429,7 +417,7 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     t_local = t1 - vocab_start
     need_dh = bool(rows_meta[rank][6])
     valid = t1 != ignore_index
-    recompute = os.environ.get("FUSEDOPS_LCE_ALGO", "auto") == "recompute"
+    recompute = algo == "recompute"
     if not return_lse and not recompute:
         per_tok = _ShardLoss.apply(h2, w, b, t_local.long(), valid, vocab_size,
                                    float(label_smoothing), float(z_loss), float(softcap or 0.0),

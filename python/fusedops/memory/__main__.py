@@ -20,24 +20,13 @@ import json
 import os
 import sys
 
+from fusedops._checks import cli_number, cli_positive_int
+
 INSTALL_TRANSFORMERS = 'pip install "transformers>=4.56"'
 
 
-def _number(kind, ok, what):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = None
-        if value is None or not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-    return parse
-
-
-_positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
-_non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
-_positive_float = _number(float, lambda v: v > 0 and v < float("inf"), "a positive number")
+_non_negative_int = cli_number(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = cli_number(float, lambda v: 0 < v < float("inf"), "a positive number")
 
 
 def _parser(gpu: bool) -> argparse.ArgumentParser:
@@ -46,9 +35,9 @@ def _parser(gpu: bool) -> argparse.ArgumentParser:
     ap.add_argument("--model", default=None,
                     help="tiny | small | llama-1b | CONFIG.json (default: llama-1b on a GPU, "
                          "tiny on the CPU)")
-    ap.add_argument("--seq", type=_positive_int, default=None,
+    ap.add_argument("--seq", type=cli_positive_int, default=None,
                     help="tokens per sequence (default 8192 on a GPU, 256 on the CPU)")
-    ap.add_argument("--batch", type=_positive_int, default=1)
+    ap.add_argument("--batch", type=cli_positive_int, default=1)
     ap.add_argument("--dtype", default=None, choices=("bfloat16", "float16", "float32"),
                     help="default bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")

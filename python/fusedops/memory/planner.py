@@ -88,7 +88,6 @@ workspaces (tens of MiB), and communication buffers of sharded training.
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass, field
 
@@ -316,7 +315,7 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
     """
     import torch
 
-    from fusedops._checks import check_bool, check_int, check_real
+    from fusedops._checks import check_bool, check_budget_mib, check_int
 
     try:
         device = torch.device(device).type
@@ -332,10 +331,7 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
                         ("fused_loss", fused_loss), ("tiled_attention", tiled_attention),
                         ("fused_mlp", fused_mlp)):
         check_bool(name, value)
-    budget = check_real("memory_budget_mib", memory_budget_mib, optional=True)
-    if budget is not None and not (budget > 0 and math.isfinite(budget)):
-        raise ValueError(f"memory_budget_mib must be a positive number or None, got "
-                         f"{memory_budget_mib}")
+    check_budget_mib("memory_budget_mib", memory_budget_mib)
     if attention_impl in ("sdpa", "fusedops") and not tiled_attention:
         raise ValueError(f"attention_impl={attention_impl!r} is tiled; tiled_attention=False "
                          "contradicts it (pass one of the two)")
