@@ -224,7 +224,7 @@ __global__ void __launch_bounds__(NW * 32) dkdv_kernel(const AttnParams p) {
 // before it: the other stage by step it - 1, P/dS buffer (it + 1) & 1 (written by the next step's
 // S/dP) by step it - 1's products. A warp done with its products may thus start the next step's
 // S/dP while others still run theirs. (Publishing the copies by the barrier instead needs three
-// stages, one step ahead: as fast at D=128, run b9d0c8b6, and it does not fit at D=64, BM=128.)
+// stages, one step ahead: as fast at D=128 (git a587c42), and it does not fit at D=64, BM=128.)
 // Shared memory: K, V (BN x D); Q, dO (2 x BM x D); P^T, dS^T (2 x BN x BM); lse, delta (2 x BM);
 // 2 mbarriers: 193 KiB at D=128, BM=64 and 226 KiB at D=64, BM=128 (on a GPU with less than
 // that per block, run_bwd takes the dQ pass instead).

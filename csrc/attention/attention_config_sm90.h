@@ -119,8 +119,8 @@ struct TilesSm90 {
 //   D=128 causal: ping-pong up to L=2048 (1024: 320/336), overlap beyond (4096: 495/462;
 //     16384 601/607 is within the run's spread, and 4096 is not).
 // Timed again with the persistent tile scheduler, 3 interleaved rounds each, TFLOP/s overlap /
-// ping-pong at D=128: run 05bea6d6 (git 8c12dec) non-causal 4096 659/658, 16384 643/659,
-// causal 4096 578/598, 16384 628/637; run 5e1180ad (git 000cc76) non-causal 16384 630/648,
+// ping-pong at D=128: git 8c12dec non-causal 4096 659/658, 16384 643/659,
+// causal 4096 578/598, 16384 628/637; git 000cc76 non-causal 16384 630/648,
 // causal 4096 577/565, 16384 621/622 (and the same overlap kernel at 4096 non-causal 605 and
 // 621 under two names: the spread). Ping-pong won both times only for non-causal calls of
 // 16384 keys, so D=128 takes it for non-causal calls from 8192 keys.
@@ -140,7 +140,7 @@ constexpr int sm90_auto_schedule(int head_dim, bool causal, int max_k) {
 //   D=64: L=1024 347/364, causal 251/216; 4096 402/463, causal 355/378; 16384 415/501, causal
 //     398/471. Causal calls of at most 2048 keys then kept 128 queries: their q-blocks counted
 //     from the start, so a partial last block of 192 rows read every key tile. Counted from the
-//     end (TileOrderSm90::align_end; run b3f4af60, git 32f1a4a, 128 / 192): causal L=1024
+//     end (TileOrderSm90::align_end; git 32f1a4a, 128 / 192): causal L=1024
 //     272/282, 2048 332/362. So 192 queries (3 warpgroups) at D=64 everywhere.
 //   D=128/256: 2 (the 192-query tile is built for D=64 only).
 constexpr int sm90_consumer_warpgroups(int head_dim, bool /*causal*/, int /*max_k*/) {
@@ -173,7 +173,7 @@ constexpr bool sm90_auto_persistent(int head_dim, bool causal, int max_k, bool d
 // launcher checks the rest) run in clusters of two CTAs that share each K/V tile by TMA
 // multicast (attention_fwd_kernel_sm90.cuh): half the K/V traffic from L2 per query
 // (FlashAttention-3 does this for 16-bit inputs from head dim 128). No: on the H200 (git
-// 07324d0, run e6d0a046, bf16, B*L = 16384, H*D = 2048, 5 interleaved rounds, forward TFLOP/s
+// 07324d0, bf16, B*L = 16384, H*D = 2048, 5 interleaved rounds, forward TFLOP/s
 // with / without) D=128 L=4096 601/604, L=16384 621/615; D=64 L=4096 459/473, L=16384
 // 495/495. The L2 feeds the one-CTA-per-SM kernels fast enough; FUSEDOPS_ATTN_SM90_MULTICAST
 // turns it on, for measurement.

@@ -33,9 +33,9 @@ inline bool sm90_bwd_overlap() {
 // from the dS^T both warpgroups wrote a step before, so that neither waits for the other's
 // current step; attention_bwd_kernel_sm90.cuh's kLag) or in the step itself behind a barrier of
 // both consumer warpgroups. On the H200 (bf16, B*L = 16384, H*D = 2048, backward TFLOP/s lagged
-// / lockstep; run ccece9d2, git 4cc5f74, 4 rounds): D=64 L=4096 480/452, causal 425/408,
+// / lockstep; git 4cc5f74, 4 rounds): D=64 L=4096 480/452, causal 425/408,
 // L=16384 513/469, causal 499/467; D=128 L=4096 512/512, causal 455/459, L=16384 549/554,
-// causal 535/543 (run 6e596c4d, 2 rounds: D=64 484/455, 393/421, 475/477, 513/478; D=128
+// causal 535/543 (git 2cbfb46, 2 rounds: D=64 484/455, 393/421, 475/477, 513/478; D=128
 // 523/494, 446/457, 520/558, 556/556). So lagged at D=64, lockstep at D=128;
 // FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=lagged|lockstep forces one (measurement). The deterministic
 // mode always runs the lockstep form. Read at every call.

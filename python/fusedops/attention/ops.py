@@ -140,7 +140,7 @@ def _setup_context(ctx, inputs, output):
 def _default_dq(backend, head_dim):
     """The faster dQ mode on the H200 (docs/attention.md): Triton's separate pass
     is about twice as fast as its fp32 atomics; CUDA's atomics from the 8-warp dK/dV kernel are
-    1.36x faster than its separate pass at D=128 and 1.12x at D=64 (run 0e63d44d). On a GPU
+    1.36x faster than its separate pass at D=128 and 1.12x at D=64 (git 83c3866). On a GPU
     whose shared memory per block is below that kernel's (193 KiB at D=128, 226 KiB at D=64: not
     an A100), the CUDA backward computes dQ in the separate pass whatever the mode says. The mode
     is that of the backend running the backward (Triton's after cuda-sm90 at D=256)."""

@@ -291,7 +291,8 @@ def _configs(head_dim: int, dtype: torch.dtype, causal: bool = False):
     if head_dim > 64:
         return (128, 64, 8, 3), (64, 128, 8, 2), (128, 64, 8, 2)
     # D <= 64: the backward configs are the best of benchmarks/tune_attention.py's sweep on the
-    # H200 (bf16, L=4096, run 0102de83): 296 TFLOP/s non-causal, 242 causal, from 134 / 114.
+    # H200 (bf16, L=4096, 2026-11-29; benchmarks/results/attention_tune.jsonl): 296 TFLOP/s
+    # non-causal, 242 causal, from 134 / 114.
     # A causal dK/dV block with few queries (32) wastes less on the diagonal.
     dkdv = (32, 128, 4, 2) if causal else (128, 64, 4, 2)
     return (128, 64, 4, 3), dkdv, (128, 64, 8, 3)

@@ -34,7 +34,7 @@ BACKENDS = (
 def order(sig: InputSig, forced_sm80: bool) -> list[str]:
     # The mean/sum path (the training call) is cuBLAS GEMMs plus a row kernel on every backend:
     # on the H200 at the Llama-3 shape 39.6 ms with cuda-sm90, 41.4 with cuda-sm80 and 39.9
-    # with triton (rows with run b420733f in benchmarks/results/linear_ce.jsonl), so the CUDA
+    # with triton (rows of git 6452815 in benchmarks/results/linear_ce.jsonl), so the CUDA
     # family that matches the GPU goes first (no JIT compilation), Triton next (float32, hidden
     # sizes that are not a multiple of 8), the torch reference last.
     cuda = ["cuda-sm80"] if forced_sm80 else ["cuda-sm90", "cuda-sm80"]
