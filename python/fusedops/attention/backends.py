@@ -31,8 +31,9 @@ def _cuda_limits(name: str):
 
 
 def _sm90_bwd_by(head_dim: int) -> str | None:
-    """cuda-sm90's backward: cuda-sm80's kernels where they exist (64, 128), else Triton's, which
-    reads the same lse (float32 (Hq, total_q), natural log, -inf for rows that see no key)."""
+    """cuda-sm90's backward: its own kernels at head dims 64 and 128 (the C++ binding runs the
+    sm80 ones instead under FUSEDOPS_ATTN_SM90_BWD=sm80 or for overlapping rows), else Triton's,
+    which reads the same lse (float32 (Hq, total_q), natural log, -inf for rows that see no key)."""
     return None if head_dim in CUDA_HEAD_DIMS["cuda-sm80"] else "triton"
 
 
