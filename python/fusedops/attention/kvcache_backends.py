@@ -15,12 +15,12 @@ _HALF = (torch.float16, torch.bfloat16)
 # sm_90a device code of the extension. cuda-sm90 is that kernel on compute capability 9.0 (its
 # sm_90a build), not a Hopper-specific design; cuda-sm80 runs it on 8.x (and on 9.0 when
 # forced). It passes the decode parity tests and compute-sanitizer on the H200 but reads K/V at
-# 0.84-1.09x the Triton kernels' bandwidth there, below it in most rows
+# 0.83-1.09x the Triton kernels' bandwidth there, below it in most rows
 # (benchmarks/results/attention_decode.jsonl, git e05e861: 3686 against 3990 GB/s at batch 1 with
 # 128k keys, 4110 against 4435 at batch 64 with 32k), so both are offered only when
 # FUSEDOPS_ATTN_DECODE_CUDA=1 is set before fusedops is imported.
 CUDA_ENABLED = os.environ.get("FUSEDOPS_ATTN_DECODE_CUDA", "0") == "1"
-_SLOWER = ("the CUDA decode kernel is slower than the Triton one on the H200 (0.84-1.09x its "
+_SLOWER = ("the CUDA decode kernel is slower than the Triton one on the H200 (0.83-1.09x its "
            "bandwidth, below it in most cases); set FUSEDOPS_ATTN_DECODE_CUDA=1 before importing "
            "fusedops to use it")
 CUDA_NAMES = ("cuda-sm90", "cuda-sm80")
