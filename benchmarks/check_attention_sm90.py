@@ -252,10 +252,10 @@ BWD_VARIANTS = {
     "sm90-det": {},
     "sm90-det-asc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "sm90-det-desc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
-    "sm90-tail": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "tail"},
-    "sm90-tail-lagged": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "tail",
-                         "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
-    "sm90-det-tail": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "tail"},
+    "sm90-after": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
+    "sm90-after-lagged": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
+                          "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
+    "sm90-det-after": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
 }
 # Timing also runs the sm80 backward's deterministic mode (its dQ pass).
 BWD_TIMED = {"sm80-det": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"}, **BWD_VARIANTS}

@@ -260,7 +260,9 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
   }
   Tensor dq_done;
   const char* convert = std::getenv("FUSEDOPS_ATTN_SM90_BWD_CONVERT");
-  if (sm90_kernel && convert != nullptr && std::string(convert) == "tail") {
+  // The dQ conversion overlapped with the backward's last wave (attention_params.h), unless
+  // FUSEDOPS_ATTN_SM90_BWD_CONVERT=after (measurement: the conversion after the backward).
+  if (sm90_kernel && (convert == nullptr || std::string(convert) != "after")) {
     if (sm90_ordered) {
       p.dq_done = p.dq_sem;
     } else {

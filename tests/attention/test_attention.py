@@ -319,10 +319,7 @@ def test_sm90_backward_replays_in_a_cuda_graph(causal, deterministic, convert, m
         pytest.skip("the sm90 backward needs compute capability 9.0")
     for name in SM90_BWD_ENV:
         monkeypatch.delenv(name, raising=False)
-    if convert == "tail":
-        monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_CONVERT", "tail")
-    else:
-        monkeypatch.delenv("FUSEDOPS_ATTN_SM90_BWD_CONVERT", raising=False)
+    monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_CONVERT", convert)
     lens = [700, 1, 300]
     cu = torch.tensor([0, 700, 701, 1001], dtype=torch.int32, device="cuda")
     q, k, v, do = (torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16)
@@ -363,8 +360,9 @@ def test_sm90_backward_replays_in_a_cuda_graph(causal, deterministic, convert, m
 @pytest.mark.parametrize("bm", ["64", "80"])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_sm90_tail_conversion_runs_its_kernel(bm, deterministic, monkeypatch):
-    """FUSEDOPS_ATTN_SM90_BWD_CONVERT=tail replaces the dQ conversion after the backward by
-    dq_convert_tail_kernel, at 64- and 80-query steps and in the deterministic mode."""
+    """The default (FUSEDOPS_ATTN_SM90_BWD_CONVERT=tail) replaces the dQ conversion after the
+    backward (=after) by dq_convert_tail_kernel, at 64- and 80-query steps and in the
+    deterministic mode."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 backward needs compute capability 9.0")
     for name in SM90_BWD_ENV:
@@ -493,23 +491,23 @@ SM90_BWD_VARIANTS = {
                              "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "sm90-bwd-ordered-desc": {"FUSEDOPS_ATTN_DQ": "separate",
                               "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
-    # dQ converted by a programmatic dependent as each block's count completes
-    "sm90-bwd-tail": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "tail"},
-    "sm90-bwd-tail-lagged": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "tail",
+    # dQ converted after the backward (the default converts each block as its count completes)
+    "sm90-bwd-after": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
+    "sm90-bwd-after-lagged": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
                              "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
-    "sm90-bwd-tail-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "tail",
+    "sm90-bwd-after-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
                                "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
-    "sm90-bwd-tail-bm64": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "tail",
+    "sm90-bwd-after-bm64": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
                            "FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
-    "sm90-bwd-tail-bm80": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "tail",
+    "sm90-bwd-after-bm80": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
                            "FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
-    "sm90-bwd-tail-overlap": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "tail",
+    "sm90-bwd-after-overlap": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
                               "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
-    "sm90-bwd-ordered-tail": {"FUSEDOPS_ATTN_DQ": "separate",
-                              "FUSEDOPS_ATTN_SM90_BWD_CONVERT": "tail"},
-    "sm90-bwd-ordered-asc-tail": {"FUSEDOPS_ATTN_DQ": "separate",
-                                  "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending",
-                                  "FUSEDOPS_ATTN_SM90_BWD_CONVERT": "tail"},
+    "sm90-bwd-ordered-after": {"FUSEDOPS_ATTN_DQ": "separate",
+                               "FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
+    "sm90-bwd-ordered-asc-after": {"FUSEDOPS_ATTN_DQ": "separate",
+                                   "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending",
+                                   "FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
 }
 SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ",
                 "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER", "FUSEDOPS_ATTN_SM90_BWD_BM",
