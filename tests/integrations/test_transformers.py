@@ -9,6 +9,8 @@ transformers = pytest.importorskip("transformers")
 
 from hf_models import (  # noqa: E402
     FAMILIES,
+    MOE,
+    SWIGLU_MLP,
     SEQ,
     VOCAB,
     batch,
@@ -48,10 +50,17 @@ def _compare(family, kind, dtype, tol, num_items=False):
     assert out.logits is None
     ref.zero_grad(set_to_none=True)
     if dtype == torch.float64:  # stock loss rounds logits to float32: the formula in float64
-        logits = ref(**inputs, use_cache=False).logits
-        ref_loss = reference_loss(logits, labels, kw.get("num_items_in_batch"))
+        ref_out = ref(**inputs, use_cache=False)
+        ref_loss = reference_loss(ref_out.logits, labels, kw.get("num_items_in_batch"))
+        if getattr(ref_out, "aux_loss", None) is not None:  # a mixture of experts' router loss
+            ref_loss = ref_loss + ref.router_aux_loss_coef * ref_out.aux_loss
     else:  # the stock loss itself
-        ref_loss = ref(**inputs, labels=labels, use_cache=False, **kw).loss
+        ref_out = ref(**inputs, labels=labels, use_cache=False, **kw)
+        ref_loss = ref_out.loss
+    assert type(out) is type(ref_out)
+    if family in MOE:
+        assert rel_err(out.aux_loss, ref_out.aux_loss) < tol
+        assert len(out.router_logits) == len(ref_out.router_logits) > 0
     ref_loss.backward()
     ref_grads = _grads(ref)
     assert out.loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
@@ -86,7 +95,11 @@ def test_window_and_softcap_matter():
     for family, change in (("mistral", dict(sliding_window=None)),
                            ("gemma2", dict(attn_logit_softcapping=None)),
                            ("gemma2", dict(final_logit_softcapping=None)),
-                           ("qwen2", dict(use_sliding_window=False))):
+                           ("qwen2", dict(use_sliding_window=False)),
+                           ("gemma3", dict(final_logit_softcapping=None)),
+                           ("granite", dict(logits_scaling=1.0)),
+                           ("cohere", dict(logit_scale=1.0)),
+                           ("mixtral", dict(router_aux_loss_coef=0.0))):
         a, _ = model_pair(family, torch.float64)
         b, _ = model_pair(family, torch.float64, **change)
         la = a(**inputs, labels=labels).loss
@@ -94,8 +107,11 @@ def test_window_and_softcap_matter():
         assert abs(la.item() - lb.item()) > 1e-4, (family, change)
 
 
-def test_logits_contract():
-    ref, cand = model_pair("llama", torch.float32)
+@pytest.mark.parametrize("family", ["llama", "gemma3", "granite", "cohere", "qwen3_moe"])
+def test_logits_contract(family):
+    """Without labels (or in eval) the logits are stock's, with the model's scale and softcap;
+    the fused loss equals the stock loss of those logits (a mixture's router loss included)."""
+    ref, cand = model_pair(family, torch.float32)
     fo_hf.apply_fusedops(cand)
     inputs, labels = batch("unpadded")
     cand.train()
@@ -126,6 +142,29 @@ def test_logits_contract():
         torch.testing.assert_close(fused[0], ref_out.loss, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="skip_logits"):
         cand(**inputs, skip_logits=True)
+
+
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_router_loss_follows_output_router_logits(family):
+    """A mixture's router loss is added when output_router_logits is on (the config's value or
+    the call's), as in the stock forward, and left out otherwise."""
+    inputs, labels = batch("right")
+    for config_flag in (False, True):
+        ref, cand = model_pair(family, torch.float64, output_router_logits=config_flag)
+        fo_hf.apply_fusedops(cand)
+        ref.train()
+        cand.train()
+        for call_flag in (None, not config_flag):
+            kw = {} if call_flag is None else dict(output_router_logits=call_flag)
+            on = config_flag if call_flag is None else call_flag
+            out = cand(**inputs, labels=labels, **kw)
+            ref_out = ref(**inputs, **kw)
+            want = reference_loss(ref_out.logits, labels)
+            assert (out.aux_loss is not None) == on == (ref_out.aux_loss is not None)
+            if on:
+                want = want + ref.router_aux_loss_coef * ref_out.aux_loss
+                assert len(out.router_logits) == cand.config.num_hidden_layers
+            assert rel_err(out.loss, want) < 1e-10, (config_flag, call_flag)
 
 
 def test_outputs_pass_through():
@@ -172,7 +211,8 @@ def test_idempotent_and_flags():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_mlp_runs_swiglu(family, monkeypatch):
     """mlp=True routes every SiLU MLP's product through fusedops.swiglu with the in-place
-    backward in training (not Gemma-2's tanh-GELU MLP); the gradients then match stock (the
+    backward in training (not Gemma's tanh-GELU MLPs, Phi-3's fused gate_up_proj or the
+    experts of a mixture); the gradients then match stock (the
     parity tests above run with it); it is the default, and mlp=False leaves the MLPs alone."""
     from fusedops.integrations.transformers import mlp as fo_mlp
 
@@ -185,7 +225,7 @@ def test_mlp_runs_swiglu(family, monkeypatch):
     monkeypatch.setattr(fo_mlp, "swiglu", counted)
     ref, cand = model_pair(family, torch.float64)
     fo_hf.apply_fusedops(cand, mlp=True)
-    silu = family != "gemma2"
+    silu = family in SWIGLU_MLP
     n_layers = cand.config.num_hidden_layers
     patched = sum(getattr(m, "_fusedops_mlp", False) for m in cand.modules())
     assert patched == (n_layers if silu else 0)
@@ -338,7 +378,8 @@ def test_trainer_step(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2", "gemma3", "granite",
+                                    "qwen3_moe"])
 def test_generate_greedy(family, dtype, monkeypatch):
     """Greedy generate() equals stock's; the decode steps of the unpadded prompt run
     attention_with_kvcache (every layer, every step after the prefill), the left-padded batch
@@ -355,7 +396,9 @@ def test_generate_greedy(family, dtype, monkeypatch):
 
     real = fo_attn.attention_with_kvcache
     monkeypatch.setattr(fo_attn, "attention_with_kvcache", counted)
-    ref, cand = model_pair(family, dtype)
+    # (Stock generate of a mixture fails with a padded batch when it outputs router logits.)
+    extra = dict(output_router_logits=False) if family in MOE else {}
+    ref, cand = model_pair(family, dtype, **extra)
     fo_hf.apply_fusedops(cand)
     ref.eval()
     cand.eval()

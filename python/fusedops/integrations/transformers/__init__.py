@@ -11,8 +11,9 @@ model later built from a class) to it and replaces its ``ForCausalLM.forward`` b
 computes the training loss with fusedops.linear_ce, never forming the (tokens x vocab) logits,
 and its gated SiLU MLPs' product by fusedops.swiglu.
 
-Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-Gemma2ForCausalLM (and subclasses).
+Supported (and subclasses): the ``*ForCausalLM`` of Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma-2,
+Gemma-3 (text), Phi-3, OLMo-2, Granite, Cohere, Mixtral, Qwen2-MoE and Qwen3-MoE
+(:data:`SUPPORTED_MODELS`).
 """
 
 from __future__ import annotations
@@ -28,29 +29,20 @@ from fusedops.integrations.transformers.attention import (
 )
 from fusedops.integrations.transformers.loss import fused_causal_lm_forward, patch_lm_head
 from fusedops.integrations.transformers.mlp import patch_mlps
+from fusedops.integrations.transformers.models import SUPPORTED_MODELS, family_of
 
 __all__ = ["apply_fusedops", "fusedops_attention_forward", "fusedops_attention_mask",
            "SUPPORTED_MODELS", "NAME"]
 
 _attention.register()
 
-#: Model classes apply_fusedops accepts (they and their subclasses), by transformers module.
-SUPPORTED_MODELS = {
-    "LlamaForCausalLM": "transformers.models.llama.modeling_llama",
-    "MistralForCausalLM": "transformers.models.mistral.modeling_mistral",
-    "Qwen2ForCausalLM": "transformers.models.qwen2.modeling_qwen2",
-    "Qwen3ForCausalLM": "transformers.models.qwen3.modeling_qwen3",
-    "Gemma2ForCausalLM": "transformers.models.gemma2.modeling_gemma2",
-}
-
 _FORWARD_FLAG = "_fusedops_forward"
 _CLASS_OPTIONS = "_fusedops_options"
 
 
 def _check_supported(cls: type) -> None:
-    for base in cls.__mro__:
-        if SUPPORTED_MODELS.get(base.__name__) == base.__module__:
-            return
+    if family_of(cls) is not None:
+        return
     raise TypeError(f"apply_fusedops does not support {cls.__module__}.{cls.__qualname__}; "
                     f"supported: {', '.join(SUPPORTED_MODELS)} and their subclasses")
 
