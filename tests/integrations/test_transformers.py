@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -167,6 +169,35 @@ def test_router_loss_follows_output_router_logits(family):
             assert rel_err(out.loss, want) < 1e-10, (config_flag, call_flag)
 
 
+@pytest.mark.parametrize("kind", ["unpadded", "right", "packed"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "granite"])
+def test_autocast_training(family, kind):
+    """Mixed precision (float32 weights under torch.autocast, as Trainer's bf16=True runs):
+    rotary embeddings leave q and k in float32 while v is bfloat16; the step runs and its loss
+    and gradients are as close to float32's as stock's under the same autocast. (Not a mixture
+    of experts: bfloat16 rounding flips its top-k choices, stock's and fusedops' differently.)"""
+    ref, cand = model_pair(family, torch.float32)  # eager: sdpa has no softcap
+    exact = copy.deepcopy(ref)
+    fo_hf.apply_fusedops(cand)
+    inputs, labels = batch(kind)
+    results = {}
+    for name, model, amp in (("exact", exact, False), ("stock", ref, True),
+                             ("fused", cand, True)):
+        model.train()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            out = model(**inputs, labels=labels, use_cache=False)
+        model.zero_grad(set_to_none=True)
+        out.loss.backward()
+        results[name] = out.loss.detach(), _grads(model)
+    loss, grads = results["exact"]
+    for name in ("stock", "fused"):
+        assert results[name][1].keys() == grads.keys()
+    err = {name: max(rel_err(results[name][1][n], grads[n]) for n in grads)
+           for name in ("stock", "fused")}
+    assert err["fused"] <= 2 * err["stock"] + 1e-3, err
+    assert abs(results["fused"][0] - loss) <= 2 * abs(results["stock"][0] - loss) + 1e-3
+
+
 def test_outputs_pass_through():
     ref, cand = model_pair("qwen3", torch.float32)
     fo_hf.apply_fusedops(cand)
@@ -251,13 +282,17 @@ def test_mlp_runs_swiglu(family, monkeypatch):
 @pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 def test_gradient_checkpointing(family, reentrant):
-    """gradient_checkpointing_enable (both kinds): the recomputed layers run fusedops attention
+    """Activation checkpointing (both kinds): the recomputed layers run fusedops attention
     and swiglu's in-place backward; the gradients still match stock."""
     ref, cand = model_pair(family, torch.float64)
     fo_hf.apply_fusedops(cand, mlp=True)
     for m in (ref, cand):
         m.train()
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        if hasattr(m, "activation_checkpointing_enable"):  # transformers >= 5.19
+            m.activation_checkpointing_enable({"use_reentrant": reentrant})
+        else:
+            m.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     inputs, labels = batch("unpadded")
     out, g = _run(cand, inputs, labels)
     ref.zero_grad(set_to_none=True)

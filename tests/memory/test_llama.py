@@ -24,7 +24,9 @@ B, S = 2, 128
 def _measure(dtype="float32", attn="sdpa", checkpointing=False, fused=False, cfg=CFG):
     model = build_llama(cfg, dtype=getattr(torch, dtype), attn_implementation=attn)
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        enable = (getattr(model, "activation_checkpointing_enable", None)
+                  or model.gradient_checkpointing_enable)  # the old name in transformers < 5.19
+        enable()
     if fused:
         from fusedops.integrations.transformers import apply_fusedops
         model = apply_fusedops(model, mlp=True)

@@ -27,7 +27,12 @@ from fusedops.integrations.transformers.attention import (
     fusedops_attention_forward,
     fusedops_attention_mask,
 )
-from fusedops.integrations.transformers.loss import fused_causal_lm_forward, patch_lm_head
+from fusedops.integrations.transformers.loss import (
+    MODEL_BUDGET,
+    check_lm_head,
+    fused_causal_lm_forward,
+    patch_lm_head,
+)
 from fusedops.integrations.transformers.mlp import patch_mlps
 from fusedops.integrations.transformers.models import SUPPORTED_MODELS, family_of
 
@@ -59,16 +64,46 @@ def _check_budget(value) -> None:
         raise ValueError(f"memory_budget_mib must be a positive number or None, got {value!r}")
 
 
+def _check_forward_free(model) -> None:
+    """Raises if something other than fusedops or an accelerate hook replaced model.forward on
+    the instance: replacing it again would silently undo that (TRL's trainers, for one,
+    install their own LM-head forward on the model they train)."""
+    own = model.__dict__.get("forward")
+    if own is None or getattr(model, _FORWARD_FLAG, False) or _accelerate_hooked(model):
+        return
+    name = getattr(own, "__qualname__", type(own).__name__)
+    module = getattr(own, "__module__", None) or "?"
+    raise ValueError(
+        f"{type(model).__name__}.forward was already replaced on this model by {module}.{name} "
+        "(TRL's trainers install their own LM-head forward, add_fused_lm_head); apply_fusedops "
+        "would undo it. Call apply_fusedops before building the trainer, or pass "
+        "linear_ce=False to keep that forward")
+
+
+def _accelerate_hooked(model) -> bool:
+    """Whether accelerate's add_hook_to_module wraps model.forward (device_map dispatch): its
+    wrapper calls model._old_forward, which is then the forward to replace."""
+    return hasattr(model, "_hf_hook") and callable(getattr(model, "_old_forward", None))
+
+
 def _patch_instance(model, attention: bool, linear_ce: bool, memory_budget_mib=None,
                     mlp: bool = False):
+    if linear_ce:  # refusals before anything is changed
+        _check_forward_free(model)
+        check_lm_head(model.lm_head)
     if mlp:
         patch_mlps(model)
     if attention and model.config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)
     if linear_ce:
         patch_lm_head(model.lm_head, memory_budget_mib)
+        setattr(model, MODEL_BUDGET, memory_budget_mib)
         if not getattr(model, _FORWARD_FLAG, False):
-            model.forward = types.MethodType(fused_causal_lm_forward, model)
+            forward = types.MethodType(fused_causal_lm_forward, model)
+            if _accelerate_hooked(model):
+                model._old_forward = forward
+            else:
+                model.forward = forward
             setattr(model, _FORWARD_FLAG, True)
     return model
 
@@ -93,9 +128,9 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
                    memory_budget_mib: float | None = None, mlp: bool = True):
     """Uses fusedops in a transformers causal LM; returns what it was given.
 
-    model_or_class: a built model (an instance of a supported ``*ForCausalLM``), patched in place;
-    or such a class, before ``from_pretrained`` / construction, so that every model built from it
-    afterwards is patched (as if apply_fusedops were called on it; the class's methods are not
+    model_or_class: a built model (an instance of a supported ``*ForCausalLM``, or a PEFT model
+    wrapping one, whose base model is then patched), patched in place; or such a class, before
+    ``from_pretrained`` / construction, so that every model built from it afterwards is patched (as if apply_fusedops were called on it; the class's methods are not
     changed, and models built before are not touched).
 
     attention=True sets the model's attention implementation to "fusedops" (with
@@ -129,5 +164,9 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
         setattr(model_or_class, _CLASS_OPTIONS, (attention, linear_ce, memory_budget_mib, mlp))
         _patch_class(model_or_class)
         return model_or_class
-    _check_supported(type(model_or_class))
-    return _patch_instance(model_or_class, attention, linear_ce, memory_budget_mib, mlp)
+    model = model_or_class
+    if family_of(type(model)) is None and callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()  # a PEFT model: patch the transformers model inside
+    _check_supported(type(model))
+    _patch_instance(model, attention, linear_ce, memory_budget_mib, mlp)
+    return model_or_class

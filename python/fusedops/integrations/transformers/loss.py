@@ -20,10 +20,13 @@ from transformers.utils.generic import can_return_tuple
 from fusedops.integrations.transformers import models as _models
 from fusedops.linear_ce import linear_cross_entropy
 
-__all__ = ["fused_head_forward", "patch_lm_head", "fused_causal_lm_forward"]
+__all__ = ["fused_head_forward", "patch_lm_head", "check_lm_head", "fused_causal_lm_forward",
+           "MODEL_BUDGET"]
 
 _HEAD_FLAG = "_fusedops_fused_head"
 _HEAD_BUDGET = "_fusedops_memory_budget_mib"
+#: The patched model's attribute holding apply_fusedops' memory_budget_mib.
+MODEL_BUDGET = "_fusedops_model_memory_budget_mib"
 
 
 def fused_head_forward(self: nn.Linear, hidden: Tensor, labels: Tensor | None = None, *,
@@ -54,16 +57,42 @@ def fused_head_forward(self: nn.Linear, hidden: Tensor, labels: Tensor | None = 
     return loss / num_items_in_batch
 
 
+def _peft_copies(head: nn.Module) -> list | None:
+    """The modules a PEFT ModulesToSaveWrapper (``modules_to_save=["lm_head"]``) passes its
+    calls to, its original and each adapter's trained copy; None for any other module."""
+    original = getattr(head, "original_module", None)
+    copies = getattr(head, "modules_to_save", None)
+    if isinstance(original, nn.Module) and isinstance(copies, nn.ModuleDict):
+        return [original, *copies.values()]
+    return None
+
+
+def check_lm_head(head: nn.Module) -> None:
+    """Raises TypeError unless the fused loss can use `head`: an nn.Linear, or PEFT's
+    modules_to_save wrapper of nn.Linear copies."""
+    for module in _peft_copies(head) or [head]:
+        if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
+            kind = type(module)
+            raise TypeError(
+                f"the fused loss needs an nn.Linear LM head, got {kind.__module__}."
+                f"{kind.__qualname__} (LoRA or trainable tokens on the LM head change its "
+                "product); pass linear_ce=False to keep the model's own head and loss")
+
+
 def patch_lm_head(head: nn.Module, memory_budget_mib: float | None = None) -> nn.Module:
     """Gives `head` (an nn.Linear) the forward of :func:`fused_head_forward`, whose fused loss
     uses `memory_budget_mib` (None: linear_cross_entropy's default); idempotent, the last
-    call's budget applies."""
+    call's budget applies. A PEFT modules_to_save wrapper has each of its copies patched."""
+    copies = _peft_copies(head)
+    if copies is not None:
+        check_lm_head(head)
+        for module in copies:
+            patch_lm_head(module, memory_budget_mib)
+        return head
     if getattr(head, _HEAD_FLAG, False):
         setattr(head, _HEAD_BUDGET, memory_budget_mib)
         return head
-    if not isinstance(head, nn.Linear):
-        raise TypeError(f"the fused loss needs an nn.Linear LM head, got {type(head).__name__}; "
-                        "pass linear_ce=False to keep the model's own head")
+    check_lm_head(head)
     head.forward = types.MethodType(fused_head_forward, head)
     setattr(head, _HEAD_FLAG, True)
     setattr(head, _HEAD_BUDGET, memory_budget_mib)
@@ -155,9 +184,11 @@ def fused_causal_lm_forward(self, input_ids: torch.LongTensor | None = None,
         scale = _models.logit_scale(self)
         if scale is not None:  # (h W^T) s = (s h) W^T: the scale goes on the smaller operand
             hidden = hidden * scale
-        head = self.lm_head  # patched by apply_fusedops (patching here keeps its budget)
+        # Patched by apply_fusedops; patched here when replaced since (a resized vocabulary,
+        # PEFT's modules_to_save wrapper, which may have gained an adapter's copy).
+        head = self.lm_head
         if not getattr(head, _HEAD_FLAG, False):
-            patch_lm_head(head)
+            patch_lm_head(head, getattr(self, MODEL_BUDGET, None))
         loss = head(hidden, shift_labels, ignore_index=ignore_index,
                     softcap=getattr(self.config, "final_logit_softcapping", None),
                     num_items_in_batch=kwargs.get("num_items_in_batch"))
