@@ -130,8 +130,9 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
 
     model_or_class: a built model (an instance of a supported ``*ForCausalLM``, or a PEFT model
     wrapping one, whose base model is then patched), patched in place; or such a class, before
-    ``from_pretrained`` / construction, so that every model built from it afterwards is patched (as if apply_fusedops were called on it; the class's methods are not
-    changed, and models built before are not touched).
+    ``from_pretrained`` / construction, so that every model built from it afterwards is patched
+    (as if apply_fusedops were called on it; the class's methods are not changed, and models
+    built before are not touched).
 
     attention=True sets the model's attention implementation to "fusedops" (with
     ``model.set_attn_implementation``; for a class, on each new model, whatever
