@@ -82,11 +82,28 @@ FAMILIES = {
                   dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        output_router_logits=True, router_aux_loss_coef=0.05)),
 }
+if not getattr(Qwen2MoeForCausalLM, "_supports_attention_backend", False):
+    # transformers 4.x: Qwen2-MoE's attention is a fixed class, no AttentionInterface (no
+    # "eager_exact" reference, no "fusedops"); test_attention_backend_required covers it.
+    del FAMILIES["qwen2_moe"]
+
 #: Mixture-of-experts families (their forward adds the router's load-balancing loss).
 MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
 #: Families whose MLPs are gated SiLU modules with gate_proj and up_proj (fusedops.swiglu's).
-#: (Qwen2-MoE: its shared expert; one per layer.)
+#: (Qwen2-MoE: its shared expert; one per layer.) In transformers 4.x a mixture's experts are
+#: such modules too: see swiglu_mlps.
 SWIGLU_MLP = {"llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "cohere", "qwen2_moe"}
+
+
+def swiglu_mlps(family: str, model) -> int:
+    """How many modules of `model` apply_fusedops(mlp=True) gives swiglu: one MLP per layer in
+    SWIGLU_MLP's families, plus each expert where a mixture's experts are gated SiLU modules of
+    their own (transformers 4.x; 5.x fuses them into one module of stacked weights)."""
+    n = model.config.num_hidden_layers if family in SWIGLU_MLP else 0
+    if family in MOE:
+        n += sum(type(m).__name__.endswith("MLP") and hasattr(m, "gate_proj")
+                 and "shared" not in name for name, m in model.named_modules())
+    return n
 
 
 def _repeat_kv(x, n):

@@ -91,10 +91,16 @@ def _patch_instance(model, attention: bool, linear_ce: bool, memory_budget_mib=N
     if linear_ce:  # refusals before anything is changed
         _check_forward_free(model)
         check_lm_head(model.lm_head)
-    if mlp:
-        patch_mlps(model)
     if attention and model.config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)
+        if model.config._attn_implementation != NAME:  # transformers only logs a warning
+            raise TypeError(
+                f"{type(model).__name__} does not take its attention from transformers' "
+                "AttentionInterface in this transformers version, so attn_implementation="
+                f'"{NAME}" cannot be set (Qwen2-MoE before transformers 5); pass '
+                "attention=False to use the fused loss and MLP alone")
+    if mlp:
+        patch_mlps(model)
     if linear_ce:
         patch_lm_head(model.lm_head, memory_budget_mib)
         setattr(model, MODEL_BUDGET, memory_budget_mib)

@@ -61,6 +61,7 @@ def fusedops_attention_mask(batch_size: int, q_length: int | None = None,
                             "5) or cache_position and kv_length (transformers 4)")
         q_length = cache_position.shape[0]
         q_offset = int(cache_position[0]) if q_length else 0
+        kwargs.setdefault("device", cache_position.device)
     if attention_mask is None:
         # No padding, but a static cache longer than what it holds: the first q_offset +
         # q_length slots are keys, the rest are empty and must not be attended to.
