@@ -111,6 +111,12 @@ def test_autocast_casts_inputs(backend):
     # Off autocast the dtypes must still agree.
     with pytest.raises(TypeError, match="v dtype torch.bfloat16 differs from q dtype"):
         attention(q, k, v)
+    if backend == "torch":  # float64 stays float64 under autocast, as in SDPA
+        q64, k64, v64 = (t.double() for t in (q, k, v))
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = attention(q64, k64, v64, causal=True, backend=backend)
+        assert out.dtype == torch.float64
+        assert torch.equal(out, attention(q64, k64, v64, causal=True, backend=backend))
 
 
 def test_varlen_bool_max_seqlen_and_non_contiguous_cu_seqlens():

@@ -112,6 +112,23 @@ def test_window_and_softcap_matter():
 
 @pytest.mark.parametrize("family", ["llama", "gemma3", "granite", "cohere", "qwen3_moe"])
 def test_logits_contract(family):
+    _logits_contract(family)
+
+
+def test_cohere_scale_is_the_models_own():
+    """Cohere's forward multiplies by the model's logit_scale attribute (set from the config):
+    the fused loss follows the attribute too."""
+    ref, cand = model_pair("cohere", torch.float64)
+    fo_hf.apply_fusedops(cand)
+    for m in (ref, cand):
+        m.logit_scale = 0.7
+        m.train()
+    inputs, labels = batch("right")
+    want = reference_loss(ref(**inputs, use_cache=False).logits, labels)
+    assert rel_err(cand(**inputs, labels=labels, use_cache=False).loss, want) < 1e-10
+
+
+def _logits_contract(family):
     """Without labels (or in eval) the logits are stock's, with the model's scale and softcap;
     the fused loss equals the stock loss of those logits (a mixture's router loss included)."""
     ref, cand = model_pair(family, torch.float32)

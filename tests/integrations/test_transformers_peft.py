@@ -174,3 +174,13 @@ def test_accelerate_hook_keeps_wrapping_the_fused_forward():
     fo_hf.apply_fusedops(cand)
     _check_against_stock(cand, ref)
     assert Counting.calls == 1
+    hooks.remove_hook_from_module(cand)  # the fused forward stays
+    _check_against_stock(cand, ref)
+
+    # A foreign forward beneath a hook is refused as one without.
+    _, other = model_pair("llama", torch.float32)
+    original = other.forward
+    other.forward = types.MethodType(lambda self, *a, **kw: original(*a, **kw), other)
+    hooks.add_hook_to_module(other, Counting())
+    with pytest.raises(ValueError, match="already replaced"):
+        fo_hf.apply_fusedops(other)

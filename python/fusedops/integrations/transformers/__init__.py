@@ -65,19 +65,22 @@ def _check_budget(value) -> None:
 
 
 def _check_forward_free(model) -> None:
-    """Raises if something other than fusedops or an accelerate hook replaced model.forward on
-    the instance: replacing it again would silently undo that (TRL's trainers, for one,
-    install their own LM-head forward on the model they train)."""
-    own = model.__dict__.get("forward")
-    if own is None or getattr(model, _FORWARD_FLAG, False) or _accelerate_hooked(model):
+    """Raises if something other than fusedops replaced model.forward on the instance (beneath
+    an accelerate hook: the forward the hook calls): replacing it again would silently undo
+    that (TRL's trainers install their own LM-head forward on the model they train,
+    accelerate's prepare() with mixed precision an autocast wrapper)."""
+    if getattr(model, _FORWARD_FLAG, False):
         return
+    own = model._old_forward if _accelerate_hooked(model) else model.__dict__.get("forward")
+    if own is None or getattr(own, "__func__", None) is type(model).forward:
+        return  # the class's own forward
     name = getattr(own, "__qualname__", type(own).__name__)
     module = getattr(own, "__module__", None) or "?"
     raise ValueError(
         f"{type(model).__name__}.forward was already replaced on this model by {module}.{name} "
-        "(TRL's trainers install their own LM-head forward, add_fused_lm_head); apply_fusedops "
-        "would undo it. Call apply_fusedops before building the trainer, or pass "
-        "linear_ce=False to keep that forward")
+        "(as TRL's trainers and accelerate's prepare() with mixed precision do); apply_fusedops "
+        "would undo it. Call apply_fusedops first (before building the trainer or calling "
+        "prepare), or pass linear_ce=False to keep that forward")
 
 
 def _accelerate_hooked(model) -> bool:
@@ -148,8 +151,8 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
     labels, or in eval mode, logits are computed as usual). The LM head stays the model's own
     module, called for the loss, so FSDP2 and DeepSpeed ZeRO-3 gather its weight as before.
 
-    mlp=True computes the gated MLP's silu(gate) * up with fusedops.swiglu (models whose MLP
-    activation is SiLU: not Gemma-2's): it keeps gate and up but not silu(gate) for the
+    mlp=True computes the gated MLP's silu(gate) * up with fusedops.swiglu (in every module
+    with gate_proj, up_proj, down_proj and a SiLU act_fn; not Gemma's tanh-GELU MLPs): it keeps gate and up but not silu(gate) for the
     backward, which recomputes it and writes the gradients over gate and up. Per decoder layer
     that is one [tokens, intermediate] tensor less kept and two less allocated in the MLP's
     backward. mlp=False leaves the MLPs as they are.

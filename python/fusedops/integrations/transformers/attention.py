@@ -60,11 +60,13 @@ def fusedops_attention_mask(batch_size: int, q_length: int | None = None,
             raise TypeError("fusedops_attention_mask needs q_length and kv_length (transformers "
                             "5) or cache_position and kv_length (transformers 4)")
         q_length = cache_position.shape[0]
-        q_offset = int(cache_position[0]) if q_length else 0
+        q_offset = cache_position[:1]  # read below only when there is no padding mask
         kwargs.setdefault("device", cache_position.device)
     if attention_mask is None:
         # No padding, but a static cache longer than what it holds: the first q_offset +
         # q_length slots are keys, the rest are empty and must not be attended to.
+        if isinstance(q_offset, Tensor):  # (transformers 5 may pass a 0-d tensor too)
+            q_offset = int(q_offset.reshape(-1)[0]) if q_offset.numel() else 0
         used = int(q_offset) + int(q_length)
         if kv_length <= used:
             return None

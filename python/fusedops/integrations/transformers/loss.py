@@ -106,10 +106,9 @@ def shifted_labels(labels: Tensor, ignore_index: int) -> Tensor:
 
 def _scaled_logits(model, logits: Tensor) -> Tensor:
     """The model's own transform of its LM head's logits: scale (Granite, Cohere), softcap."""
-    family = _models.family_of(type(model))
-    if family is not None and family.scale is not None:
-        how, attr = family.scale.split(":")
-        value = getattr(model.config, attr)
+    scale = _models.scale_of(model)
+    if scale is not None:
+        how, value = scale
         logits = logits / value if how == "divide" else logits * value
     softcap = getattr(model.config, "final_logit_softcapping", None)
     if softcap is not None:

@@ -13,14 +13,16 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-__all__ = ["Family", "SUPPORTED_MODELS", "family_of", "logit_scale", "load_balancing_loss"]
+__all__ = ["Family", "SUPPORTED_MODELS", "family_of", "scale_of", "logit_scale",
+           "load_balancing_loss"]
 
 
 @dataclass(frozen=True)
 class Family:
-    """module: where transformers defines the class. scale: how its forward scales the logits
-    ("divide:<config attribute>" or "multiply:<config attribute>"), or None. moe: whether its
-    forward adds the router's load-balancing loss (``load_balancing_loss_func`` of `module`)."""
+    """module: where transformers defines the class. scale: how its forward scales the logits,
+    "divide:" or "multiply:" and where it reads the factor ("config.<attribute>" or
+    "model.<attribute>"), or None. moe: whether its forward adds the router's load-balancing
+    loss (``load_balancing_loss_func`` of `module`)."""
     module: str
     scale: str | None = None
     moe: bool = False
@@ -41,8 +43,8 @@ SUPPORTED_MODELS = {
     "Gemma3ForCausalLM": Family(_m("gemma3")),
     "Phi3ForCausalLM": Family(_m("phi3")),
     "Olmo2ForCausalLM": Family(_m("olmo2")),
-    "GraniteForCausalLM": Family(_m("granite"), scale="divide:logits_scaling"),
-    "CohereForCausalLM": Family(_m("cohere"), scale="multiply:logit_scale"),
+    "GraniteForCausalLM": Family(_m("granite"), scale="divide:config.logits_scaling"),
+    "CohereForCausalLM": Family(_m("cohere"), scale="multiply:model.logit_scale"),
     "MixtralForCausalLM": Family(_m("mixtral"), moe=True),
     "Qwen2MoeForCausalLM": Family(_m("qwen2_moe"), moe=True),
     "Qwen3MoeForCausalLM": Family(_m("qwen3_moe"), moe=True),
@@ -58,14 +60,23 @@ def family_of(cls: type) -> Family | None:
     return None
 
 
-def logit_scale(model) -> float | None:
-    """The factor the model's forward applies to its LM head's logits, or None for none."""
+def scale_of(model) -> tuple[str, object] | None:
+    """("divide" or "multiply", the factor as the model's forward reads it), or None."""
     family = family_of(type(model))
     if family is None or family.scale is None:
         return None
-    how, attr = family.scale.split(":")
-    value = float(getattr(model.config, attr))
-    return 1.0 / value if how == "divide" else value
+    how, where = family.scale.split(":")
+    owner, attr = where.split(".")
+    return how, getattr(model.config if owner == "config" else model, attr)
+
+
+def logit_scale(model) -> float | None:
+    """The factor the model's forward applies to its LM head's logits, or None for none."""
+    scale = scale_of(model)
+    if scale is None:
+        return None
+    how, value = scale
+    return 1.0 / float(value) if how == "divide" else float(value)
 
 
 def load_balancing_loss(model, router_logits, attention_mask):
