@@ -152,10 +152,11 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
     module, called for the loss, so FSDP2 and DeepSpeed ZeRO-3 gather its weight as before.
 
     mlp=True computes the gated MLP's silu(gate) * up with fusedops.swiglu (in every module
-    with gate_proj, up_proj, down_proj and a SiLU act_fn; not Gemma's tanh-GELU MLPs): it keeps gate and up but not silu(gate) for the
-    backward, which recomputes it and writes the gradients over gate and up. Per decoder layer
-    that is one [tokens, intermediate] tensor less kept and two less allocated in the MLP's
-    backward. mlp=False leaves the MLPs as they are.
+    with gate_proj, up_proj, down_proj and a SiLU act_fn; not Gemma's tanh-GELU MLPs): it keeps
+    gate and up but not silu(gate) for the backward, which recomputes it and writes the
+    gradients over gate and up. Per decoder layer that is one [tokens, intermediate] tensor
+    less kept and two less allocated in the MLP's backward. mlp=False leaves the MLPs as they
+    are.
 
     memory_budget_mib: the fused loss's scratch (linear_cross_entropy's memory_budget_mib; None:
     its default, 512 MiB or FUSEDOPS_LCE_MEMORY_MIB). Lower it when the loss's chunk sets the
