@@ -84,6 +84,41 @@ def test_one_dtype_and_one_device():
         attention(q, k.to("meta"), v, backend="torch")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autocast_casts_inputs(backend):
+    """Under torch.autocast q, k, v go to the autocast dtype first (as SDPA's do): float32 q, k
+    with a bfloat16 v give what all-bfloat16 inputs give, gradients in each input's dtype; a
+    backward called inside autocast gives the same gradients."""
+    device = "cuda" if backend == "triton" else "cpu"
+    q, k, v = _qkv(s=9, device=device)
+    v = v.to(torch.bfloat16)
+    want = attention(*(t.to(torch.bfloat16) for t in (q, k, v)), causal=True, backend=backend)
+    grads = []
+    for backward_in_autocast in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = attention(*leaves, causal=True, backend=backend)
+            if backward_in_autocast:
+                out.float().square().sum().backward()
+        if not backward_in_autocast:
+            out.float().square().sum().backward()
+        assert out.dtype == torch.bfloat16
+        assert torch.equal(out, want)
+        assert [t.grad.dtype for t in leaves] == [torch.float32, torch.float32, torch.bfloat16]
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    # Off autocast the dtypes must still agree.
+    with pytest.raises(TypeError, match="v dtype torch.bfloat16 differs from q dtype"):
+        attention(q, k, v)
+    if backend == "torch":  # float64 stays float64 under autocast, as in SDPA
+        q64, k64, v64 = (t.double() for t in (q, k, v))
+        with torch.autocast(device, dtype=torch.bfloat16):
+            out = attention(q64, k64, v64, causal=True, backend=backend)
+        assert out.dtype == torch.float64
+        assert torch.equal(out, attention(q64, k64, v64, causal=True, backend=backend))
+
+
 def test_varlen_bool_max_seqlen_and_non_contiguous_cu_seqlens():
     q = torch.randn(10, 2, 16)
     k = torch.randn(12, 2, 16)

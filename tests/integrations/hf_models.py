@@ -14,16 +14,34 @@ import torch
 import torch.nn.functional as F
 from transformers import (
     AttentionInterface,
+    CohereConfig,
+    CohereForCausalLM,
     Gemma2Config,
     Gemma2ForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GemmaConfig,
+    GemmaForCausalLM,
+    GraniteConfig,
+    GraniteForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    Olmo2Config,
+    Olmo2ForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -42,7 +60,50 @@ FAMILIES = {
     "gemma2": (Gemma2Config, Gemma2ForCausalLM,
                dict(head_dim=8, query_pre_attn_scalar=16, sliding_window=8,
                     final_logit_softcapping=4.0, attn_logit_softcapping=3.0)),
+    "gemma": (GemmaConfig, GemmaForCausalLM, dict(head_dim=8)),
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM,
+               dict(head_dim=8, query_pre_attn_scalar=16, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"],
+                    final_logit_softcapping=4.0)),
+    "phi3": (Phi3Config, Phi3ForCausalLM, dict(sliding_window=8, tie_word_embeddings=False)),
+    "olmo2": (Olmo2Config, Olmo2ForCausalLM, dict(tie_word_embeddings=False)),
+    "granite": (GraniteConfig, GraniteForCausalLM,
+                dict(logits_scaling=4.0, embedding_multiplier=2.0, residual_multiplier=0.5,
+                     attention_multiplier=0.25, tie_word_embeddings=False)),
+    "cohere": (CohereConfig, CohereForCausalLM, dict(logit_scale=0.25, use_qk_norm=False)),
+    "mixtral": (MixtralConfig, MixtralForCausalLM,
+                dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+                     router_aux_loss_coef=0.05, sliding_window=8)),
+    "qwen2_moe": (Qwen2MoeConfig, Qwen2MoeForCausalLM,
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=32, output_router_logits=True,
+                       router_aux_loss_coef=0.05)),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM,
+                  dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       output_router_logits=True, router_aux_loss_coef=0.05)),
 }
+if not getattr(Qwen2MoeForCausalLM, "_supports_attention_backend", False):
+    # transformers 4.x: Qwen2-MoE's attention is a fixed class, no AttentionInterface (no
+    # "eager_exact" reference, no "fusedops"); test_attention_backend_required covers it.
+    del FAMILIES["qwen2_moe"]
+
+#: Mixture-of-experts families (their forward adds the router's load-balancing loss).
+MOE = {"mixtral", "qwen2_moe", "qwen3_moe"}
+#: Families whose MLPs are gated SiLU modules with gate_proj and up_proj (fusedops.swiglu's).
+#: (Qwen2-MoE: its shared expert; one per layer.) In transformers 4.x a mixture's experts are
+#: such modules too: see swiglu_mlps.
+SWIGLU_MLP = {"llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "cohere", "qwen2_moe"}
+
+
+def swiglu_mlps(family: str, model) -> int:
+    """How many modules of `model` apply_fusedops(mlp=True) gives swiglu: one MLP per layer in
+    SWIGLU_MLP's families, plus each expert where a mixture's experts are gated SiLU modules of
+    their own (transformers 4.x; 5.x fuses them into one module of stacked weights)."""
+    n = model.config.num_hidden_layers if family in SWIGLU_MLP else 0
+    if family in MOE:
+        n += sum(type(m).__name__.endswith("MLP") and hasattr(m, "gate_proj")
+                 and "shared" not in name for name, m in model.named_modules())
+    return n
 
 
 def _repeat_kv(x, n):
@@ -73,6 +134,8 @@ def config(family: str, attn: str = "eager", **overrides):
     cfg_cls, _, extra = FAMILIES[family]
     cfg = cfg_cls(**{**COMMON, **extra, **overrides})
     cfg._attn_implementation = attn
+    if "num_experts_per_tok" in extra:  # grouped_mm (the default) has no float64
+        cfg._experts_implementation = "eager"
     return cfg
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 
 from fusedops.memory import ModelShape, plan, profile_step  # noqa: E402
 from fusedops.memory.configs import build_llama  # noqa: E402
@@ -24,7 +24,9 @@ B, S = 2, 128
 def _measure(dtype="float32", attn="sdpa", checkpointing=False, fused=False, cfg=CFG):
     model = build_llama(cfg, dtype=getattr(torch, dtype), attn_implementation=attn)
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        enable = (getattr(model, "activation_checkpointing_enable", None)
+                  or model.gradient_checkpointing_enable)  # the old name in transformers < 5.19
+        enable()
     if fused:
         from fusedops.integrations.transformers import apply_fusedops
         model = apply_fusedops(model, mlp=True)
@@ -41,6 +43,8 @@ def _measure(dtype="float32", attn="sdpa", checkpointing=False, fused=False, cfg
     ("float32", "sdpa", True),
 ])
 def test_planner_matches_the_tracker(dtype, attn, checkpointing):
+    if attn == "sdpa" and int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("the planner's sdpa is transformers 5's (no mask, K and V not repeated)")
     model, report, est = _measure(dtype, attn, checkpointing)
     n_params = sum(p.numel() for p in model.parameters())
     assert ModelShape.from_config(model.config).params() == n_params

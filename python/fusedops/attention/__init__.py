@@ -81,6 +81,17 @@ def _check(q, k, v, varlen, cu_q, cu_k, max_q, max_k):
                                  f"tokens; at most 2^31 - 1 are supported (int32 offsets)")
 
 
+_AUTOCAST_CAST = (torch.float32, torch.float16, torch.bfloat16)  # autocast leaves float64 alone
+
+
+def _autocast_dtype(t: Tensor) -> torch.dtype | None:
+    """The dtype torch.autocast gives t's device now, or None when autocast is off there."""
+    device = t.device.type
+    if device == "meta" or not torch.is_autocast_enabled(device):
+        return None
+    return torch.get_autocast_dtype(device)
+
+
 def _check_options(causal, return_lse, window_size, softcap, softmax_scale):
     """The checks of attention's plain options; Attention runs them at construction."""
     check_bool("causal", causal)
@@ -134,7 +145,22 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     torch.use_deterministic_algorithms(True) always gives the deterministic mode ("separate":
     cuda-sm90's backward at head dim 64/128 adds the same fp32 partials in a fixed order instead
     of running a separate pass).
+
+    Under torch.autocast (for q's device) float32, float16 and bfloat16 q, k and v are first
+    cast to the autocast dtype, as scaled_dot_product_attention's are (float64 stays), so
+    float32 queries and keys (rotary embeddings in float32) with a bfloat16 value are
+    accepted; the kernels then run with autocast off and the output is in the autocast dtype.
     """
+    if isinstance(q, Tensor) and _autocast_dtype(q) is not None:
+        dtype = _autocast_dtype(q)
+        q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.dtype in _AUTOCAST_CAST else t
+                   for t in (q, k, v))
+        with torch.autocast(q.device.type, enabled=False):
+            return attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                             window_size=window_size, softcap=softcap,
+                             cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k,
+                             return_lse=return_lse, backend=backend)
     _check_options(causal, return_lse, window_size, softcap, softmax_scale)
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     _check(q, k, v, varlen, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)

@@ -195,7 +195,9 @@ class _Eager(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         saved = ctx.saved_tensors
-        grads = _backward(ctx, dout, dlse, bwd=_bwd_impl, saved=saved)
+        # A backward called inside torch.autocast must not recast the reference's products.
+        with torch.autocast(dout.device.type, enabled=False):
+            grads = _backward(ctx, dout, dlse, bwd=_bwd_impl, saved=saved)
         return refuse_double_backward(DOUBLE_BACKWARD, (*saved[:3], dout), grads)
 
 

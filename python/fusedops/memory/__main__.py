@@ -42,7 +42,7 @@ def _parser(gpu: bool) -> argparse.ArgumentParser:
                     help="default bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     ap.add_argument("--checkpointing", action="store_true",
-                    help="activation checkpointing (gradient_checkpointing_enable)")
+                    help="activation checkpointing (activation_checkpointing_enable)")
     ap.add_argument("--warmup", type=_non_negative_int, default=1,
                     help="unmeasured steps first, so the optimizer state exists (default 1)")
     ap.add_argument("--memory-budget", type=_positive_float, default=None,
@@ -98,7 +98,10 @@ def main(argv=None) -> int:
                    fused_mlp=fused, label=f"{name} (planned)")
         model = build_llama(cfg, dtype=dtype, device=device, attn_implementation="sdpa")
         if args.checkpointing:
-            model.gradient_checkpointing_enable()
+            # transformers >= 5.19 renames it (the old name warns, and goes in 6)
+            enable = (getattr(model, "activation_checkpointing_enable", None)
+                      or model.gradient_checkpointing_enable)
+            enable()
         if fused:
             model = apply_fusedops(model, memory_budget_mib=args.memory_budget)
         try:

@@ -309,7 +309,9 @@ def plan(config, *, batch: int, seq: int, dtype: str = "bfloat16",
     for float32. device "cuda" or "cpu" (optimizer and fused-loss temporaries differ).
     attention_impl: "sdpa" (the default when tiled_attention), "eager" (the default otherwise) or
     "fusedops" (tiled; on the CPU its torch backend's backward holds float32 blocks of
-    nq x 256 x S per sequence, which the estimate adds).
+    nq x 256 x S per sequence, which the estimate adds). "sdpa" is transformers 5's call: no
+    mask for an unpadded batch, grouped-query heads not repeated (transformers 4.57 passes a
+    mask and repeats K and V to every head, which this estimate does not count).
     fused_mlp: the MLP's silu(gate) * up by fusedops.swiglu with its in-place backward
     (apply_fusedops's default, mlp=True).
     """

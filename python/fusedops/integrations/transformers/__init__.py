@@ -11,8 +11,9 @@ model later built from a class) to it and replaces its ``ForCausalLM.forward`` b
 computes the training loss with fusedops.linear_ce, never forming the (tokens x vocab) logits,
 and its gated SiLU MLPs' product by fusedops.swiglu.
 
-Supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
-Gemma2ForCausalLM (and subclasses).
+Supported (and subclasses): the ``*ForCausalLM`` of Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma-2,
+Gemma-3 (text), Phi-3, OLMo-2, Granite, Cohere, Mixtral, Qwen2-MoE and Qwen3-MoE
+(:data:`SUPPORTED_MODELS`).
 """
 
 from __future__ import annotations
@@ -26,31 +27,27 @@ from fusedops.integrations.transformers.attention import (
     fusedops_attention_forward,
     fusedops_attention_mask,
 )
-from fusedops.integrations.transformers.loss import fused_causal_lm_forward, patch_lm_head
+from fusedops.integrations.transformers.loss import (
+    MODEL_BUDGET,
+    check_lm_head,
+    fused_causal_lm_forward,
+    patch_lm_head,
+)
 from fusedops.integrations.transformers.mlp import patch_mlps
+from fusedops.integrations.transformers.models import SUPPORTED_MODELS, family_of
 
 __all__ = ["apply_fusedops", "fusedops_attention_forward", "fusedops_attention_mask",
            "SUPPORTED_MODELS", "NAME"]
 
 _attention.register()
 
-#: Model classes apply_fusedops accepts (they and their subclasses), by transformers module.
-SUPPORTED_MODELS = {
-    "LlamaForCausalLM": "transformers.models.llama.modeling_llama",
-    "MistralForCausalLM": "transformers.models.mistral.modeling_mistral",
-    "Qwen2ForCausalLM": "transformers.models.qwen2.modeling_qwen2",
-    "Qwen3ForCausalLM": "transformers.models.qwen3.modeling_qwen3",
-    "Gemma2ForCausalLM": "transformers.models.gemma2.modeling_gemma2",
-}
-
 _FORWARD_FLAG = "_fusedops_forward"
 _CLASS_OPTIONS = "_fusedops_options"
 
 
 def _check_supported(cls: type) -> None:
-    for base in cls.__mro__:
-        if SUPPORTED_MODELS.get(base.__name__) == base.__module__:
-            return
+    if family_of(cls) is not None:
+        return
     raise TypeError(f"apply_fusedops does not support {cls.__module__}.{cls.__qualname__}; "
                     f"supported: {', '.join(SUPPORTED_MODELS)} and their subclasses")
 
@@ -67,16 +64,55 @@ def _check_budget(value) -> None:
         raise ValueError(f"memory_budget_mib must be a positive number or None, got {value!r}")
 
 
+def _check_forward_free(model) -> None:
+    """Raises if something other than fusedops replaced model.forward on the instance (beneath
+    an accelerate hook: the forward the hook calls): replacing it again would silently undo
+    that (TRL's trainers install their own LM-head forward on the model they train,
+    accelerate's prepare() with mixed precision an autocast wrapper)."""
+    if getattr(model, _FORWARD_FLAG, False):
+        return
+    own = model._old_forward if _accelerate_hooked(model) else model.__dict__.get("forward")
+    if own is None or getattr(own, "__func__", None) is type(model).forward:
+        return  # the class's own forward
+    name = getattr(own, "__qualname__", type(own).__name__)
+    module = getattr(own, "__module__", None) or "?"
+    raise ValueError(
+        f"{type(model).__name__}.forward was already replaced on this model by {module}.{name} "
+        "(as TRL's trainers and accelerate's prepare() with mixed precision do); apply_fusedops "
+        "would undo it. Call apply_fusedops first (before building the trainer or calling "
+        "prepare), or pass linear_ce=False to keep that forward")
+
+
+def _accelerate_hooked(model) -> bool:
+    """Whether accelerate's add_hook_to_module wraps model.forward (device_map dispatch): its
+    wrapper calls model._old_forward, which is then the forward to replace."""
+    return hasattr(model, "_hf_hook") and callable(getattr(model, "_old_forward", None))
+
+
 def _patch_instance(model, attention: bool, linear_ce: bool, memory_budget_mib=None,
                     mlp: bool = False):
-    if mlp:
-        patch_mlps(model)
+    if linear_ce:  # refusals before anything is changed
+        _check_forward_free(model)
+        check_lm_head(model.lm_head)
     if attention and model.config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)
+        if model.config._attn_implementation != NAME:  # transformers only logs a warning
+            raise TypeError(
+                f"{type(model).__name__} does not take its attention from transformers' "
+                "AttentionInterface in this transformers version, so attn_implementation="
+                f'"{NAME}" cannot be set (Qwen2-MoE before transformers 5); pass '
+                "attention=False to use the fused loss and MLP alone")
+    if mlp:
+        patch_mlps(model)
     if linear_ce:
         patch_lm_head(model.lm_head, memory_budget_mib)
+        setattr(model, MODEL_BUDGET, memory_budget_mib)
         if not getattr(model, _FORWARD_FLAG, False):
-            model.forward = types.MethodType(fused_causal_lm_forward, model)
+            forward = types.MethodType(fused_causal_lm_forward, model)
+            if _accelerate_hooked(model):
+                model._old_forward = forward
+            else:
+                model.forward = forward
             setattr(model, _FORWARD_FLAG, True)
     return model
 
@@ -101,10 +137,11 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
                    memory_budget_mib: float | None = None, mlp: bool = True):
     """Uses fusedops in a transformers causal LM; returns what it was given.
 
-    model_or_class: a built model (an instance of a supported ``*ForCausalLM``), patched in place;
-    or such a class, before ``from_pretrained`` / construction, so that every model built from it
-    afterwards is patched (as if apply_fusedops were called on it; the class's methods are not
-    changed, and models built before are not touched).
+    model_or_class: a built model (an instance of a supported ``*ForCausalLM``, or a PEFT model
+    wrapping one, whose base model is then patched), patched in place; or such a class, before
+    ``from_pretrained`` / construction, so that every model built from it afterwards is patched
+    (as if apply_fusedops were called on it; the class's methods are not changed, and models
+    built before are not touched).
 
     attention=True sets the model's attention implementation to "fusedops" (with
     ``model.set_attn_implementation``; for a class, on each new model, whatever
@@ -114,11 +151,12 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
     labels, or in eval mode, logits are computed as usual). The LM head stays the model's own
     module, called for the loss, so FSDP2 and DeepSpeed ZeRO-3 gather its weight as before.
 
-    mlp=True computes the gated MLP's silu(gate) * up with fusedops.swiglu (models whose MLP
-    activation is SiLU: not Gemma-2's): it keeps gate and up but not silu(gate) for the
-    backward, which recomputes it and writes the gradients over gate and up. Per decoder layer
-    that is one [tokens, intermediate] tensor less kept and two less allocated in the MLP's
-    backward. mlp=False leaves the MLPs as they are.
+    mlp=True computes the gated MLP's silu(gate) * up with fusedops.swiglu (in every module
+    with gate_proj, up_proj, down_proj and a SiLU act_fn; not Gemma's tanh-GELU MLPs): it keeps
+    gate and up but not silu(gate) for the backward, which recomputes it and writes the
+    gradients over gate and up. Per decoder layer that is one [tokens, intermediate] tensor
+    less kept and two less allocated in the MLP's backward. mlp=False leaves the MLPs as they
+    are.
 
     memory_budget_mib: the fused loss's scratch (linear_cross_entropy's memory_budget_mib; None:
     its default, 512 MiB or FUSEDOPS_LCE_MEMORY_MIB). Lower it when the loss's chunk sets the
@@ -137,5 +175,9 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
         setattr(model_or_class, _CLASS_OPTIONS, (attention, linear_ce, memory_budget_mib, mlp))
         _patch_class(model_or_class)
         return model_or_class
-    _check_supported(type(model_or_class))
-    return _patch_instance(model_or_class, attention, linear_ce, memory_budget_mib, mlp)
+    model = model_or_class
+    if family_of(type(model)) is None and callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()  # a PEFT model: patch the transformers model inside
+    _check_supported(type(model))
+    _patch_instance(model, attention, linear_ce, memory_budget_mib, mlp)
+    return model_or_class

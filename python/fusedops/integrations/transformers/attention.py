@@ -42,7 +42,8 @@ NAME = "fusedops"
 DECODE_MAX_Q = 16
 
 
-def fusedops_attention_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
+def fusedops_attention_mask(batch_size: int, q_length: int | None = None,
+                            kv_length: int | None = None, q_offset: int = 0,
                             kv_offset: int = 0, mask_function=None,
                             attention_mask: Tensor | None = None, **kwargs):
     """The mask that transformers passes to :func:`fusedops_attention_forward`.
@@ -50,10 +51,22 @@ def fusedops_attention_mask(batch_size: int, q_length: int, kv_length: int, q_of
     None when no key is padding, else the 2-D padding mask of the keys, (batch, kv_length), True
     at real tokens. Causality, sliding windows and packed sequences are not part of it: the
     attention function applies them itself (as with transformers' flash-attention path).
+    transformers 4.x passes ``cache_position`` (the new tokens' positions) instead of q_length
+    and q_offset.
     """
+    if q_length is None:
+        cache_position = kwargs.get("cache_position")
+        if cache_position is None or kv_length is None:
+            raise TypeError("fusedops_attention_mask needs q_length and kv_length (transformers "
+                            "5) or cache_position and kv_length (transformers 4)")
+        q_length = cache_position.shape[0]
+        q_offset = cache_position[:1]  # read below only when there is no padding mask
+        kwargs.setdefault("device", cache_position.device)
     if attention_mask is None:
         # No padding, but a static cache longer than what it holds: the first q_offset +
         # q_length slots are keys, the rest are empty and must not be attended to.
+        if isinstance(q_offset, Tensor):  # (transformers 5 may pass a 0-d tensor too)
+            q_offset = int(q_offset.reshape(-1)[0]) if q_offset.numel() else 0
         used = int(q_offset) + int(q_length)
         if kv_length <= used:
             return None
