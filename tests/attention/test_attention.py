@@ -619,6 +619,9 @@ def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
         pytest.skip("the sm90 backward runs on compute capability 9.0")
     for name in SM90_BWD_ENV:
         monkeypatch.delenv(name, raising=False)
+    # The conversion after the backward names the step (dq_convert_t_kernel at 80 queries);
+    # test_sm90_tail_conversion_runs_its_kernel checks the default's overlapped conversion.
+    monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_CONVERT", "after")
     if bm is not None:
         monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_BM", bm)
     opts = {"plain": {}, "short": {}, "causal": {"causal": True},
