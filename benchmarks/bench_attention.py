@@ -104,6 +104,9 @@ def measure(fn, q, k, v, do, causal, rep_ms):
 # Environment overrides of the suffixed methods (read by the kernels' launchers at each call).
 METHOD_ENV = {
     "-atomic-dq": {"FUSEDOPS_ATTN_DQ": "atomic"},
+    "-deterministic-after": {"FUSEDOPS_ATTN_DQ": "separate",
+                             "FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
+    "-after": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
     "-deterministic": {"FUSEDOPS_ATTN_DQ": "separate"},
     "-deterministic-ascending": {"FUSEDOPS_ATTN_DQ": "separate",
                                  "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},

@@ -252,6 +252,10 @@ BWD_VARIANTS = {
     "sm90-det": {},
     "sm90-det-asc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "sm90-det-desc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
+    "sm90-after": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
+    "sm90-after-lagged": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
+                          "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
+    "sm90-det-after": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
 }
 # Timing also runs the sm80 backward's deterministic mode (its dQ pass).
 BWD_TIMED = {"sm80-det": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"}, **BWD_VARIANTS}
@@ -271,7 +275,8 @@ class bwd_env:
         self.saved = {k: os.environ.pop(k, None)
                       for k in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE",
                                 "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER",
-                                "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE", "FUSEDOPS_ATTN_SM90_BWD_BM")}
+                                "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE", "FUSEDOPS_ATTN_SM90_BWD_BM",
+                                "FUSEDOPS_ATTN_SM90_BWD_CONVERT")}
         os.environ.update(self.env)
 
     def __exit__(self, *exc):
@@ -752,7 +757,9 @@ def sanitize_cases(dims=DIMS, schedules=SCHEDULES, do_bwd=True,
                     ran = True
                 if ran and do_bwd and d in CUDA_BWD_DIMS:
                     do = torch.randn_like(q)
-                    for variant in BWD_VARIANTS:
+                    # SANITIZE_BWD_VARIANTS: a comma list of BWD_VARIANTS names (default all)
+                    for variant in os.environ.get("SANITIZE_BWD_VARIANTS",
+                                                  ",".join(BWD_VARIANTS)).split(","):
                         bwd(q, k, v, o, lse, do, *args, 90, variant=variant)
     torch.cuda.synchronize()
     print("sanitize cases ran")

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -256,6 +257,19 @@ std::tuple<Tensor, Tensor, Tensor> attention_bwd_cuda(
     dq_sem = at::empty({dq_sem_count_sm90(q.size(0), q.size(1), cu_q.size(0) - 1)},
                        q.options().dtype(at::kInt));
     p.dq_sem = dq_sem.data_ptr<int>();
+  }
+  Tensor dq_done;
+  const char* convert = std::getenv("FUSEDOPS_ATTN_SM90_BWD_CONVERT");
+  // The dQ conversion overlapped with the backward's last wave (attention_params.h), unless
+  // FUSEDOPS_ATTN_SM90_BWD_CONVERT=after (measurement: the conversion after the backward).
+  if (sm90_kernel && (convert == nullptr || std::string(convert) != "after")) {
+    if (sm90_ordered) {
+      p.dq_done = p.dq_sem;
+    } else {
+      dq_done = at::empty({dq_sem_count_sm90(q.size(0), q.size(1), cu_q.size(0) - 1)},
+                          q.options().dtype(at::kInt));
+      p.dq_done = dq_done.data_ptr<int>();
+    }
   }
   check_launch(bwd(p), "attention backward");
   return {dq, dk, dv};

@@ -152,6 +152,14 @@ __device__ __forceinline__ int ld_relaxed_gpu(const int* ptr) {
 __device__ __forceinline__ void red_release_gpu_add(int* ptr, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
 }
+__device__ __forceinline__ int ld_acquire_gpu(const int* ptr) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_relaxed_gpu_add(int* ptr, int v) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], %1;\n" ::"l"(ptr), "r"(v) : "memory");
+}
 __device__ __forceinline__ void fence_acq_rel_gpu() {
   asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
 }
@@ -218,6 +226,8 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
     const int64_t at = dq_sem_index_sm90<BM>(p, sq.q_start, b, h, i, 0);
     for (int piece = 0; piece < kDqSemPiecesSm90; ++piece) p.dq_sem[at + piece] = 0;
   }
+  if (p.dq_done != nullptr && p.dq_done != p.dq_sem && i % BM == 0 && c == 0)
+    p.dq_done[dq_sem_index_sm90<BM>(p, sq.q_start, b, h, i, 0)] = 0;
   float acc = 0.f;
   const int64_t row = sq.q_start + i;
   if (i < sq.lq) {
@@ -254,6 +264,60 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
   const int64_t at = static_cast<int64_t>(h) * rows + stats_start_sm90<BM>(sq.q_start, b) + i;
   p.delta[at] = lse2;
   p.delta[static_cast<int64_t>(p.hq) * rows + at] = acc;
+}
+
+// The overlapped dQ conversion (p.dq_done): one CTA per (BM-row query block, query head,
+// sequence), launched as a programmatic dependent of bwd_kernel_sm90, so that it runs on the
+// SMs the backward's last CTAs leave idle. Thread 0 waits until the block's count reaches its
+// contributors (the key blocks that see any of its queries, as the deterministic mode's turns
+// count them; acquire), then the CTA scales its rows of dq_acc (dq_acc_index's tiles, read past
+// L1) into dQ (dq_acc_index_t's column-major tiles with 80-query steps). The grid's last CTA
+// waits for the backward to complete, so that the grid never completes before it. Grid
+// (ceil(max_q / BM), hq, batch), 256 threads; sm_90 (griddepcontrol).
+template <typename T, int D, int BM>
+__global__ void __launch_bounds__(256) dq_convert_tail_kernel(const AttnParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr int BN = TilesBwdSm90<D, BM>::kBlockN;
+  constexpr bool kT = TilesBwdSm90<D, BM>::kDqT;
+  const int b = blockIdx.z, h = blockIdx.y, m = blockIdx.x * BM;
+  const Seq sq(p, b);
+  if (m < sq.lq) {
+    if (threadIdx.x == 0) {
+      int klo, khi;
+      sq.keys_of(m, min(m + BM, sq.lq), p, klo, khi);
+      const int need = khi > klo ? (khi - 1) / BN - klo / BN + 1 : 0;
+      const int* cnt = p.dq_done + dq_sem_index_sm90<BM>(p, sq.q_start, b, h, m, 0);
+      for (uint32_t polls = 0; ld_acquire_gpu(cnt) < need; ++polls) {
+        if (polls == (1u << 26)) __trap();  // a count that never completes: an error, not a hang
+        __nanosleep(256);
+      }
+    }
+    __syncthreads();
+    const int rows = min(BM, sq.lq - m);
+    for (int j = threadIdx.x; j < rows * (D / 8); j += 256) {
+      const int64_t row = sq.q_start + m + j / (D / 8);
+      const int c = 8 * (j % (D / 8));
+      float4 x, y;
+      if constexpr (kT) {  // 8 consecutive columns of a row lie 8 floats apart
+        const float* src = p.dq_acc + dq_acc_index_t<D>(row, h, c, p.hq);
+        x = make_float4(__ldcg(src), __ldcg(src + 8), __ldcg(src + 16), __ldcg(src + 24));
+        y = make_float4(__ldcg(src + 32), __ldcg(src + 40), __ldcg(src + 48), __ldcg(src + 56));
+      } else {
+        const float4* src =
+            reinterpret_cast<const float4*>(p.dq_acc + dq_acc_index<D>(row, h, c, p.hq));
+        x = __ldcg(src), y = __ldcg(src + 1);
+      }
+      uint4 out;
+      out.x = pack2<T>(x.x * p.scale, x.y * p.scale);
+      out.y = pack2<T>(x.z * p.scale, x.w * p.scale);
+      out.z = pack2<T>(y.x * p.scale, y.y * p.scale);
+      out.w = pack2<T>(y.z * p.scale, y.w * p.scale);
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + row * p.dq_row + h * D + c) = out;
+    }
+  }
+  if (blockIdx.x == gridDim.x - 1 && blockIdx.y == gridDim.y - 1 && blockIdx.z == gridDim.z - 1)
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
 }
 
 // dQ = scale * the float32 accumulator in dq_acc_index_t's column-major tiles: one thread per
@@ -342,6 +406,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
   // consumer warpgroup w and dS^T buffer b: "ready" (w's half of buffer b written) and "free"
   // (w's dQ products have read buffer b).
   constexpr int kBarReady = 4, kBarFree = 8;
+  // The overlapped dQ conversion may start once every CTA of this grid runs (or has ended).
+  if (p.dq_done != nullptr && threadIdx.x == 0)
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const uint32_t raw_u32 = sm90::smem_u32(smem_raw);
   const uint32_t base = (raw_u32 + 1023u) & ~1023u;
@@ -423,6 +490,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         sm90::mbar_init(bar_dq_full(f), 128 * C::kConsumerWarpgroups);
         sm90::mbar_init(bar_dq_empty(f), 1);  // the writer warp's lane 0
       }
+    } else if (p.dq_done != nullptr) {
+      sm90::mbar_init(bar_dq_full(0), 128 * C::kConsumerWarpgroups);  // the dQ additions done
     }
     mbar_init_fence();
   }
@@ -469,6 +538,20 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         bulk_load_1d(dst, src, BM * 4, bar_full(s));
         bulk_load_1d(dst + BM * 4, src + delta_off, BM * 4, bar_full(s));
         step_on(h, m);
+      }
+      if constexpr (!kDet) {
+        if (p.dq_done != nullptr) {
+          // The overlapped conversion's counts: once every consumer thread's dQ additions are
+          // issued (their arrivals release them, this wait acquires them at CTA scope), the
+          // fence makes them visible at GPU scope before each step's block is counted once.
+          sm90::mbar_wait(bar_dq_full(0), 0);
+          fence_acq_rel_gpu();
+          const int64_t tiles = stats_rows / BM;  // counters per query head
+          int* cnt = p.dq_done + dq_sem_index_sm90<BM>(p, sq.q_start, b, hk * group, t_lo * BM, 0);
+          static_assert(kDqSemPiecesSm90 == 1, "one counter per (query block, head)");
+          for (int g = 0; g < group; ++g, cnt += tiles)
+            for (int t = 0; t < n_tiles; ++t) red_relaxed_gpu_add(cnt + t, 1);
+        }
       }
     } else if (kDet && (warp == 1 || warp == 2) && n_it > 0) {
       // ---- kDet: the dQ writers ----
@@ -941,6 +1024,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         add_dq(dq, h_prev, m_prev);
       }
     }
+    // This thread's dQ additions are issued: the producer's TMA thread counts the steps' blocks.
+    if (!kDet && p.dq_done != nullptr) mbar_arrive(bar_dq_full(0));
     // ---- epilogue: dK (scaled) and dV of keys < lk ----
     // The sequence's bounds are read again (the loop's reductions are memory clobbers, so they
     // are reloaded): held across the loop, the key offset took a stack slot.

@@ -166,6 +166,19 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
+  // The overlapped conversion (attention_params.h), behind a backward that ran.
+  if (p.dq_done != nullptr && grid.x > 0 && grid.y > 0 && grid.z > 0) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(static_cast<unsigned>((p.max_q + BM - 1) / BM), p.hq, p.batch);
+    cfg.blockDim = dim3(256);
+    cfg.stream = p.stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, dq_convert_tail_kernel<T, D, BM>, p);
+  }
   if constexpr (C::kDqT) {
     const int64_t n = (static_cast<int64_t>(p.total_q) + 7) / 8 * p.hq * D;
     return launch(dq_convert_t_kernel<T, D>, dim3(static_cast<unsigned>((n + 255) / 256)), 256,

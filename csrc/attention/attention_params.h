@@ -31,6 +31,12 @@ struct AttnParams {
   int* dq_sem = nullptr;
   bool dq_desc = false;
   bool dq_rot = false;  // the rotated order where it applies (attention_bwd_kernel_sm90.cuh)
+  // The sm90 backward's overlapped dQ conversion (the default; FUSEDOPS_ATTN_SM90_BWD_CONVERT=
+  // after converts after the backward instead): int32 counters of the key blocks done with each
+  // (query head, query block), dq_sem's layout; in the deterministic mode dq_sem itself. The
+  // conversion kernel, launched as a programmatic dependent, converts each block once its count
+  // is complete. null: the conversion after.
+  int* dq_done = nullptr;
   // Measurement only (FUSEDOPS_ATTN_SM90_BWD_DET_PROBE): parts of the ordered reductions left
   // out to time them (bit 0: the dQ writer's wait for a turn; results then not ordered, and
   // wrong where a block's first turn stores), or changed (bit 1: every turn adds, onto an

@@ -304,6 +304,89 @@ def test_sm90_deterministic_backward_beyond_one_wave(case, order, monkeypatch):
         assert torch.equal(runs[0][name], runs[1][name]), name
 
 
+
+@pytest.mark.gpu
+@NEEDS_EXT
+@pytest.mark.parametrize("convert", ["after", "tail"])
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_backward_replays_in_a_cuda_graph(causal, deterministic, convert, monkeypatch):
+    """The sm90 backward captured in a CUDA graph (its preprocess, the main kernel and the dQ
+    conversion; "tail": the conversion launched as a programmatic dependent that waits on
+    per-block counts) replays to eager's gradients on new inputs: exactly in the deterministic
+    mode, within float32 reordering of the dQ additions otherwise."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backward needs compute capability 9.0")
+    for name in SM90_BWD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_CONVERT", convert)
+    lens = [700, 1, 300]
+    cu = torch.tensor([0, 700, 701, 1001], dtype=torch.int32, device="cuda")
+    q, k, v, do = (torch.randn(sum(lens), 8, 128, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(4))
+    k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
+    args = (cu, cu, max(lens), max(lens), 128 ** -0.5, causal, -1, -1, 0.0)
+    out, lse = torch.ops.fusedops.attention_fwd_cuda(q, k, v, *args, 90)
+
+    def bwd():
+        return torch.ops.fusedops.attention_bwd_cuda(q, k, v, out, lse, do, *args,
+                                                     deterministic, 90)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        bwd()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):
+        grads = bwd()
+    for seed in (1, 2):
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        for t in (q, k, v, do):
+            t.copy_(torch.randn(t.shape, device="cuda", generator=g))
+        out.copy_(torch.ops.fusedops.attention_fwd_cuda(q, k, v, *args, 90)[0])
+        lse.copy_(torch.ops.fusedops.attention_fwd_cuda(q, k, v, *args, 90)[1])
+        graph.replay()
+        ref = bwd()
+        torch.cuda.synchronize()
+        for name, a, b in zip(("dq", "dk", "dv"), grads, ref):
+            if deterministic or name != "dq":  # dK, dV: registers, a fixed order
+                assert torch.equal(a, b), name
+            else:  # dQ: float32 atomics in another order, then one bf16 rounding
+                torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-2, msg=name)
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
+@pytest.mark.parametrize("bm", ["64", "80"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_sm90_tail_conversion_runs_its_kernel(bm, deterministic, monkeypatch):
+    """The default (FUSEDOPS_ATTN_SM90_BWD_CONVERT=tail) replaces the dQ conversion after the
+    backward (=after) by dq_convert_tail_kernel, at 64- and 80-query steps and in the
+    deterministic mode."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backward needs compute capability 9.0")
+    for name in SM90_BWD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_BM", bm)
+    case = A.Case(1, 300, 300, 4, 4, 128, torch.bfloat16, "cuda")
+    inp = A.make_inputs(case)
+    run = lambda: A.run(lambda *a, **k: attention(*a, **k, return_lse=True,  # noqa: E731
+                                                  backend="cuda-sm90"), inp, case, case.dtype)
+    names = {}
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for convert in ("after", "tail"):
+            monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_CONVERT", convert)
+            names[convert] = _kernel_names(run)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    if not any(names.values()):
+        pytest.skip("the profiler recorded no CUDA kernels (CUPTI unavailable)")
+    assert any("dq_convert_tail_kernel" in n for n in names["tail"]), sorted(names["tail"])
+    assert not any("dq_convert" in n and "tail" not in n for n in names["tail"]), names["tail"]
+    assert not any("dq_convert_tail_kernel" in n for n in names["after"]), names["after"]
+
 @pytest.mark.gpu
 @NEEDS_EXT
 @pytest.mark.parametrize("causal", [False, True])
@@ -408,9 +491,27 @@ SM90_BWD_VARIANTS = {
                              "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "sm90-bwd-ordered-desc": {"FUSEDOPS_ATTN_DQ": "separate",
                               "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
+    # dQ converted after the backward (the default converts each block as its count completes)
+    "sm90-bwd-after": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
+    "sm90-bwd-after-lagged": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
+                             "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
+    "sm90-bwd-after-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
+                               "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
+    "sm90-bwd-after-bm64": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
+                           "FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
+    "sm90-bwd-after-bm80": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
+                           "FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
+    "sm90-bwd-after-overlap": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
+                              "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
+    "sm90-bwd-ordered-after": {"FUSEDOPS_ATTN_DQ": "separate",
+                               "FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
+    "sm90-bwd-ordered-asc-after": {"FUSEDOPS_ATTN_DQ": "separate",
+                                   "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending",
+                                   "FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
 }
 SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ",
-                "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER", "FUSEDOPS_ATTN_SM90_BWD_BM")
+                "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER", "FUSEDOPS_ATTN_SM90_BWD_BM",
+                "FUSEDOPS_ATTN_SM90_BWD_CONVERT")
 
 
 @pytest.mark.gpu
@@ -518,6 +619,9 @@ def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
         pytest.skip("the sm90 backward runs on compute capability 9.0")
     for name in SM90_BWD_ENV:
         monkeypatch.delenv(name, raising=False)
+    # The conversion after the backward names the step (dq_convert_t_kernel at 80 queries);
+    # test_sm90_tail_conversion_runs_its_kernel checks the default's overlapped conversion.
+    monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_CONVERT", "after")
     if bm is not None:
         monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_BM", bm)
     opts = {"plain": {}, "short": {}, "causal": {"causal": True},
