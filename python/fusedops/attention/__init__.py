@@ -151,8 +151,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
     float32 queries and keys (rotary embeddings in float32) with a bfloat16 value are
     accepted; the kernels then run with autocast off and the output is in the autocast dtype.
     """
-    if isinstance(q, Tensor) and _autocast_dtype(q) is not None:
-        dtype = _autocast_dtype(q)
+    dtype = _autocast_dtype(q) if isinstance(q, Tensor) else None
+    if dtype is not None:
         q, k, v = (t.to(dtype) if isinstance(t, Tensor) and t.dtype in _AUTOCAST_CAST else t
                    for t in (q, k, v))
         with torch.autocast(q.device.type, enabled=False):

@@ -150,16 +150,15 @@ def fused_causal_lm_forward(self, input_ids: torch.LongTensor | None = None,
     """
     family = _models.family_of(type(self))
     moe = family is not None and family.moe
+    router = {}
     if moe:
         output_router_logits = kwargs.pop("output_router_logits", None)
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
-        kwargs["output_router_logits"] = output_router_logits
+        router = dict(output_router_logits=output_router_logits)
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=position_ids, past_key_values=past_key_values,
-                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
-    if moe:
-        kwargs.pop("output_router_logits")
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs, **router)
     hidden_states = outputs.last_hidden_state
     if isinstance(logits_to_keep, int):
         slice_indices = slice(-logits_to_keep, None)
