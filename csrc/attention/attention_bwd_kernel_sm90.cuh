@@ -2,10 +2,21 @@
 // accumulator) dQ per block of keys, wgmma for all five products, TMA loads through an mbarrier
 // pipeline (FlashAttention-3's scheme, keys as wgmma's M).
 //
-// Grid (ceil(max_k / BN), hkv, batch); a CTA owns keys [n0, n0 + BN) of one KV head and loops
-// over the steps of KeySteps (attention_bwd_kernel_sm80.cuh): the GQA group's query heads times
-// the query blocks of BM rows that see those keys, so that dK and dV of the whole group
-// accumulate in registers and are stored once.
+// A tile is keys [n0, n0 + BN) of one KV head and sequence; its CTA loops over the steps of
+// KeySteps (attention_bwd_kernel_sm80.cuh): the GQA group's query heads times the query blocks
+// of BM rows that see those keys, so that dK and dV of the whole group accumulate in registers
+// and are stored once. Grid (ceil(max_k / BN), hkv, batch), a tile per CTA -- or, persistent
+// (kPersist: every kernel but the deterministic mode's and the 80-query steps', with p.persist),
+// at most one CTA per SM, each running its own tile blockIdx.x first and then those a counter
+// (p.dq_done[1], zeroed by the preprocess) hands out, in the same order as the hardware starts
+// a grid's CTAs (key blocks fastest: CTAs running together share a head's Q and dO in L2). The
+// persistent kernels have two K/V buffers: the TMA thread loads tile j's K and V into buffer
+// j % 2 once the consumers have released it after tile j - 2's epilogue (its "empty" barrier,
+// every consumer thread, the dK/dV store's thread after its store has read the rows), writes the
+// tile's number into the buffer's slot (a past-the-end number ends the CTA), and goes on into
+// its steps. So tile j + 1's K and V load while tile j's last steps run, and the Q/dO stages run
+// on across tiles (global step counts): a CTA per tile spent 8-12% of its time at L=1024 in
+// this prologue (the first K/V and Q/dO loads) and its launch.
 // Roles: warpgroup 0 produces -- one thread issues every load: K and V once (TMA tiles), then
 // per step Q and dO (TMA tiles) and the rows' statistics (lse in log2 units and delta, 1-D bulk
 // copies from the padded layout bwd_prep_kernel_sm90 writes) into one of kStages stages; a
@@ -40,6 +51,10 @@
 // buffer nobody wrote and drops it (no conditional wgmma); the last is formed after the loop.
 // dK is scaled by p.scale here, dQ by dq_convert_kernel (kDqT: dq_convert_t_kernel). dK and
 // dV leave through the K and V buffers by TMA stores (the epilogue at the end says where).
+// At the end of a tile both consumer warpgroups meet (named barrier 1) before the epilogue
+// writes dK/dV into the K/V buffer (the other warpgroup's dQ products read all of K) and before
+// either starts the next tile's steps (which write the dS^T buffers); a persistent kernel's
+// consumers then count the tile's query blocks for the overlapped dQ conversion themselves.
 // Deterministic mode (kDet, p.dq_sem set; serial schedule): each step's dQ block (BM queries of
 // one query head, all D columns) is added by the contributing CTAs in one fixed order, key
 // blocks ascending, (p.dq_desc) descending or (p.dq_rot, unmasked calls: dq_rotated below) in
