@@ -53,8 +53,9 @@
 // dV leave through the K and V buffers by TMA stores (the epilogue at the end says where).
 // At the end of a tile both consumer warpgroups meet (named barrier 1) before the epilogue
 // writes dK/dV into the K/V buffer (the other warpgroup's dQ products read all of K) and before
-// either starts the next tile's steps (which write the dS^T buffers); a persistent kernel's
-// consumers then count the tile's query blocks for the overlapped dQ conversion themselves.
+// either starts the next tile's steps (which write the dS^T buffers). The overlapped dQ
+// conversion's counts (p.dq_done) are made by the TMA thread after its loads, or in a
+// persistent kernel by warp 1 of the producer warpgroup per tile, off the loads' path.
 // Deterministic mode (kDet, p.dq_sem set; serial schedule): each step's dQ block (BM queries of
 // one query head, all D columns) is added by the contributing CTAs in one fixed order, key
 // blocks ascending, (p.dq_desc) descending or (p.dq_rot, unmasked calls: dq_rotated below) in
@@ -493,13 +494,17 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     group = ks.group, t_lo = ks.t_lo, n_tiles = ks.n_tiles, n_it = ks.n_it;
   };
   // The overlapped conversion's counts of the current tile's steps: each (query head, query
-  // block) once, by the calling lanes (the first, then every stride-th).
-  auto count_done = [&](int first, int stride) {
+  // block) once.
+  auto count_done = [&]() {
+    const int t = tile_t(), b_t = cta_b(), hk_t = cta_hk();
+    const Seq sq_t(p, b_t);
+    const KeySteps<BM, BN> ks(p, sq_t, (t % nkb()) * BN);
     const int64_t tiles = stats_rows_sm90(p) / BM;  // counters per query head
-    int* cnt = p.dq_done + dq_sem_index_sm90<BM>(p, sq.q_start, b, hk * group, t_lo * BM, 0);
+    int* cnt =
+        p.dq_done + dq_sem_index_sm90<BM>(p, sq_t.q_start, b_t, hk_t * ks.group, ks.t_lo * BM, 0);
     static_assert(kDqSemPiecesSm90 == 1, "one counter per (query block, head)");
-    for (int k = first; k < n_it; k += stride)
-      red_relaxed_gpu_add(cnt + (k / n_tiles) * tiles + k % n_tiles, 1);
+    for (int g = 0; g < ks.group; ++g, cnt += tiles)
+      for (int i = 0; i < ks.n_tiles; ++i) red_relaxed_gpu_add(cnt + i, 1);
   };
   if constexpr (!kPersist) {
     set_tile();
@@ -530,8 +535,10 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     sm90::mbar_init(bar_kv(0), 1);
     if constexpr (kPersist) {
       sm90::mbar_init(bar_kv(1), 1);  // the TMA thread
+      // Every consumer thread, and the counting thread (below) where it runs.
       for (int k = 0; k < 2; ++k)
-        sm90::mbar_init(bar_kv_empty(k), 128 * C::kConsumerWarpgroups);  // every consumer thread
+        sm90::mbar_init(bar_kv_empty(k),
+                        128 * C::kConsumerWarpgroups + (p.dq_done != nullptr ? 1 : 0));
     }
     for (int s = 0; s < S; ++s) {
       sm90::mbar_init(bar_full(s), 1);                            // the TMA thread
@@ -543,7 +550,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         sm90::mbar_init(bar_dq_empty(f), 1);  // the writer warp's lane 0
       }
     } else if (p.dq_done != nullptr) {
-      sm90::mbar_init(bar_dq_full(0), 128 * C::kConsumerWarpgroups);  // the dQ additions done
+      // The dQ additions of a tile done (kPersist: of tiles j with j % 2 == f).
+      for (int f = 0; f < (kPersist ? 2 : 1); ++f)
+        sm90::mbar_init(bar_dq_full(f), 128 * C::kConsumerWarpgroups);
     }
     mbar_init_fence();
   }
@@ -631,6 +640,22 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         gs += n_it;
         t = next_tile();
       }
+    } else if (kPersist && p.dq_done != nullptr && warp == 1 && lane == 0) {
+      // The overlapped conversion's counts, off the TMA thread's and the consumers' paths: per
+      // tile j, once it is published (the buffer's full barrier, which cannot run ahead: tile
+      // j + 2 needs this thread's arrival on the buffer's empty barrier) and every consumer
+      // thread's dQ additions of it are issued (their arrivals on dQ-full barrier j % 2
+      // release them, this wait acquires them at CTA scope), the fence makes them visible at
+      // GPU scope before each step's block is counted once; then the tile's slot is free.
+      for (int j = 0;; ++j) {
+        kb = j & 1;
+        sm90::mbar_wait(bar_kv(kb), (j >> 1) & 1);
+        if (tile_t() >= n_tiles_all()) break;
+        sm90::mbar_wait(bar_dq_full(kb), (j >> 1) & 1);
+        fence_acq_rel_gpu();
+        count_done();  // (the slot holds the tile until this thread's arrival below)
+        mbar_arrive(bar_kv_empty(kb));
+      }
     } else if (!kPersist && warp == 0 && lane == 0 && n_it > 0) {
       prefetch_descs();
       load_tile(0);
@@ -641,7 +666,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
           // fence makes them visible at GPU scope before each step's block is counted once.
           sm90::mbar_wait(bar_dq_full(0), 0);
           fence_acq_rel_gpu();
-          count_done(0, 1);
+          count_done();
         }
       }
     } else if (kDet && (warp == 1 || warp == 2) && n_it > 0) {
@@ -1126,9 +1151,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       }
     }
     gs += n_it;
-    // This thread's dQ additions are issued: the producer's TMA thread counts the steps' blocks
-    // (kPersist: the consumers themselves, below).
-    if (!kDet && !kPersist && p.dq_done != nullptr) mbar_arrive(bar_dq_full(0));
+    // This thread's dQ additions are issued: the producer's TMA thread (kPersist: its counting
+    // thread) counts the steps' blocks.
+    if (!kDet && p.dq_done != nullptr) mbar_arrive(bar_dq_full(kb));
     // ---- epilogue: dK (scaled) and dV of keys < lk ----
     // The sequence's bounds are read again (the loop's reductions are memory clobbers, so they
     // are reloaded): held across the loop, the key offset took a stack slot.
@@ -1144,13 +1169,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     // kPersist: always, so that no wgmma of this tile still reads a buffer when the next tile's
     // steps write it.
     if (kPersist || !p.dkv_regs) named_bar_sync<256>(1);
-    if (kPersist && p.dq_done != nullptr && cw == 0 && warp == 0) {
-      // The overlapped conversion's counts: both warpgroups' dQ additions of the tile are
-      // issued (the barrier orders them at CTA scope); each lane's fence makes them visible at
-      // GPU scope before its counts.
-      fence_acq_rel_gpu();
-      count_done(lane, 32);
-    }
     if (!p.dkv_regs && n0 + 64 * cw + 64 <= se.lk) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
