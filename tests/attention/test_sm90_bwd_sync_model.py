@@ -13,17 +13,21 @@ Both schedules: lockstep (named barrier 1 after each step's dS^T writes) and lag
 it forms dQ_part(it - 1) from the buffer both filled a step before, through the "ready" and
 "free" barriers of each warpgroup and buffer). The epilogue after named barrier 1: dK and dV
 staged in the warpgroup's rows of the K and V buffer and stored by TMA (one thread waits for the
-store's read before its arrival on bar_kv_empty), or stored from registers.
+store's read before its arrival on bar_kv_empty), or stored from registers. With the
+overlapped dQ conversion (p.dq_done) a counting thread of the producer warpgroup follows the
+tiles too: per tile it waits for the buffer's full barrier, reads the slot, waits for dQ-full
+barrier kb (every consumer thread arrives once its tile's dQ additions are issued), counts, and
+arrives on bar_kv_empty (whose count then includes it).
 
-Over random tile lists (tiles without keys, which the producer passes over; 0..6 steps) it
-checks: no deadlock; every mbarrier parity wait observes the phase it is meant to (none
-overtaken); every read of a K/V buffer, stage or dS^T buffer sees the tile's or step's data,
-fully landed and not being written; no TMA load into a buffer being read (by a wgmma or a TMA
-store) or loading; no write into rows another product still reads; every slot read holds the
-tile written for it; no warpgroup arrives twice on a named-barrier generation before it
-completes, and none is left half-arrived at exit. A change to the kernel's barriers, counts or
-release points must be made here too; the mutation tests show that the model catches the
-classic mistakes.
+Over random tile lists (tiles without keys, which the producer passes over; 0..6 steps) and
+random relative speeds it checks: no deadlock; every mbarrier parity wait observes the phase it
+is meant to (none overtaken); every read of a K/V buffer, stage or dS^T buffer sees the tile's or
+step's data, fully landed and not being written; no TMA load into a buffer being read (by a wgmma
+or a TMA store) or loading; no write into rows another product still reads; every slot read
+holds the tile written for it; every count follows both warpgroups' dQ additions of its tile; no
+warpgroup arrives twice on a named-barrier generation before it completes, and none is left
+half-arrived at exit. A change to the kernel's barriers, counts or release points must be made
+here too; the mutation tests show that the model catches the classic mistakes.
 """
 import itertools
 import random
@@ -104,7 +108,7 @@ class Buf:
     the reads (wgmma operands, TMA-store sources) in progress."""
 
     def __init__(self, name):
-        self.name, self.tag, self.inflight, self.writing, self.readers = name, None, False, 0, 0
+        self.name, self.tag, self.inflight, self.writing, self.readers = name, None, False, False, 0
 
     def _idle(self, what):
         if self.readers or self.inflight or self.writing:
@@ -117,10 +121,10 @@ class Buf:
 
     def write_start(self):
         self._idle("write into")
-        self.writing = 1
+        self.writing = True
 
     def write_end(self, tag):
-        self.writing = 0
+        self.writing = False
         self._idle("end of write into")
         self.tag = tag
 
@@ -136,13 +140,16 @@ class Buf:
 ANY = lambda: True  # noqa: E731  (a scheduling point)
 
 
-def run(tiles, lagged, seed, bug=None):
+def run(tiles, lagged, seed, count=False, bug=None):
     """tiles: (has_keys, n_it, (registers epilogue of warpgroup 0, of 1)) in the order the TMA
-    thread takes them."""
+    thread takes them; count: the counting thread (p.dq_done) runs."""
     rng = random.Random(seed)
     nkv = 1 if bug == "one_kv_buffer" else 2
     kv_full = [MBar(f"bar_kv{k}", 1) for k in range(2)]
-    kv_empty = [MBar(f"bar_kv_empty{k}", 256) for k in range(2)]
+    kv_empty = [MBar(f"bar_kv_empty{k}", 256 + (count and bug != "counter_not_counted"))
+                for k in range(2)]
+    dq_full = [MBar(f"bar_dq_full{k}", 256) for k in range(2)]
+    added = set()  # (j, w): warpgroup w's dQ additions of its j-th tile issued
     full = [MBar(f"bar_full{s}", 1) for s in range(S)]
     empty = [MBar(f"bar_empty{s}", 128 if bug == "empty_count_128" else 256) for s in range(S)]
     sK = [[Buf(f"K{k}h{h}") for h in range(2)] for k in range(2)]  # the warpgroups' 64 rows
@@ -216,6 +223,20 @@ def run(tiles, lagged, seed, bug=None):
             raise Fail(f"slot {kb} holds tile {slot[kb]}, tile {keyed[j]} expected")
         return slot[kb]
 
+    def counter():  # the overlapped conversion's counting thread
+        for j in itertools.count():
+            kb = j & 1 if nkv == 2 else 0
+            yield until(kv_full[kb], (j >> 1) & 1, j >> 1)
+            if read_slot(kb, j) == sentinel:
+                return
+            if bug != "count_no_dq_wait":
+                yield until(dq_full[kb], (j >> 1) & 1, j >> 1)
+            yield ANY  # fence.acq_rel.gpu; the tile's query blocks counted
+            if {(j, 0), (j, 1)} - added:
+                raise Fail(f"tile {j} counted before its dQ additions: {sorted(added)}")
+            read_slot(kb, j)
+            kv_empty[kb].arrive(1)
+
     def consumer(w):
         gs = 0
         for j in itertools.count():
@@ -267,6 +288,9 @@ def run(tiles, lagged, seed, bug=None):
                 yield ANY
                 done(dq)
             gs += n
+            if count:
+                added.add((j, w))
+                dq_full[kb].arrive(128)
             if bug != "no_tile_barrier":
                 yield from nb1.sync(w)
             read_slot(kb, j)  # the epilogue reads the tile's indices again
@@ -291,9 +315,11 @@ def run(tiles, lagged, seed, bug=None):
                 kv_empty[kb].arrive(1)
 
     actors = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
+    if count:
+        actors["counter"] = counter()
     conds = {k: ANY for k in actors}
     # Each run's relative speeds of the actors and the copy engine (one may run far ahead).
-    speed = {k: rng.choice((1, 3, 10)) for k in ("producer", "wg0", "wg1", "e")}
+    speed = {k: rng.choice((1, 3, 10)) for k in ("producer", "wg0", "wg1", "counter", "e")}
     steps = 0
     while actors or events:
         steps += 1
@@ -317,7 +343,7 @@ def run(tiles, lagged, seed, bug=None):
     for bar in [nb1] + [x for w in range(2) for x in ready[w] + free[w]]:
         if bar.arrived:
             raise Fail(f"{bar.name}: warpgroups {bar.arrived} left arrived at exit")
-    for bar in kv_full + kv_empty + full + empty:
+    for bar in kv_full + kv_empty + full + empty + dq_full:
         if bar.tx:
             raise Fail(f"{bar.name}: {bar.tx} transaction units left at exit")
 
@@ -327,20 +353,22 @@ def random_tiles(rng, max_tiles=8):
             for _ in range(rng.randint(1, max_tiles))]
 
 
+@pytest.mark.parametrize("count", [False, True], ids=["no_count", "count"])
 @pytest.mark.parametrize("lagged", [False, True], ids=["lockstep", "lagged"])
-@pytest.mark.parametrize("part", range(4))
-def test_bwd_sync_model_has_no_deadlock_or_hazard(lagged, part):
-    rng = random.Random(100 * lagged + part)
-    for _ in range(50):
-        run(random_tiles(rng), lagged, rng.randrange(1 << 30))
+@pytest.mark.parametrize("part", range(2))
+def test_bwd_sync_model_has_no_deadlock_or_hazard(lagged, count, part):
+    rng = random.Random(100 * lagged + 10 * count + part)
+    for _ in range(150):
+        run(random_tiles(rng), lagged, rng.randrange(1 << 30), count)
 
 
 def test_bwd_sync_model_single_tiles():
     """One tile per CTA (the first tile's buffer only), every step count, both epilogues."""
     rng = random.Random(3)
-    for lagged, n, regs in itertools.product((False, True), range(7), (False, True)):
-        for _ in range(10):
-            run([(True, n, (regs, not regs))], lagged, rng.randrange(1 << 30))
+    for lagged, n, regs, count in itertools.product((False, True), range(7), (False, True),
+                                                    (False, True)):
+        for _ in range(5):
+            run([(True, n, (regs, not regs))], lagged, rng.randrange(1 << 30), count)
 
 
 @pytest.mark.parametrize("bug,lagged", [
@@ -359,9 +387,25 @@ def test_bwd_sync_model_single_tiles():
     ("no_step_barrier", False),      # dQ_part read before the other half of dS^T is written
     ("lag_no_free_sync", True),      # dS^T rewritten before the other's dQ_part read it
     ("lag_early_ready", True),       # "ready" arrived before the half is written
+    ("count_no_dq_wait", False),     # a tile counted before its dQ additions are issued
+    ("counter_not_counted", True),   # bar_kv_empty's count without the counting thread
 ])
 def test_bwd_sync_model_catches_known_mistakes(bug, lagged):
     rng = random.Random(5)
+    count = bug.startswith("count")  # the counting thread's own mistakes
     with pytest.raises(Fail):
         for _ in range(300):
-            run(random_tiles(rng), lagged, rng.randrange(1 << 30), bug=bug)
+            run(random_tiles(rng), lagged, rng.randrange(1 << 30), count, bug=bug)
+
+
+@pytest.mark.parametrize("lagged", [False, True], ids=["lockstep", "lagged"])
+def test_bwd_sync_model_catches_ds_race_across_tiles(lagged):
+    """Without named barrier 1 after a tile's last step and with every epilogue from registers
+    (no staging write into K to meet the other warpgroup's dQ_part), what remains is dS^T: after
+    an odd number of steps, the next tile's step 0 writes buffer 0 while the other warpgroup's
+    last dQ_part may still read it (or has yet to)."""
+    rng = random.Random(9)
+    with pytest.raises(Fail, match="dS0"):
+        for _ in range(300):
+            tiles = [(keys, n, (True, True)) for keys, n, _ in random_tiles(rng)]
+            run(tiles, lagged, rng.randrange(1 << 30), bug="no_tile_barrier")
