@@ -575,15 +575,14 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
 #pragma unroll
       for (int c = 0; c < kBlocks; ++c)
         tma_load_3d(sV + kv + c * BN * 128, &tm_v, bar_kv(kb), 64 * c, hk, sq.k_start + n0);
-      const int64_t stats_rows = stats_rows_sm90(p);
       const float* lse2_g = p.delta + stats_start_sm90<BM>(sq.q_start, b);
-      const int64_t delta_off = static_cast<int64_t>(p.hq) * stats_rows;
       int h, m;
       first_step(h, m);
+      const int g_end = gs + n_it;
 #pragma unroll 1
-      for (int it = 0; it < n_it; ++it) {
-        const int s = (gs + it) % S;
-        sm90::mbar_wait(bar_empty(s), (((gs + it) / S) & 1) ^ 1);
+      for (int g = gs; g < g_end; ++g) {  // global steps
+        const int s = g % S;
+        sm90::mbar_wait(bar_empty(s), ((g / S) & 1) ^ 1);
         mbar_arrive_expect_tx(bar_full(s), 2 * C::kQBytes + 2 * BM * 4);
         const int row = sq.q_start + m;
 #pragma unroll
@@ -592,12 +591,14 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
 #pragma unroll
         for (int c = 0; c < kBlocks; ++c)
           tma_load_3d(sDo + s * C::kQBytes + c * BM * 128, &tm_do, bar_full(s), 64 * c, h, row);
-        const float* src = lse2_g + h * stats_rows + m;
+        // (the sizes from the parameters at each step: the TMA thread has 24 registers)
+        const float* src = lse2_g + h * stats_rows_sm90(p) + m;
         const uint32_t dst = base + C::kStatsOff + s * 2 * BM * 4;
         bulk_load_1d(dst, src, BM * 4, bar_full(s));
-        bulk_load_1d(dst + BM * 4, src + delta_off, BM * 4, bar_full(s));
+        bulk_load_1d(dst + BM * 4, src + p.hq * stats_rows_sm90(p), BM * 4, bar_full(s));
         step_on(h, m);
       }
+      return g_end;
     };
     auto prefetch_descs = [&] {
       tma_prefetch_desc(&tm_q);
@@ -636,8 +637,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
           break;
         }
         set_tile();  // (on every path to the loads: nothing of the tile lives across tiles)
-        load_tile(gs);
-        gs += n_it;
+        gs = load_tile(gs);
         t = next_tile();
       }
     } else if (kPersist && p.dq_done != nullptr && warp == 1 && lane == 0) {
