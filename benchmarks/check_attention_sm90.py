@@ -256,6 +256,14 @@ BWD_VARIANTS = {
     "sm90-after-lagged": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
                           "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "sm90-det-after": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
+    # the persistent grid capped at 3 CTAs (several tiles per CTA, both K/V buffers), and a CTA
+    # per key block
+    "sm90-3cta": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3"},
+    "sm90-lagged-3cta": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
+                         "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
+    "sm90-lockstep-3cta": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
+                           "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
+    "sm90-nonpersistent": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "0"},
 }
 # Timing also runs the sm80 backward's deterministic mode (its dQ pass).
 BWD_TIMED = {"sm80-det": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"}, **BWD_VARIANTS}
@@ -276,7 +284,8 @@ class bwd_env:
                       for k in ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE",
                                 "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER",
                                 "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE", "FUSEDOPS_ATTN_SM90_BWD_BM",
-                                "FUSEDOPS_ATTN_SM90_BWD_CONVERT")}
+                                "FUSEDOPS_ATTN_SM90_BWD_CONVERT",
+                                "FUSEDOPS_ATTN_SM90_BWD_PERSISTENT")}
         os.environ.update(self.env)
 
     def __exit__(self, *exc):

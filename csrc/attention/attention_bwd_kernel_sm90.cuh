@@ -2,10 +2,21 @@
 // accumulator) dQ per block of keys, wgmma for all five products, TMA loads through an mbarrier
 // pipeline (FlashAttention-3's scheme, keys as wgmma's M).
 //
-// Grid (ceil(max_k / BN), hkv, batch); a CTA owns keys [n0, n0 + BN) of one KV head and loops
-// over the steps of KeySteps (attention_bwd_kernel_sm80.cuh): the GQA group's query heads times
-// the query blocks of BM rows that see those keys, so that dK and dV of the whole group
-// accumulate in registers and are stored once.
+// A tile is keys [n0, n0 + BN) of one KV head and sequence; its CTA loops over the steps of
+// KeySteps (attention_bwd_kernel_sm80.cuh): the GQA group's query heads times the query blocks
+// of BM rows that see those keys, so that dK and dV of the whole group accumulate in registers
+// and are stored once. Grid (ceil(max_k / BN), hkv, batch), a tile per CTA -- or, persistent
+// (kPersist: every kernel but the deterministic mode's and the 80-query steps', with p.persist),
+// at most one CTA per SM, each running its own tile blockIdx.x first and then those a counter
+// (p.dq_done[1], zeroed by the preprocess) hands out, in the same order as the hardware starts
+// a grid's CTAs (key blocks fastest: CTAs running together share a head's Q and dO in L2). The
+// persistent kernels have two K/V buffers: the TMA thread loads tile j's K and V into buffer
+// j % 2 once the consumers have released it after tile j - 2's epilogue (its "empty" barrier,
+// every consumer thread, the dK/dV store's thread after its store has read the rows), writes the
+// tile's number into the buffer's slot (a past-the-end number ends the CTA), and goes on into
+// its steps. So tile j + 1's K and V load while tile j's last steps run, and the Q/dO stages run
+// on across tiles (global step counts): a CTA per tile spent 8-12% of its time at L=1024 in
+// this prologue (the first K/V and Q/dO loads) and its launch.
 // Roles: warpgroup 0 produces -- one thread issues every load: K and V once (TMA tiles), then
 // per step Q and dO (TMA tiles) and the rows' statistics (lse in log2 units and delta, 1-D bulk
 // copies from the padded layout bwd_prep_kernel_sm90 writes) into one of kStages stages; a
@@ -40,6 +51,11 @@
 // buffer nobody wrote and drops it (no conditional wgmma); the last is formed after the loop.
 // dK is scaled by p.scale here, dQ by dq_convert_kernel (kDqT: dq_convert_t_kernel). dK and
 // dV leave through the K and V buffers by TMA stores (the epilogue at the end says where).
+// At the end of a tile both consumer warpgroups meet (named barrier 1) before the epilogue
+// writes dK/dV into the K/V buffer (the other warpgroup's dQ products read all of K) and before
+// either starts the next tile's steps (which write the dS^T buffers). The overlapped dQ
+// conversion's counts (p.dq_done) are made by the TMA thread after its loads, or in a
+// persistent kernel by warp 1 of the producer warpgroup per tile, off the loads' path.
 // Deterministic mode (kDet, p.dq_sem set; serial schedule): each step's dQ block (BM queries of
 // one query head, all D columns) is added by the contributing CTAs in one fixed order, key
 // blocks ascending, (p.dq_desc) descending or (p.dq_rot, unmasked calls: dq_rotated below) in
@@ -220,6 +236,8 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
   // The deterministic mode's counters start at 0: the ticket, and those of each query block
   // (the blocks of [0, lq) are all that bwd_kernel_sm90 touches).
   if (p.dq_sem != nullptr && (blockIdx.x | h | b | threadIdx.x) == 0) p.dq_sem[0] = 0;
+  // ... and the persistent grid's tile counter.
+  if (p.persist && (blockIdx.x | h | b | threadIdx.x) == 0) p.dq_done[1] = 0;
   const Seq sq(p, b);
   if (i >= (sq.lq + BM - 1) / BM * BM) return;  // all the row's threads alike
   if (p.dq_sem != nullptr && i % BM == 0 && c == 0) {
@@ -400,6 +418,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
   // The transposed dQ (80-query steps) in the lockstep serial schedule only.
   constexpr bool kDqT = C::kDqT;
   static_assert(!kDqT || (!kOverlap && !kDet && !kLag), "kDqT: the lockstep serial schedule");
+  // Persistent (the top says how): every kernel but the deterministic mode's and kDqT's, whose
+  // shared memory has no room for a second K/V buffer.
+  constexpr bool kPersist = !kDet && C::kPersistFits;
   // dQ's accumulator per consumer thread: m64n64 (dQ = dS K) or m64nBM (kDqT: dQ^T = K^T dS^T).
   constexpr int kDqN8 = kDqT ? BM / 8 : 8;
   // kLag's named barriers (256 threads: 128 arrive, the other warpgroup's 128 sync), per
@@ -416,7 +437,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
   const uint32_t sDo = base + C::kDoOff, sDs = base + C::kDsOff;
   float* const stats = reinterpret_cast<float*>(smem_raw + (base - raw_u32) + C::kStatsOff);
   const uint32_t bars = base + C::kBarOff;
-  const uint32_t bar_kv = bars;
+  // K/V buffer kb's full and (kPersist) empty barriers.
+  auto bar_kv = [&](int kb) { return kb == 0 ? bars : bars + 8u * (5 + 2 * S); };
+  auto bar_kv_empty = [&](int kb) { return bars + 8u * (6 + 2 * S + kb); };
   auto bar_full = [&](int s) { return bars + 8u * (1 + s); };
   auto bar_empty = [&](int s) { return bars + 8u * (1 + S + s); };
   // kDet: dQ staging buffer f full (the consumers' pieces written), empty (the writer has read it).
@@ -431,33 +454,62 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
   auto stats_lse = [&](int s) { return stats + s * 2 * BM; };
   auto stats_delta = [&](int s) { return stats + s * 2 * BM + BM; };
 
-  // The CTA's key block of KV head cta_hk() and sequence cta_b(): its block index, or (kDet) the
-  // one its ticket names, the key blocks of a (KV head, sequence) in adding order (see the top).
-  // The ticket is read from shared memory at each use, so that it holds no register across the
+  // The CTA's tiles: a tile is a key block of one KV head and sequence, numbered t = nb + nkb
+  // (hk + hkv b) (nkb key blocks per head). kDet: the one its ticket names, the key blocks of a
+  // (KV head, sequence) in adding order (see the top). kPersist: the tiles the TMA thread takes
+  // (the top), each in the slot of its K/V buffer kb. Otherwise the CTA's own, from blockIdx.
+  // The tile is read from shared memory at each use, so that it holds no register across the
   // main loop (at D=64 the three indices held in registers spilled).
-  int* const ticket = reinterpret_cast<int*>(smem_raw + (base - raw_u32) + C::kTicketOff);
+  int* const slots = reinterpret_cast<int*>(smem_raw + (base - raw_u32) + C::kTicketOff);
   if constexpr (kDet) {
-    if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(ticket) = atomicAdd(p.dq_sem, 1);
+    if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(slots) = atomicAdd(p.dq_sem, 1);
     __syncthreads();
   }
+  int kb = 0;  // the K/V buffer (and tile slot) of this thread's current tile
+  // The number of tiles (a past-the-end tile number ends a persistent CTA), recomputed at each
+  // use from the parameters rather than held in a register.
+  auto n_tiles_all = [&]() -> int { return (p.max_k + BN - 1) / BN * p.hkv * p.batch; };
+  auto tile_t = [&]() -> int {
+    if constexpr (!kDet && !kPersist)
+      return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    return reinterpret_cast<volatile int*>(slots)[kb];
+  };
+  // Key blocks per head and KV heads (the grid's x and y where a CTA has one tile).
+  auto nkb = [&]() -> int { return kPersist ? (p.max_k + BN - 1) / BN : gridDim.x; };
+  auto nhk = [&]() -> int { return kPersist ? p.hkv : gridDim.y; };
   auto cta_nb = [&]() -> int {
-    if constexpr (!kDet) return blockIdx.x;
-    const int nb = *ticket % gridDim.x;
-    return p.dq_desc ? gridDim.x - 1 - nb : nb;
+    const int nb = tile_t() % nkb();
+    if constexpr (kDet) return p.dq_desc ? nkb() - 1 - nb : nb;
+    return nb;
   };
-  auto cta_hk = [&]() -> int {
-    if constexpr (!kDet) return blockIdx.y;
-    return (*ticket / gridDim.x) % gridDim.y;
+  auto cta_hk = [&]() -> int { return tile_t() / nkb() % nhk(); };
+  auto cta_b = [&]() -> int { return tile_t() / nkb() / nhk(); };
+  // The current tile's indices, sequence and steps.
+  int hk = 0, b = 0, n0 = 0, group = 0, t_lo = 0, n_tiles = 0, n_it = 0;
+  Seq sq;
+  auto set_tile = [&]() {
+    hk = cta_hk(), b = cta_b(), n0 = cta_nb() * BN;
+    sq = Seq(p, b);
+    const KeySteps<BM, BN> ks(p, sq, n0);
+    group = ks.group, t_lo = ks.t_lo, n_tiles = ks.n_tiles, n_it = ks.n_it;
   };
-  auto cta_b = [&]() -> int {
-    if constexpr (!kDet) return blockIdx.z;
-    return *ticket / (gridDim.x * gridDim.y);
+  // The overlapped conversion's counts of the current tile's steps: each (query head, query
+  // block) once.
+  auto count_done = [&]() {
+    const int t = tile_t(), b_t = cta_b(), hk_t = cta_hk();
+    const Seq sq_t(p, b_t);
+    const KeySteps<BM, BN> ks(p, sq_t, (t % nkb()) * BN);
+    const int64_t tiles = stats_rows_sm90(p) / BM;  // counters per query head
+    int* cnt =
+        p.dq_done + dq_sem_index_sm90<BM>(p, sq_t.q_start, b_t, hk_t * ks.group, ks.t_lo * BM, 0);
+    static_assert(kDqSemPiecesSm90 == 1, "one counter per (query block, head)");
+    for (int g = 0; g < ks.group; ++g, cnt += tiles)
+      for (int i = 0; i < ks.n_tiles; ++i) red_relaxed_gpu_add(cnt + i, 1);
   };
-  const int hk = cta_hk(), b = cta_b(), n0 = cta_nb() * BN;
-  const Seq sq(p, b);
-  if (n0 >= sq.lk) return;  // uniform over the CTA, before any barrier is initialised
-  const KeySteps<BM, BN> ks(p, sq, n0);
-  const int group = ks.group, t_lo = ks.t_lo, n_tiles = ks.n_tiles, n_it = ks.n_it;
+  if constexpr (!kPersist) {
+    set_tile();
+    if (n0 >= sq.lk) return;  // uniform over the CTA, before any barrier is initialised
+  }
   // The first step's query head and block (kDet's rotated order starts key block nb at flat
   // step (n_it - nb) % n_it) and the next step's, cyclically over the group's heads.
   auto first_step = [&](int& h, int& m) {
@@ -480,7 +532,14 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
   };
 
   if (threadIdx.x == 0) {
-    sm90::mbar_init(bar_kv, 1);
+    sm90::mbar_init(bar_kv(0), 1);
+    if constexpr (kPersist) {
+      sm90::mbar_init(bar_kv(1), 1);  // the TMA thread
+      // Every consumer thread, and the counting thread (below) where it runs.
+      for (int k = 0; k < 2; ++k)
+        sm90::mbar_init(bar_kv_empty(k),
+                        128 * C::kConsumerWarpgroups + (p.dq_done != nullptr ? 1 : 0));
+    }
     for (int s = 0; s < S; ++s) {
       sm90::mbar_init(bar_full(s), 1);                            // the TMA thread
       sm90::mbar_init(bar_empty(s), 128 * C::kConsumerWarpgroups);  // every consumer thread
@@ -491,7 +550,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         sm90::mbar_init(bar_dq_empty(f), 1);  // the writer warp's lane 0
       }
     } else if (p.dq_done != nullptr) {
-      sm90::mbar_init(bar_dq_full(0), 128 * C::kConsumerWarpgroups);  // the dQ additions done
+      // The dQ additions of a tile done (kPersist: of tiles j with j % 2 == f).
+      for (int f = 0; f < (kPersist ? 2 : 1); ++f)
+        sm90::mbar_init(bar_dq_full(f), 128 * C::kConsumerWarpgroups);
     }
     mbar_init_fence();
   }
@@ -503,28 +564,25 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     // ---- producer ----
     setmaxnreg_dec<kDet ? C::kProducerRegsDet : C::kProducerRegs>();
     const int warp = threadIdx.x / 32;
-    if (warp == 0 && lane == 0 && n_it > 0) {
-      tma_prefetch_desc(&tm_q);
-      tma_prefetch_desc(&tm_k);
-      tma_prefetch_desc(&tm_v);
-      tma_prefetch_desc(&tm_do);
-      tma_prefetch_desc(&tm_dk);  // the consumers' stores at the end
-      tma_prefetch_desc(&tm_dv);
-      mbar_arrive_expect_tx(bar_kv, 2 * C::kKvBytes);
+    // One tile's loads from global step gs on: K and V into buffer kb, then per step Q, dO and
+    // the statistics into stage (gs + it) % S.
+    auto load_tile = [&](int gs) {
+      mbar_arrive_expect_tx(bar_kv(kb), 2 * C::kKvBytes);
+      const uint32_t kv = kb * C::kKvDelta;
 #pragma unroll
       for (int c = 0; c < kBlocks; ++c)
-        tma_load_3d(sK + c * BN * 128, &tm_k, bar_kv, 64 * c, hk, sq.k_start + n0);
+        tma_load_3d(sK + kv + c * BN * 128, &tm_k, bar_kv(kb), 64 * c, hk, sq.k_start + n0);
 #pragma unroll
       for (int c = 0; c < kBlocks; ++c)
-        tma_load_3d(sV + c * BN * 128, &tm_v, bar_kv, 64 * c, hk, sq.k_start + n0);
-      const int64_t stats_rows = stats_rows_sm90(p);
+        tma_load_3d(sV + kv + c * BN * 128, &tm_v, bar_kv(kb), 64 * c, hk, sq.k_start + n0);
       const float* lse2_g = p.delta + stats_start_sm90<BM>(sq.q_start, b);
-      const int64_t delta_off = static_cast<int64_t>(p.hq) * stats_rows;
       int h, m;
       first_step(h, m);
-      for (int it = 0; it < n_it; ++it) {
-        const int s = it % S;
-        sm90::mbar_wait(bar_empty(s), ((it / S) & 1) ^ 1);
+      const int g_end = gs + n_it;
+#pragma unroll 1
+      for (int g = gs; g < g_end; ++g) {  // global steps
+        const int s = g % S;
+        sm90::mbar_wait(bar_empty(s), ((g / S) & 1) ^ 1);
         mbar_arrive_expect_tx(bar_full(s), 2 * C::kQBytes + 2 * BM * 4);
         const int row = sq.q_start + m;
 #pragma unroll
@@ -533,12 +591,74 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
 #pragma unroll
         for (int c = 0; c < kBlocks; ++c)
           tma_load_3d(sDo + s * C::kQBytes + c * BM * 128, &tm_do, bar_full(s), 64 * c, h, row);
-        const float* src = lse2_g + h * stats_rows + m;
+        // (the sizes from the parameters at each step: the TMA thread has 24 registers)
+        const float* src = lse2_g + h * stats_rows_sm90(p) + m;
         const uint32_t dst = base + C::kStatsOff + s * 2 * BM * 4;
         bulk_load_1d(dst, src, BM * 4, bar_full(s));
-        bulk_load_1d(dst + BM * 4, src + delta_off, BM * 4, bar_full(s));
+        bulk_load_1d(dst + BM * 4, src + p.hq * stats_rows_sm90(p), BM * 4, bar_full(s));
         step_on(h, m);
       }
+      return g_end;
+    };
+    auto prefetch_descs = [&] {
+      tma_prefetch_desc(&tm_q);
+      tma_prefetch_desc(&tm_k);
+      tma_prefetch_desc(&tm_v);
+      tma_prefetch_desc(&tm_do);
+      tma_prefetch_desc(&tm_dk);  // the consumers' stores at the end
+      tma_prefetch_desc(&tm_dv);
+    };
+    if (kPersist && warp == 0 && lane == 0) {
+      // The tiles: the CTA's own first (p.persist: blockIdx.x of a grid of at most one CTA per
+      // SM, then those p.dq_done[1] hands out; otherwise only its own). A tile goes to K/V buffer
+      // j % 2 (j counts the CTA's tiles) once the consumers are done with tile j - 2 there; its
+      // number goes into the buffer's slot, where the consumers read it after the buffer's full
+      // barrier (a past-the-end number ends them). Tiles of keys past their sequence's end are
+      // passed over. Tile j + 1's K and V so load while tile j's last steps run.
+      prefetch_descs();
+      auto next_tile = [&]() -> int {
+        return p.persist ? gridDim.x + atomicAdd(p.dq_done + 1, 1) : n_tiles_all();
+      };
+      // Whether tile t has keys (its key block starts inside its sequence).
+      auto has_keys = [&](int t) {
+        const int nkb = (p.max_k + BN - 1) / BN, b_t = t / nkb / p.hkv;
+        return (t % nkb) * BN < p.cu_k[b_t + 1] - p.cu_k[b_t];
+      };
+      int t = p.persist ? blockIdx.x
+                        : blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+      int gs = 0;  // the steps of the earlier tiles: the Q/dO stages run on across tiles
+      for (int j = 0;; ++j) {
+        kb = j & 1;
+        sm90::mbar_wait(bar_kv_empty(kb), ((j >> 1) & 1) ^ 1);
+        while (t < n_tiles_all() && !has_keys(t)) t = next_tile();
+        reinterpret_cast<volatile int*>(slots)[kb] = t;
+        if (t >= n_tiles_all()) {
+          mbar_arrive(bar_kv(kb));
+          break;
+        }
+        set_tile();  // (on every path to the loads: nothing of the tile lives across tiles)
+        gs = load_tile(gs);
+        t = next_tile();
+      }
+    } else if (kPersist && p.dq_done != nullptr && warp == 1 && lane == 0) {
+      // The overlapped conversion's counts, off the TMA thread's and the consumers' paths: per
+      // tile j, once it is published (the buffer's full barrier, which cannot run ahead: tile
+      // j + 2 needs this thread's arrival on the buffer's empty barrier) and every consumer
+      // thread's dQ additions of it are issued (their arrivals on dQ-full barrier j % 2
+      // release them, this wait acquires them at CTA scope), the fence makes them visible at
+      // GPU scope before each step's block is counted once; then the tile's slot is free.
+      for (int j = 0;; ++j) {
+        kb = j & 1;
+        sm90::mbar_wait(bar_kv(kb), (j >> 1) & 1);
+        if (tile_t() >= n_tiles_all()) break;
+        sm90::mbar_wait(bar_dq_full(kb), (j >> 1) & 1);
+        fence_acq_rel_gpu();
+        count_done();  // (the slot holds the tile until this thread's arrival below)
+        mbar_arrive(bar_kv_empty(kb));
+      }
+    } else if (!kPersist && warp == 0 && lane == 0 && n_it > 0) {
+      prefetch_descs();
+      load_tile(0);
       if constexpr (!kDet) {
         if (p.dq_done != nullptr) {
           // The overlapped conversion's counts: once every consumer thread's dQ additions are
@@ -546,11 +666,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
           // fence makes them visible at GPU scope before each step's block is counted once.
           sm90::mbar_wait(bar_dq_full(0), 0);
           fence_acq_rel_gpu();
-          const int64_t tiles = stats_rows / BM;  // counters per query head
-          int* cnt = p.dq_done + dq_sem_index_sm90<BM>(p, sq.q_start, b, hk * group, t_lo * BM, 0);
-          static_assert(kDqSemPiecesSm90 == 1, "one counter per (query block, head)");
-          for (int g = 0; g < group; ++g, cnt += tiles)
-            for (int t = 0; t < n_tiles; ++t) red_relaxed_gpu_add(cnt + t, 1);
+          count_done();
         }
       }
     } else if (kDet && (warp == 1 || warp == 2) && n_it > 0) {
@@ -643,18 +759,10 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     const int cw = warpgroup_uniform() - 1;  // consumer warpgroup: keys [64 cw, 64 cw + 64)
     const int warp = (threadIdx.x / 32) % 4, g = lane >> 2, tq = lane & 3;
     const int kr0 = 64 * cw + 16 * warp + g;  // the lane's first key row in the block (+8)
-    const int j0 = n0 + kr0;                  // ... as a key of the sequence
     const Score score(p);
     // dQ piece of this warpgroup: query rows 64 dq_r + [0, 64), columns 64 dq_c + [0, 64).
     constexpr bool kRowSplit = C::kDqRowSplit == 2;
     const int dq_r = kRowSplit ? cw : 0, dq_c = kRowSplit ? 0 : cw;
-
-    float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-    for (int d8 = 0; d8 < D / 8; ++d8)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dk[d8][e] = dv[d8][e] = 0.f;
-
     if constexpr (kDqT)
       if (score.capped()) __trap();  // the launcher never sends softcap here: no such path
     // Every consumer thread arrives: an arrival releases only its own thread's earlier reads
@@ -662,18 +770,37 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     // other lanes' reads before the producer's next copy into the stage.
     auto release = [&](uint32_t bar) { mbar_arrive(bar); };
 
+    int gs = 0;  // the steps of the earlier tiles: the Q/dO stages run on across tiles
+    for (int j = 0;; ++j) {  // the CTA's tiles (one unless kPersist)
+    if constexpr (kPersist) {
+      kb = j & 1;
+      sm90::mbar_wait(bar_kv(kb), (j >> 1) & 1);
+      if (tile_t() >= n_tiles_all()) break;
+      set_tile();
+    } else if (n_it > 0) {
+      sm90::mbar_wait(bar_kv(0), 0);
+    }
+    const int j0 = n0 + kr0;  // the lane's first key of the sequence
+    const uint32_t sKt = sK + kb * C::kKvDelta, sVt = sV + kb * C::kKvDelta;
+
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int d8 = 0; d8 < D / 8; ++d8)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[d8][e] = dv[d8][e] = 0.f;
+
     // The wgmma descriptors of the tiles' stage 0 (SmemDesc: a step, stage or buffer further on
     // is one add): K-major K and V (this warpgroup's 64 rows), Q and dO; MN-major Q and dO (the
     // B of dK and dV), dS^T's column block dq_r and K's column block dq_c (dQ's A and B; kDqT:
     // K's column block cw as A, MN-major, and dS K-major as B).
-    const SmemDesc dK_km = smem_desc_sw128(sK + cw * 64 * 128, 16, 1024);
-    const SmemDesc dV_km = smem_desc_sw128(sV + cw * 64 * 128, 16, 1024);
+    const SmemDesc dK_km = smem_desc_sw128(sKt + cw * 64 * 128, 16, 1024);
+    const SmemDesc dV_km = smem_desc_sw128(sVt + cw * 64 * 128, 16, 1024);
     const SmemDesc dQ_km = smem_desc_sw128(sQ, 16, 1024);
     const SmemDesc dDo_km = smem_desc_sw128(sDo, 16, 1024);
     const SmemDesc dQ_mn = smem_desc_sw128(sQ, BM * 128, 1024);
     const SmemDesc dDo_mn = smem_desc_sw128(sDo, BM * 128, 1024);
     const SmemDesc dDs_mn = smem_desc_sw128(sDs + dq_r * BN * 128, BN * 128, 1024);
-    const SmemDesc dK_mn = smem_desc_sw128(sK + dq_c * BN * 128, BN * 128, 1024);
+    const SmemDesc dK_mn = smem_desc_sw128(sKt + dq_c * BN * 128, BN * 128, 1024);
     const SmemDesc dDs_km = smem_desc_sw128(sDs, 16, 1024);
 
     // dQ_part = dS K from dS^T buffer `buf`: BN / 16 k-steps of 16 keys; A = dS^T's column
@@ -768,15 +895,14 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       }
     };
 
-    if (n_it > 0) sm90::mbar_wait(bar_kv, 0);
     int h, m;
     first_step(h, m);
     int h_prev = h, m_prev = m;  // kLag: the step whose dQ_part is still to be formed
 
     for (int it = 0; it < n_it; ++it) {
-      const int s = it % S;
+      const int s = (gs + it) % S;
       const uint32_t sDs_b = sDs + (it & 1) * C::kDsBytes;
-      sm90::mbar_wait(bar_full(s), (it / S) & 1);
+      sm90::mbar_wait(bar_full(s), ((gs + it) / S) & 1);
 
       // S^T = K Q^T and dP^T = V dO^T: D / 16 k-steps of 16 head-dim elements each.
       float st[BM / 8][4], dpt[BM / 8][4];
@@ -1024,8 +1150,10 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         add_dq(dq, h_prev, m_prev);
       }
     }
-    // This thread's dQ additions are issued: the producer's TMA thread counts the steps' blocks.
-    if (!kDet && p.dq_done != nullptr) mbar_arrive(bar_dq_full(0));
+    gs += n_it;
+    // This thread's dQ additions are issued: the producer's TMA thread (kPersist: its counting
+    // thread) counts the steps' blocks.
+    if (!kDet && p.dq_done != nullptr) mbar_arrive(bar_dq_full(kb));
     // ---- epilogue: dK (scaled) and dV of keys < lk ----
     // The sequence's bounds are read again (the loop's reductions are memory clobbers, so they
     // are reloaded): held across the loop, the key offset took a stack slot.
@@ -1038,7 +1166,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     // products read every row of K, so both warpgroups meet first (named barrier 1, as at every
     // step). Otherwise (or with p.dkv_regs, FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs) 4-byte stores
     // from registers.
-    if (!p.dkv_regs) named_bar_sync<256>(1);
+    // kPersist: always, so that no wgmma of this tile still reads a buffer when the next tile's
+    // steps write it.
+    if (kPersist || !p.dkv_regs) named_bar_sync<256>(1);
     if (!p.dkv_regs && n0 + 64 * cw + 64 <= se.lk) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -1046,8 +1176,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
 #pragma unroll
         for (int d8 = 0; d8 < D / 8; ++d8) {
           const uint32_t off = (d8 / 8) * BN * 128 + row * 128 + (((d8 % 8) ^ g) << 4) + 4 * tq;
-          st_shared_u32(sK + off, pack2<T>(dk[d8][2 * r] * p.scale, dk[d8][2 * r + 1] * p.scale));
-          st_shared_u32(sV + off, pack2<T>(dv[d8][2 * r], dv[d8][2 * r + 1]));
+          st_shared_u32(sKt + off,
+                        pack2<T>(dk[d8][2 * r] * p.scale, dk[d8][2 * r + 1] * p.scale));
+          st_shared_u32(sVt + off, pack2<T>(dv[d8][2 * r], dv[d8][2 * r + 1]));
         }
       }
       fence_proxy_async_smem();
@@ -1056,11 +1187,11 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         const int row0 = se.k_start + n0 + 64 * cw;
 #pragma unroll
         for (int c = 0; c < kBlocks; ++c) {
-          tma_store_3d(&tm_dk, sK + c * BN * 128 + cw * 64 * 128, 64 * c, cta_hk(), row0);
-          tma_store_3d(&tm_dv, sV + c * BN * 128 + cw * 64 * 128, 64 * c, cta_hk(), row0);
+          tma_store_3d(&tm_dk, sKt + c * BN * 128 + cw * 64 * 128, 64 * c, cta_hk(), row0);
+          tma_store_3d(&tm_dv, sVt + c * BN * 128 + cw * 64 * 128, 64 * c, cta_hk(), row0);
         }
         tma_store_commit();
-        tma_store_wait_read<0>();  // before the CTA's shared memory goes
+        tma_store_wait_read<0>();  // before the buffer is reused or the CTA's shared memory goes
       }
     } else {
       T* dK = static_cast<T*>(p.dk) + se.k_start * p.dk_row + static_cast<int64_t>(cta_hk()) * D;
@@ -1080,6 +1211,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         }
       }
     }
+    if constexpr (!kPersist) break;
+    mbar_arrive(bar_kv_empty(kb));  // this thread is done with the tile's K/V buffer and slot
+    }  // tiles
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // built for an architecture without wgmma: the host never launches this

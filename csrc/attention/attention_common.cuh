@@ -26,6 +26,7 @@ constexpr float kSlack = 8.f;
 // Sequence b's bounds in the packed tensors (cu_seqlens) and which (query, key) pairs are visible.
 struct Seq {
   int q_start, k_start, lq, lk, off;
+  Seq() = default;
   __device__ __forceinline__ Seq(const AttnParams& p, int b) {
     q_start = p.cu_q[b];
     k_start = p.cu_k[b];

@@ -62,9 +62,11 @@ struct TilesBwdSm90 {
   static constexpr int kStatsOff = kDsOff + 2 * kDsBytes;
   static constexpr int kBarOff = kStatsOff + kStages * 2 * kBlockM * 4;
   // Barriers: K/V full; per stage Q/dO full, Q/dO empty; (deterministic mode) per dQ staging
-  // buffer full, empty.
-  static constexpr int kNumBars = 1 + 2 * kStages + 4;
-  // The deterministic mode's ticket (attention_bwd_kernel_sm90.cuh), 16 bytes.
+  // buffer full, empty; (persistent kernels) the second K/V buffer's full, each K/V buffer's
+  // empty.
+  static constexpr int kNumBars = 1 + 2 * kStages + 4 + 3;
+  // The tile slots (attention_bwd_kernel_sm90.cuh): the deterministic mode's ticket, or the
+  // tile of each K/V buffer; 16 bytes.
   static constexpr int kTicketOff = kBarOff + kNumBars * 8;
   // The deterministic mode's two dQ staging buffers: a step's float32 dQ block (BM x D) in the
   // accumulator's tile order, which the dQ writer warp adds to dq_acc. At D=128 a region of its
@@ -79,6 +81,14 @@ struct TilesBwdSm90 {
   // (kDqT has no deterministic mode.)
   static constexpr size_t kSmemDet =
       kDqInDs || kDqT ? kSmem : kDqOff + 2 * kDqBytes + 1024;
+  // The persistent kernels (every kernel but the deterministic mode's and the 80-query steps'):
+  // a second K/V buffer, so that the next tile's K and V load while this one's last steps run,
+  // where the deterministic mode's staging buffers would be (kDqOff). D=128: 227 KiB in all.
+  static constexpr bool kPersistFits = !kDqT;
+  static constexpr int kKv1Off = kDqOff;
+  static constexpr int kKvDelta = kKv1Off - kKOff;  // buffer 1 = buffer 0 + kKvDelta (K and V)
+  static constexpr size_t kSmemPersist = kKv1Off + 2 * kKvBytes + 1024;
+  static_assert(!kPersistFits || kSmemPersist <= 227 * 1024, "the persistent kernel's buffers");
   static_assert(!kDqInDs || kDqBytes == kDsBytes, "a dQ block per dS^T buffer");
   static_assert(kBlockM % 16 == 0 && kBlockM <= 128, "whole k-steps; stats_rows_sm90's bound");
   static_assert(kQBytes % 1024 == 0 && kKvBytes % 1024 == 0 && kDsBytes % 1024 == 0);

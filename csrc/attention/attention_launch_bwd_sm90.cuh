@@ -46,6 +46,15 @@ inline bool sm90_bwd_lagged(int head_dim) {
   return head_dim == 64;
 }
 
+// The CTAs of the backward's persistent grid (attention_params.h): one per SM, or
+// FUSEDOPS_ATTN_SM90_BWD_PERSISTENT=N at most N (tests: several tiles per CTA on small grids);
+// 0 for none (=0: a CTA per key block, measurement). Read at every call.
+inline int sm90_bwd_persistent_ctas(int sms) {
+  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_PERSISTENT");
+  if (s == nullptr) return sms;
+  return std::max(0, std::min(std::atoi(s), sms));
+}
+
 // The deterministic mode's order of dQ reductions (attention_bwd_kernel_sm90.cuh): key blocks
 // descending where queries see keys up to a bound (causal or a right window: the key block
 // nearest the diagonal reaches a query block first, so its turn comes first and nobody waits in
@@ -127,6 +136,19 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
   static_assert(sizeof(T) == C::kElem);
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   if (p.dq_acc == nullptr) return cudaErrorInvalidValue;
+  const dim3 grid((p.max_k + C::kBlockN - 1) / C::kBlockN, p.hkv, p.batch);
+  // The persistent grid (attention_params.h) where the kernel has one: the deterministic mode
+  // and the 80-query steps have none.
+  constexpr bool kPersistKernel = C::kPersistFits;
+  DeviceSm90 dev;
+  const int ctas = kPersistKernel && p.dq_sem == nullptr && p.dq_done != nullptr &&
+                           device_sm90(dev) == cudaSuccess
+                       ? sm90_bwd_persistent_ctas(dev.sms)
+                       : 0;
+  p.persist = ctas > 0;
+  const int64_t n_tiles = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  const dim3 launch_grid =
+      p.persist ? dim3(static_cast<unsigned>(std::min<int64_t>(n_tiles, ctas))) : grid;
   const int64_t padded_q = (static_cast<int64_t>(p.max_q) + BM - 1) / BM * BM;
   constexpr int kPrepRows = kPrepRowsSm90<D>;
   cudaError_t err = launch(bwd_prep_kernel_sm90<T, D, BM>,
@@ -134,7 +156,6 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
                                 p.hq, p.batch),
                            256, 0, p);
   if (err != cudaSuccess) return err;
-  const dim3 grid((p.max_k + C::kBlockN - 1) / C::kBlockN, p.hkv, p.batch);
   if (grid.x > 0 && grid.y > 0 && grid.z > 0) {
     CUtensorMap tm_q, tm_k, tm_v, tm_do, tm_dk, tm_dv;
     if (!make_tensor_map(&tm_q, p.q, kBf16, D, p.hq, p.total_q, p.q_row, C::kBlockM) ||
@@ -158,11 +179,13 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
       }
     };
     const auto kernel = pick();
-    const int smem = static_cast<int>(p.dq_sem != nullptr ? C::kSmemDet : C::kSmem);
+    const int smem = static_cast<int>(p.dq_sem != nullptr ? C::kSmemDet
+                                      : kPersistKernel  ? C::kSmemPersist
+                                                        : C::kSmem);
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
-    kernel<<<grid, C::kThreads, smem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk,
-                                                   tm_dv);
+    kernel<<<launch_grid, C::kThreads, smem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk,
+                                                          tm_dv);
     err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

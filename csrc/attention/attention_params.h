@@ -37,6 +37,11 @@ struct AttnParams {
   // conversion kernel, launched as a programmatic dependent, converts each block once its count
   // is complete. null: the conversion after.
   int* dq_done = nullptr;
+  // The sm90 backward's persistent grid (with dq_done, whose element 1 is its tile counter,
+  // zeroed by the preprocess): at most one CTA per SM, each taking key blocks until none is
+  // left; false (FUSEDOPS_ATTN_SM90_BWD_PERSISTENT=0, the conversion after the backward, or the
+  // kernels without it: the deterministic mode, 80-query steps): a CTA per key block.
+  bool persist = false;
   // Measurement only (FUSEDOPS_ATTN_SM90_BWD_DET_PROBE): parts of the ordered reductions left
   // out to time them (bit 0: the dQ writer's wait for a turn; results then not ordered, and
   // wrong where a block's first turn stores), or changed (bit 1: every turn adds, onto an

@@ -479,6 +479,14 @@ SM90_BWD_VARIANTS = {
     "sm90-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm90-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "sm90-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
+    # the persistent grid capped at 3 CTAs (several tiles per CTA through both K/V buffers, the
+    # key blocks past a sequence's end passed over), and a CTA per key block instead
+    "sm90-bwd-3cta": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3"},
+    "sm90-bwd-3cta-lagged": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
+                             "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
+    "sm90-bwd-3cta-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
+                               "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
+    "sm90-bwd-nonpersistent": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "0"},
     # 80-query steps at D=128 (the transposed dQ product) under masks too, and 64-query ones
     # where 80 is the default (unmasked, no softcap).
     "sm90-bwd-bm80": {"FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
@@ -511,7 +519,7 @@ SM90_BWD_VARIANTS = {
 }
 SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ",
                 "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER", "FUSEDOPS_ATTN_SM90_BWD_BM",
-                "FUSEDOPS_ATTN_SM90_BWD_CONVERT")
+                "FUSEDOPS_ATTN_SM90_BWD_CONVERT", "FUSEDOPS_ATTN_SM90_BWD_PERSISTENT")
 
 
 @pytest.mark.gpu
@@ -536,6 +544,45 @@ def test_cuda_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, 
     poison_cuda_outputs(monkeypatch)
     case = A.Case(*shape, dtype, "cuda", **FEATURES[feature])
     A.check(case, "cuda-sm90", _CACHE)
+
+
+@pytest.mark.gpu
+@NEEDS_EXT
+@pytest.mark.parametrize("schedule", ["default", "other"])
+@pytest.mark.parametrize("feature", ["plain", "causal", "window", "varlen_everything"])
+@pytest.mark.parametrize("shape", [(3, 1100, 1100, 8, 8, 64), (4, 1500, 1500, 8, 4, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_sm90_persistent_backward_runs_many_tiles_per_cta(shape, feature, schedule, monkeypatch):
+    """The persistent sm90 backward (the default: at most one CTA per SM, taking key blocks from
+    a counter) on grids of more key blocks than the GPU has SMs, so that CTAs run several tiles
+    through both K/V buffers, in the default schedule of the head dim and the other serial one
+    (lagged / lockstep dQ products); varlen passes over the key blocks past a sequence's end.
+    The oracle rule holds, and dK and dV equal those of a CTA per key block
+    (FUSEDOPS_ATTN_SM90_BWD_PERSISTENT=0) bit for bit (the same products in the same order),
+    dQ within float32 reordering of its additions."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 backward needs compute capability 9.0")
+    for name in SM90_BWD_ENV:
+        monkeypatch.delenv(name, raising=False)
+    if schedule == "other":
+        monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE",
+                           "lockstep" if shape[-1] == 64 else "lagged")
+    case = A.Case(*shape, torch.bfloat16, "cuda", **FEATURES[feature])
+    sequences = 3 if case.varlen else case.batch
+    key_blocks = -(-case.seq_k // 128) * case.heads_kv * sequences
+    assert key_blocks > torch.cuda.get_device_properties(0).multi_processor_count
+    poison_cuda_outputs(monkeypatch)
+    A.check(case, "cuda-sm90", _CACHE)
+    inp = A.make_inputs(case)
+    grads = {}
+    for persistent in ("1", "0"):
+        monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_PERSISTENT", persistent)
+        grads[persistent] = A.run(lambda *a, **k: attention(*a, **k, return_lse=True,
+                                                            backend="cuda-sm90"),
+                                  inp, case, case.dtype)
+    for name in ("out", "dk", "dv"):
+        assert torch.equal(grads["1"][name], grads["0"][name]), name
+    torch.testing.assert_close(grads["1"]["dq"], grads["0"]["dq"], atol=2e-3, rtol=1e-2)
 
 
 @pytest.mark.gpu
