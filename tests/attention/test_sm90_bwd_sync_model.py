@@ -33,41 +33,9 @@ import itertools
 import random
 
 import pytest
+from mbar_model import Fail, MBar
 
 S = 2  # TilesBwdSm90::kStages
-
-
-class Fail(Exception):
-    pass
-
-
-class MBar:
-    def __init__(self, name, count):
-        self.name, self.count, self.pending, self.tx, self.phase = name, count, count, 0, 0
-
-    def _maybe_complete(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phase += 1
-            self.pending = self.count
-
-    def arrive(self, n=1):
-        if n > self.pending:
-            raise Fail(f"{self.name}: {n} arrivals > {self.pending} pending")
-        self.pending -= n
-        self._maybe_complete()
-
-    def expect_tx(self, units):  # mbarrier.arrive.expect_tx
-        self.tx += units
-        self.arrive(1)
-
-    def complete_tx(self, units):
-        self.tx -= units
-        if self.tx < 0:
-            raise Fail(f"{self.name}: tx < 0")
-        self._maybe_complete()
-
-    def done(self, parity):  # try_wait.parity: the phase of that parity has completed
-        return (self.phase & 1) != parity
 
 
 def until(bar, parity, nth):
