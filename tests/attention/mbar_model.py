@@ -1,6 +1,7 @@
 """The mbarrier of the synchronisation models (test_sm90_sync_model.py for the forward,
 test_sm90_bwd_sync_model.py for the backward): an arrival count and a transaction count per
-phase, and parity waits as try_wait.parity answers them. Fail is any hazard a model finds."""
+phase, and parity waits as try_wait.parity answers them; and the random interleaving of the
+actors. Fail is any hazard a model finds."""
 
 
 class Fail(Exception):
@@ -37,3 +38,31 @@ class MBar:
 
     def done(self, parity):  # try_wait.parity: the phase of that parity has completed
         return (self.phase & 1) != parity
+
+
+def interleave(actors, events, rng, max_steps, speed=None):
+    """Runs the actors (generators that yield the condition they wait for) and the pending
+    asynchronous completions (events: callables, which may append more) in a random order until
+    all are done: a deadlock (nothing can move) or max_steps steps raise Fail. speed: optional
+    relative weights of the actors by name and of the events ("e")."""
+    conds = {k: (lambda: True) for k in actors}
+    steps = 0
+    while actors or events:
+        steps += 1
+        if steps > max_steps:
+            raise Fail("too many steps")
+        choices = [("a", k) for k in actors if conds[k]()]
+        choices += [("e", i) for i in range(len(events))]
+        if not choices:
+            raise Fail(f"DEADLOCK: blocked {sorted(actors)}")
+        if speed is None:
+            kind, x = rng.choice(choices)
+        else:
+            kind, x = rng.choices(choices, [speed[x if k == "a" else "e"] for k, x in choices])[0]
+        if kind == "e":
+            events.pop(x)()
+            continue
+        try:
+            conds[x] = next(actors[x])
+        except StopIteration:
+            del actors[x], conds[x]

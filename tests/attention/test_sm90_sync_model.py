@@ -25,7 +25,7 @@ import itertools
 import random
 
 import pytest
-from mbar_model import Fail, MBar
+from mbar_model import Fail, MBar, interleave
 
 
 class NBar:
@@ -100,25 +100,7 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
     for c in range(ctas):
         cta(c, pair, tiles, S, schedule, o_in_q, epilogue, bug, nw, dynamic, events, actors,
             bufs, nbars)
-    conds = {k: (lambda: True) for k in actors}
-    steps = 0
-    while actors or events:
-        steps += 1
-        if steps > 200000:
-            raise Fail("too many steps")
-        ready = [k for k in actors if conds[k]()]
-        choices = [("a", k) for k in ready] + [("e", i) for i in range(len(events))]
-        if not choices:
-            raise Fail(f"DEADLOCK: blocked {list(actors)}")
-        kind, x = rng.choice(choices)
-        if kind == "e":
-            events.pop(x)()
-            continue
-        try:
-            conds[x] = next(actors[x])
-        except StopIteration:
-            del actors[x]
-            del conds[x]
+    interleave(actors, events, rng, 200000)
     for b in bufs:
         if b.readers or b.inflight:
             raise Fail(f"{b.name} busy at exit")
