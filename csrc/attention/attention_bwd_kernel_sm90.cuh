@@ -592,10 +592,11 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         for (int c = 0; c < kBlocks; ++c)
           tma_load_3d(sDo + s * C::kQBytes + c * BM * 128, &tm_do, bar_full(s), 64 * c, h, row);
         // (the sizes from the parameters at each step: the TMA thread has 24 registers)
-        const float* src = lse2_g + h * stats_rows_sm90(p) + m;
+        const int rows = static_cast<int>(stats_rows_sm90(p));  // < 2^31 (the statistics' size)
+        const float* src = lse2_g + static_cast<int64_t>(h) * rows + m;
         const uint32_t dst = base + C::kStatsOff + s * 2 * BM * 4;
         bulk_load_1d(dst, src, BM * 4, bar_full(s));
-        bulk_load_1d(dst + BM * 4, src + p.hq * stats_rows_sm90(p), BM * 4, bar_full(s));
+        bulk_load_1d(dst + BM * 4, src + static_cast<int64_t>(p.hq) * rows, BM * 4, bar_full(s));
         step_on(h, m);
       }
       return g_end;
@@ -617,7 +618,10 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       // passed over. Tile j + 1's K and V so load while tile j's last steps run.
       prefetch_descs();
       auto next_tile = [&]() -> int {
-        return p.persist ? gridDim.x + atomicAdd(p.dq_done + 1, 1) : n_tiles_all();
+        if (!p.persist) return n_tiles_all();
+        unsigned ctas;  // read here, not held across the tile (the TMA thread has 24 registers)
+        asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(ctas));
+        return static_cast<int>(ctas) + atomicAdd(p.dq_done + 1, 1);
       };
       // Whether tile t has keys (its key block starts inside its sequence).
       auto has_keys = [&](int t) {
