@@ -12,12 +12,13 @@
 // a grid's CTAs (key blocks fastest: CTAs running together share a head's Q and dO in L2). The
 // persistent kernels have two K/V buffers: the TMA thread loads tile j's K and V into buffer
 // j % 2 once the consumers have released it after tile j - 2's epilogue (its "empty" barrier,
-// every consumer thread, the dK/dV store's thread after its store has read the rows), writes the
+// every consumer thread, the dK/dV store's thread after its store has read the rows, and with
+// p.dq_done the counting thread of the overlapped conversion), writes the
 // tile's number into the buffer's slot (a past-the-end number ends the CTA), and goes on into
 // its steps. So tile j + 1's K and V load while tile j's last steps run, and the Q/dO stages run
 // on across tiles (global step counts): a CTA per tile spent 8-12% of its time at L=1024 in
 // this prologue (the first K/V and Q/dO loads) and its launch.
-// Roles: warpgroup 0 produces -- one thread issues every load: K and V once (TMA tiles), then
+// Roles: warpgroup 0 produces -- one thread issues every load: K and V once per tile (TMA), then
 // per step Q and dO (TMA tiles) and the rows' statistics (lse in log2 units and delta, 1-D bulk
 // copies from the padded layout bwd_prep_kernel_sm90 writes) into one of kStages stages; a
 // stage's "full" barrier counts those bytes, its "empty" barrier one arrival per consumer
@@ -96,7 +97,9 @@
 // dO) or 64 (dK, dV: a consumer warpgroup's keys), 128-byte swizzle. A tile that crosses a
 // sequence's end reads the next sequence's rows (TMA zero-fills only past the tensor's end):
 // keys >= lk and queries >= lq are masked by index (P = dS = 0), their gradients never stored.
-// Launch: TilesBwdSm90<D, kBM>::kThreads threads, kSmem bytes of dynamic shared memory. kBM = 80
+// Launch: TilesBwdSm90<D, kBM>::kThreads threads, kSmemPersist bytes of dynamic shared memory
+// (the persistent kernels, with either grid), kSmemDet (the deterministic mode's) or kSmem (kBM
+// = 80); p.persist only with p.dq_done (its counter). kBM = 80
 // (kDqT) has no softcap path (a call with softcap traps) and runs only the lockstep serial
 // schedule without the deterministic mode (static_assert). The body is
 // empty (a trap) unless compiled for sm_90a.
@@ -418,8 +421,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
   // The transposed dQ (80-query steps) in the lockstep serial schedule only.
   constexpr bool kDqT = C::kDqT;
   static_assert(!kDqT || (!kOverlap && !kDet && !kLag), "kDqT: the lockstep serial schedule");
-  // Persistent (the top says how): every kernel but the deterministic mode's and kDqT's, whose
-  // shared memory has no room for a second K/V buffer.
+  // Persistent (the top says how): every kernel but the deterministic mode's (its tickets order
+  // the CTAs; at D=128 its dQ staging also takes the room) and kDqT's (no room for a second K/V
+  // buffer).
   constexpr bool kPersist = !kDet && C::kPersistFits;
   // dQ's accumulator per consumer thread: m64n64 (dQ = dS K) or m64nBM (kDqT: dQ^T = K^T dS^T).
   constexpr int kDqN8 = kDqT ? BM / 8 : 8;
@@ -1091,7 +1095,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       if constexpr (kLag) {
         // This warpgroup's half of dS^T(it) is written; dQ_part(it - 1) needs the other's half of
         // dS^T(it - 1), which it wrote a step ago, so the warpgroups are not held in lockstep.
-        // The first step forms a product from buffer 1 too (nobody has written it yet) and
+        // The first step forms a product from buffer 1 too (not written in this tile) and
         // discards it: every step then issues the same wgmmas, none conditional (ptxas would
         // serialise them all, C7514), at the cost of one dQ product per CTA.
         named_bar_arrive<256>(kBarReady + 2 * cw + (it & 1));

@@ -61,9 +61,10 @@ struct TilesBwdSm90 {
   // Row statistics per stage: lse2 and delta (BM floats each, bwd_prep_kernel_sm90's layout).
   static constexpr int kStatsOff = kDsOff + 2 * kDsBytes;
   static constexpr int kBarOff = kStatsOff + kStages * 2 * kBlockM * 4;
-  // Barriers: K/V full; per stage Q/dO full, Q/dO empty; (deterministic mode) per dQ staging
-  // buffer full, empty; (persistent kernels) the second K/V buffer's full, each K/V buffer's
-  // empty.
+  // Barriers: K/V full; per stage Q/dO full, Q/dO empty; two dQ "full" (the deterministic
+  // mode's staging buffers; else the dQ additions of a tile done, for the overlapped conversion's
+  // counts, alternating by tile in the persistent kernels) and two dQ "empty" (the deterministic
+  // mode's); (persistent kernels) the second K/V buffer's full, each K/V buffer's empty.
   static constexpr int kNumBars = 1 + 2 * kStages + 4 + 3;
   // The tile slots (attention_bwd_kernel_sm90.cuh): the deterministic mode's ticket, or the
   // tile of each K/V buffer; 16 bytes.

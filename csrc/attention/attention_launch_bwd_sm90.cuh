@@ -46,13 +46,18 @@ inline bool sm90_bwd_lagged(int head_dim) {
   return head_dim == 64;
 }
 
-// The CTAs of the backward's persistent grid (attention_params.h): one per SM, or
-// FUSEDOPS_ATTN_SM90_BWD_PERSISTENT=N at most N (tests: several tiles per CTA on small grids);
-// 0 for none (=0: a CTA per key block, measurement). Read at every call.
+// The CTAs of the backward's persistent grid (attention_params.h): one per SM, or (as the
+// forward's FUSEDOPS_ATTN_SM90_PERSISTENT) FUSEDOPS_ATTN_SM90_BWD_PERSISTENT=0 none (a CTA per
+// key block; measurement) and =N (a positive integer) at most N, so that even a small call runs
+// many key blocks per CTA (tests). Other values are ignored. Read at every call.
 inline int sm90_bwd_persistent_ctas(int sms) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_PERSISTENT");
-  if (s == nullptr) return sms;
-  return std::max(0, std::min(std::atoi(s), sms));
+  if (s != nullptr && *s != '\0') {
+    char* end = nullptr;
+    const long n = std::strtol(s, &end, 10);
+    if (*end == '\0' && n >= 0) return static_cast<int>(std::min<long>(n, sms));
+  }
+  return sms;
 }
 
 // The deterministic mode's order of dQ reductions (attention_bwd_kernel_sm90.cuh): key blocks
@@ -147,6 +152,8 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
                        : 0;
   p.persist = ctas > 0;
   const int64_t n_tiles = static_cast<int64_t>(grid.x) * grid.y * grid.z;
+  // Tile numbers (and the counter past them) are int in the kernel.
+  if (n_tiles + dev.sms > INT32_MAX) return cudaErrorInvalidConfiguration;
   const dim3 launch_grid =
       p.persist ? dim3(static_cast<unsigned>(std::min<int64_t>(n_tiles, ctas))) : grid;
   const int64_t padded_q = (static_cast<int64_t>(p.max_q) + BM - 1) / BM * BM;

@@ -550,16 +550,17 @@ def test_cuda_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, 
 @NEEDS_EXT
 @pytest.mark.parametrize("schedule", ["default", "other"])
 @pytest.mark.parametrize("feature", ["plain", "causal", "window", "varlen_everything"])
-@pytest.mark.parametrize("shape", [(3, 1100, 1100, 8, 8, 64), (4, 1500, 1500, 8, 4, 128)],
+@pytest.mark.parametrize("shape", [(3, 1100, 1100, 8, 8, 64), (4, 2100, 2100, 8, 4, 128)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_sm90_persistent_backward_runs_many_tiles_per_cta(shape, feature, schedule, monkeypatch):
     """The persistent sm90 backward (the default: at most one CTA per SM, taking key blocks from
-    a counter) on grids of more key blocks than the GPU has SMs, so that CTAs run several tiles
-    through both K/V buffers, in the default schedule of the head dim and the other serial one
-    (lagged / lockstep dQ products); varlen passes over the key blocks past a sequence's end.
-    The oracle rule holds, and dK and dV equal those of a CTA per key block
-    (FUSEDOPS_ATTN_SM90_BWD_PERSISTENT=0) bit for bit (the same products in the same order),
-    dQ within float32 reordering of its additions."""
+    a counter) on calls of more key blocks that hold keys than the GPU has SMs, so that CTAs run
+    several through both K/V buffers, in the default schedule of the head dim and the other
+    serial one (lagged / lockstep dQ products); varlen passes over the key blocks past a
+    sequence's end and, under its window, runs key blocks that no query sees. The oracle rule
+    holds, and dK and dV equal bit for bit those of a CTA per key block
+    (FUSEDOPS_ATTN_SM90_BWD_PERSISTENT=0) and of a single CTA running every key block (=1): the
+    same products in the same order; dQ within float32 reordering of its additions."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 backward needs compute capability 9.0")
     for name in SM90_BWD_ENV:
@@ -567,22 +568,29 @@ def test_sm90_persistent_backward_runs_many_tiles_per_cta(shape, feature, schedu
     if schedule == "other":
         monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE",
                            "lockstep" if shape[-1] == 64 else "lagged")
-    case = A.Case(*shape, torch.bfloat16, "cuda", **FEATURES[feature])
-    sequences = 3 if case.varlen else case.batch
-    key_blocks = -(-case.seq_k // 128) * case.heads_kv * sequences
-    assert key_blocks > torch.cuda.get_device_properties(0).multi_processor_count
+    kw = dict(FEATURES[feature])
+    if kw.get("varlen"):  # three sequences, two of them long
+        sq, sk = shape[1], shape[2]
+        kw["lens"] = ((sq, sq // 2, 1), (sk, sk, 5))
+    case = A.Case(*shape, torch.bfloat16, "cuda", **kw)
+    lens_k = case.lens[1] if case.varlen else (case.seq_k,) * case.batch
+    blocks_with_keys = case.heads_kv * sum(-(-n // 128) for n in lens_k)
+    assert blocks_with_keys > torch.cuda.get_device_properties(0).multi_processor_count
     poison_cuda_outputs(monkeypatch)
     A.check(case, "cuda-sm90", _CACHE)
     inp = A.make_inputs(case)
     grads = {}
-    for persistent in ("1", "0"):
-        monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_PERSISTENT", persistent)
-        grads[persistent] = A.run(lambda *a, **k: attention(*a, **k, return_lse=True,
-                                                            backend="cuda-sm90"),
-                                  inp, case, case.dtype)
-    for name in ("out", "dk", "dv"):
-        assert torch.equal(grads["1"][name], grads["0"][name]), name
-    torch.testing.assert_close(grads["1"]["dq"], grads["0"]["dq"], atol=2e-3, rtol=1e-2)
+    for ctas in (None, "0", "1"):
+        if ctas is None:
+            monkeypatch.delenv("FUSEDOPS_ATTN_SM90_BWD_PERSISTENT", raising=False)
+        else:
+            monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_PERSISTENT", ctas)
+        grads[ctas] = A.run(lambda *a, **k: attention(*a, **k, return_lse=True,
+                                                      backend="cuda-sm90"), inp, case, case.dtype)
+    for ctas in ("0", "1"):
+        for name in ("out", "dk", "dv"):
+            assert torch.equal(grads[None][name], grads[ctas][name]), (ctas, name)
+        torch.testing.assert_close(grads[None]["dq"], grads[ctas]["dq"], atol=2e-3, rtol=1e-2)
 
 
 @pytest.mark.gpu

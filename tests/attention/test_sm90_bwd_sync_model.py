@@ -33,41 +33,9 @@ import itertools
 import random
 
 import pytest
+from mbar_model import Fail, MBar, interleave
 
 S = 2  # TilesBwdSm90::kStages
-
-
-class Fail(Exception):
-    pass
-
-
-class MBar:
-    def __init__(self, name, count):
-        self.name, self.count, self.pending, self.tx, self.phase = name, count, count, 0, 0
-
-    def _maybe_complete(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phase += 1
-            self.pending = self.count
-
-    def arrive(self, n=1):
-        if n > self.pending:
-            raise Fail(f"{self.name}: {n} arrivals > {self.pending} pending")
-        self.pending -= n
-        self._maybe_complete()
-
-    def expect_tx(self, units):  # mbarrier.arrive.expect_tx
-        self.tx += units
-        self.arrive(1)
-
-    def complete_tx(self, units):
-        self.tx -= units
-        if self.tx < 0:
-            raise Fail(f"{self.name}: tx < 0")
-        self._maybe_complete()
-
-    def done(self, parity):  # try_wait.parity: the phase of that parity has completed
-        return (self.phase & 1) != parity
 
 
 def until(bar, parity, nth):
@@ -317,26 +285,9 @@ def run(tiles, lagged, seed, count=False, bug=None):
     actors = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
     if count:
         actors["counter"] = counter()
-    conds = {k: ANY for k in actors}
     # Each run's relative speeds of the actors and the copy engine (one may run far ahead).
     speed = {k: rng.choice((1, 3, 10)) for k in ("producer", "wg0", "wg1", "counter", "e")}
-    steps = 0
-    while actors or events:
-        steps += 1
-        if steps > 100000:
-            raise Fail("too many steps")
-        choices = [("a", k) for k in actors if conds[k]()]
-        choices += [("e", i) for i in range(len(events))]
-        if not choices:
-            raise Fail(f"DEADLOCK: blocked {sorted(actors)}")
-        kind, x = rng.choices(choices, [speed[x if k == "a" else "e"] for k, x in choices])[0]
-        if kind == "e":
-            events.pop(x)()
-            continue
-        try:
-            conds[x] = next(actors[x])
-        except StopIteration:
-            del actors[x], conds[x]
+    interleave(actors, events, rng, 100000, speed)
     for b in bufs:
         if b.readers or b.inflight or b.writing:
             raise Fail(f"{b.name} busy at exit")

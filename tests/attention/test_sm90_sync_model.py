@@ -25,42 +25,7 @@ import itertools
 import random
 
 import pytest
-
-
-class Fail(Exception):
-    pass
-
-
-class MBar:
-    def __init__(self, name, count, negative_tx=False):
-        self.name, self.count, self.pending, self.tx, self.phase = name, count, count, 0, 0
-        # A multicast pair's full barriers: the other CTA's half of a tile may land before this
-        # CTA's own expect_tx (the hardware's transaction count goes negative meanwhile).
-        self.negative_tx = negative_tx
-
-    def _maybe_complete(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phase += 1
-            self.pending = self.count
-
-    def arrive(self, n=1):
-        if n > self.pending:
-            raise Fail(f"{self.name}: {n} arrivals > {self.pending} pending")
-        self.pending -= n
-        self._maybe_complete()
-
-    def expect_tx(self, b):
-        self.tx += b
-        self.arrive(1)
-
-    def complete_tx(self, b):
-        self.tx -= b
-        if self.tx < 0 and not self.negative_tx:
-            raise Fail(f"{self.name}: tx < 0")
-        self._maybe_complete()
-
-    def done(self, parity):
-        return (self.phase & 1) != parity
+from mbar_model import Fail, MBar, interleave
 
 
 class NBar:
@@ -135,25 +100,7 @@ def run(tiles, S, schedule, o_in_q, epilogue, seed, bug=None, nw=2, dynamic=Fals
     for c in range(ctas):
         cta(c, pair, tiles, S, schedule, o_in_q, epilogue, bug, nw, dynamic, events, actors,
             bufs, nbars)
-    conds = {k: (lambda: True) for k in actors}
-    steps = 0
-    while actors or events:
-        steps += 1
-        if steps > 200000:
-            raise Fail("too many steps")
-        ready = [k for k in actors if conds[k]()]
-        choices = [("a", k) for k in ready] + [("e", i) for i in range(len(events))]
-        if not choices:
-            raise Fail(f"DEADLOCK: blocked {list(actors)}")
-        kind, x = rng.choice(choices)
-        if kind == "e":
-            events.pop(x)()
-            continue
-        try:
-            conds[x] = next(actors[x])
-        except StopIteration:
-            del actors[x]
-            del conds[x]
+    interleave(actors, events, rng, 200000)
     for b in bufs:
         if b.readers or b.inflight:
             raise Fail(f"{b.name} busy at exit")
