@@ -566,7 +566,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
   const int lane = threadIdx.x & 31;
   if (wg == 0) {
     // ---- producer ----
-    setmaxnreg_dec<kDet ? C::kProducerRegsDet : C::kProducerRegs>();
+    setmaxnreg_dec<kDet       ? C::kProducerRegsDet
+                   : kPersist ? C::kProducerRegsPersist
+                              : C::kProducerRegs>();
     const int warp = threadIdx.x / 32;
     // One tile's loads from global step gs on: K and V into buffer kb, then per step Q, dO and
     // the statistics into stage (gs + it) % S.
@@ -763,7 +765,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     }
   } else {
     // ---- consumers ----
-    setmaxnreg_inc<kDet ? C::kConsumerRegsDet : C::kConsumerRegs>();
+    setmaxnreg_inc<kDet       ? C::kConsumerRegsDet
+                   : kPersist ? C::kConsumerRegsPersist
+                              : C::kConsumerRegs>();
     const int cw = warpgroup_uniform() - 1;  // consumer warpgroup: keys [64 cw, 64 cw + 64)
     const int warp = (threadIdx.x / 32) % 4, g = lane >> 2, tq = lane & 3;
     const int kr0 = 64 * cw + 16 * warp + g;  // the lane's first key row in the block (+8)
@@ -891,7 +895,13 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         }
         return;
       }
-      const int i = m_of + 64 * dq_r + 16 * warp + g;
+      // The lane's row in the block, 64 dq_r + 16 warp + g, from the thread index read here
+      // (held across the step as one value, it spilled at D=64 in the lagged schedule).
+      unsigned tid;
+      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+      const int lane_row = 64 * (kRowSplit ? static_cast<int>(tid / 128) - 1 : 0) +
+                           16 * static_cast<int>((tid / 32) % 4) + static_cast<int>((tid % 32) / 4);
+      const int i = m_of + lane_row;
       float* const dst =
           p.dq_acc + dq_acc_index<D>(sq.q_start + i, h_of, 64 * dq_c + 2 * tq, p.hq);
 #pragma unroll
@@ -935,7 +945,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
       const float* l_s = stats_lse(s);
       const float* d_s = stats_delta(s);
-      const int jw = n0 + 64 * cw + 16 * warp;  // the warp's first key
+      const int jw = j0 - g;  // the warp's first key (n0 + 64 cw + 16 warp)
       const bool full = m + BM <= sq.lq && sq.all_visible(m, m + BM, jw, jw + 16, p);
       // Both at once (the serial schedule, and the softcap's, whose dS needs tanh of S).
       auto grad_tile = [&](auto path) {  // three copies: see run_path
