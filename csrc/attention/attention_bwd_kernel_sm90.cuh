@@ -470,17 +470,20 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     __syncthreads();
   }
   int kb = 0;  // the K/V buffer (and tile slot) of this thread's current tile
-  // The number of tiles (a past-the-end tile number ends a persistent CTA), recomputed at each
-  // use from the parameters rather than held in a register.
-  auto n_tiles_all = [&]() -> int { return (p.max_k + BN - 1) / BN * p.hkv * p.batch; };
+  // The tile of this CTA's block in a grid of a CTA per tile.
+  auto block_tile = [&]() -> int {
+    return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  };
   auto tile_t = [&]() -> int {
-    if constexpr (!kDet && !kPersist)
-      return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if constexpr (!kDet && !kPersist) return block_tile();
     return reinterpret_cast<volatile int*>(slots)[kb];
   };
   // Key blocks per head and KV heads (the grid's x and y where a CTA has one tile).
   auto nkb = [&]() -> int { return kPersist ? (p.max_k + BN - 1) / BN : gridDim.x; };
   auto nhk = [&]() -> int { return kPersist ? p.hkv : gridDim.y; };
+  // The number of tiles (a past-the-end tile number ends a persistent CTA), recomputed at each
+  // use from the parameters rather than held in a register.
+  auto n_tiles_all = [&]() -> int { return nkb() * nhk() * p.batch; };
   auto cta_nb = [&]() -> int {
     const int nb = tile_t() % nkb();
     if constexpr (kDet) return p.dq_desc ? nkb() - 1 - nb : nb;
@@ -631,11 +634,10 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       };
       // Whether tile t has keys (its key block starts inside its sequence).
       auto has_keys = [&](int t) {
-        const int nkb = (p.max_k + BN - 1) / BN, b_t = t / nkb / p.hkv;
-        return (t % nkb) * BN < p.cu_k[b_t + 1] - p.cu_k[b_t];
+        const int b_t = t / nkb() / nhk();
+        return (t % nkb()) * BN < p.cu_k[b_t + 1] - p.cu_k[b_t];
       };
-      int t = p.persist ? blockIdx.x
-                        : blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+      int t = p.persist ? static_cast<int>(blockIdx.x) : block_tile();
       int gs = 0;  // the steps of the earlier tiles: the Q/dO stages run on across tiles
       for (int j = 0;; ++j) {
         kb = j & 1;
