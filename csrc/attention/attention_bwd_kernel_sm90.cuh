@@ -777,7 +777,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     // dQ piece of this warpgroup: query rows 64 dq_r + [0, 64), columns 64 dq_c + [0, 64).
     constexpr bool kRowSplit = C::kDqRowSplit == 2;
     const int dq_r = kRowSplit ? cw : 0, dq_c = kRowSplit ? 0 : cw;
-    if constexpr (kDqT)
+    if constexpr (kDqT || kOverlap)
       if (score.capped()) __trap();  // the launcher never sends softcap here: no such path
     // Every consumer thread arrives: an arrival releases only its own thread's earlier reads
     // (of the stage's statistics, here), so one lane arriving for its warp would not order the
@@ -1022,7 +1022,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         for (int kk = 0; kk < BM / 16; ++kk) Wgmma<T, D>::rs_mn(dk, dsa[kk], b + kk * 2048, 1);
         wgmma_commit();
       };
-      if (!kOverlap || score.capped()) {
+      if constexpr (!kOverlap) {
         wgmma_wait<0>();
         reg_fence(st);
         reg_fence(dpt);
@@ -1043,6 +1043,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         // Overlapped: P^T while dP^T runs, then (D=128) dS^T while dV += P^T dO runs (the
         // groups complete in order: wait_group 1 leaves only the last one in flight). At D=64
         // the P^T fragments held through dS^T (S^T, dP^T: 128 floats) would spill: dV waits.
+        // No softcap here (the launcher sends it to the serial kernel; the check is before the
+        // tiles): with the softcap's serial path in this kernel too, ptxas serialised every
+        // wgmma of it (C7512).
         constexpr bool kEarlyDv = D == 128;
         wgmma_wait<1>();
         reg_fence(st);

@@ -20,14 +20,15 @@ namespace fusedops {
 namespace attn {
 
 // The consumers' schedule: serial unless FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=overlap (P^T while
-// dP^T runs; at D=128 dS^T while dV += P^T dO runs; the softcap takes the serial order either
-// way), which was slower on the H200 at every shape of check_attention_sm90.py's backward
-// timing (2026-12-01, bf16, B*L = 16384, H*D = 2048, TFLOP/s serial / overlap: D=128 L=4096
-// 535/405, causal 438/355, L=16384 547/439; D=64 L=4096 436/370, L=16384 462/394). Read at
-// every call.
-inline bool sm90_bwd_overlap() {
+// dP^T runs; at D=128 dS^T while dV += P^T dO runs) on a call without softcap (whose calls take
+// the serial kernel). Measured slower on the H200 at every shape of check_attention_sm90.py's
+// backward timing (2026-12-01, bf16, B*L = 16384, H*D = 2048, TFLOP/s serial / overlap: D=128
+// L=4096 535/405, causal 438/355, L=16384 547/439; D=64 L=4096 436/370, L=16384 462/394), when
+// the overlap kernel also held the softcap's serial path and ptxas serialised its wgmmas
+// (C7512); without it, D=128 compiles with no serialisation (not yet timed). Read at every call.
+inline bool sm90_bwd_overlap(const AttnParams& p) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
-  return s != nullptr && std::strcmp(s, "overlap") == 0;
+  return s != nullptr && std::strcmp(s, "overlap") == 0 && !(p.softcap > 0.f);
 }
 // The serial schedule's dQ products: a step behind (dQ_part of step i formed during step i + 1
 // from the dS^T both warpgroups wrote a step before, so that neither waits for the other's
@@ -109,7 +110,7 @@ inline bool make_dq_acc_map(CUtensorMap* map, float* acc, int hq, int total_q) {
 // tiles than a 64-row one); FUSEDOPS_ATTN_SM90_BWD_BM=64|80 forces either (80 still only in
 // that schedule, without softcap or the deterministic mode). Read at every call.
 inline bool sm90_bwd_q80(const AttnParams& p) {
-  if (p.head_dim != 128 || p.dq_sem != nullptr || p.softcap > 0.f || sm90_bwd_overlap() ||
+  if (p.head_dim != 128 || p.dq_sem != nullptr || p.softcap > 0.f || sm90_bwd_overlap(p) ||
       sm90_bwd_lagged(128))
     return false;
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_BM");
@@ -180,7 +181,7 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
         return bwd_kernel_sm90<T, D, false, false, false, BM>;  // sm90_bwd_q80's schedule
       } else {
         return p.dq_sem != nullptr ? bwd_kernel_sm90<T, D, false, true>
-               : sm90_bwd_overlap() ? bwd_kernel_sm90<T, D, true, false>
+               : sm90_bwd_overlap(p) ? bwd_kernel_sm90<T, D, true, false>
                : sm90_bwd_lagged(D) ? bwd_kernel_sm90<T, D, false, false, true>
                                     : bwd_kernel_sm90<T, D, false, false>;
       }
