@@ -601,11 +601,17 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         for (int c = 0; c < kBlocks; ++c)
           tma_load_3d(sDo + s * C::kQBytes + c * BM * 128, &tm_do, bar_full(s), 64 * c, h, row);
         // (the sizes from the parameters at each step: the TMA thread has 24 registers)
-        const int rows = static_cast<int>(stats_rows_sm90(p));  // < 2^31 (the statistics' size)
-        const float* src = lse2_g + static_cast<int64_t>(h) * rows + m;
         const uint32_t dst = base + C::kStatsOff + s * 2 * BM * 4;
-        bulk_load_1d(dst, src, BM * 4, bar_full(s));
-        bulk_load_1d(dst + BM * 4, src + static_cast<int64_t>(p.hq) * rows, BM * 4, bar_full(s));
+        if constexpr (kPersist) {  // the row count in 32 bits (< 2^31, the statistics' size)
+          const int rows = static_cast<int>(stats_rows_sm90(p));
+          const float* src = lse2_g + static_cast<int64_t>(h) * rows + m;
+          bulk_load_1d(dst, src, BM * 4, bar_full(s));
+          bulk_load_1d(dst + BM * 4, src + static_cast<int64_t>(p.hq) * rows, BM * 4, bar_full(s));
+        } else {  // (in 32 bits the 80-query kernel's code came out 2% slower)
+          const float* src = lse2_g + h * stats_rows_sm90(p) + m;
+          bulk_load_1d(dst, src, BM * 4, bar_full(s));
+          bulk_load_1d(dst + BM * 4, src + p.hq * stats_rows_sm90(p), BM * 4, bar_full(s));
+        }
         step_on(h, m);
       }
       return g_end;
@@ -947,7 +953,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
       const float* l_s = stats_lse(s);
       const float* d_s = stats_delta(s);
-      const int jw = j0 - g;  // the warp's first key (n0 + 64 cw + 16 warp)
+      // The warp's first key (as j0 - g it held one register less in the persistent kernels).
+      const int jw = kPersist ? j0 - g : n0 + 64 * cw + 16 * warp;
       const bool full = m + BM <= sq.lq && sq.all_visible(m, m + BM, jw, jw + 16, p);
       // Both at once (the serial schedule, and the softcap's, whose dS needs tanh of S).
       auto grad_tile = [&](auto path) {  // three copies: see run_path
