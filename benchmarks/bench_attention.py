@@ -18,7 +18,7 @@ Methods with a suffix run the fusedops backend under an environment override (ME
 linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backward, -bwd-regs
 the sm90 backward storing dK/dV from registers, -bwd-nonpersistent its one-CTA-per-key-block
 launch, -bwd-lagged /
--bwd-lockstep its dQ products a step behind or not, -bm64 / -bm80 its query steps at D=128,
+-bwd-lockstep its dQ products a step behind or not, -bwd-overlap its overlapped schedule, -bm64 / -bm80 its query steps at D=128,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
 -m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
 schedule, -bn176 its 176-key tiles at D=128, -mc / -nomc its K/V multicast in clusters of two
@@ -116,6 +116,7 @@ METHOD_ENV = {
     "-bwd-regs": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "regs"},
     "-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
+    "-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},  # before -overlap
     "-bm64": {"FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
     "-bm80": {"FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
     "-qstart": {"FUSEDOPS_ATTN_SM90_QALIGN": "start"},

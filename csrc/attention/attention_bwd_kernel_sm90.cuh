@@ -470,17 +470,20 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     __syncthreads();
   }
   int kb = 0;  // the K/V buffer (and tile slot) of this thread's current tile
-  // The number of tiles (a past-the-end tile number ends a persistent CTA), recomputed at each
-  // use from the parameters rather than held in a register.
-  auto n_tiles_all = [&]() -> int { return (p.max_k + BN - 1) / BN * p.hkv * p.batch; };
+  // The tile of this CTA's block in a grid of a CTA per tile.
+  auto block_tile = [&]() -> int {
+    return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+  };
   auto tile_t = [&]() -> int {
-    if constexpr (!kDet && !kPersist)
-      return blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    if constexpr (!kDet && !kPersist) return block_tile();
     return reinterpret_cast<volatile int*>(slots)[kb];
   };
   // Key blocks per head and KV heads (the grid's x and y where a CTA has one tile).
   auto nkb = [&]() -> int { return kPersist ? (p.max_k + BN - 1) / BN : gridDim.x; };
   auto nhk = [&]() -> int { return kPersist ? p.hkv : gridDim.y; };
+  // The number of tiles (a past-the-end tile number ends a persistent CTA), recomputed at each
+  // use from the parameters rather than held in a register.
+  auto n_tiles_all = [&]() -> int { return nkb() * nhk() * p.batch; };
   auto cta_nb = [&]() -> int {
     const int nb = tile_t() % nkb();
     if constexpr (kDet) return p.dq_desc ? nkb() - 1 - nb : nb;
@@ -566,7 +569,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
   const int lane = threadIdx.x & 31;
   if (wg == 0) {
     // ---- producer ----
-    setmaxnreg_dec<kDet ? C::kProducerRegsDet : C::kProducerRegs>();
+    setmaxnreg_dec<kDet       ? C::kProducerRegsDet
+                   : kPersist ? C::kProducerRegsPersist
+                              : C::kProducerRegs>();
     const int warp = threadIdx.x / 32;
     // One tile's loads from global step gs on: K and V into buffer kb, then per step Q, dO and
     // the statistics into stage (gs + it) % S.
@@ -596,10 +601,17 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         for (int c = 0; c < kBlocks; ++c)
           tma_load_3d(sDo + s * C::kQBytes + c * BM * 128, &tm_do, bar_full(s), 64 * c, h, row);
         // (the sizes from the parameters at each step: the TMA thread has 24 registers)
-        const float* src = lse2_g + h * stats_rows_sm90(p) + m;
         const uint32_t dst = base + C::kStatsOff + s * 2 * BM * 4;
-        bulk_load_1d(dst, src, BM * 4, bar_full(s));
-        bulk_load_1d(dst + BM * 4, src + p.hq * stats_rows_sm90(p), BM * 4, bar_full(s));
+        if constexpr (kPersist) {  // the row count in 32 bits (< 2^31, the statistics' size)
+          const int rows = static_cast<int>(stats_rows_sm90(p));
+          const float* src = lse2_g + static_cast<int64_t>(h) * rows + m;
+          bulk_load_1d(dst, src, BM * 4, bar_full(s));
+          bulk_load_1d(dst + BM * 4, src + static_cast<int64_t>(p.hq) * rows, BM * 4, bar_full(s));
+        } else {  // (in 32 bits the 80-query kernel's code came out 2% slower)
+          const float* src = lse2_g + h * stats_rows_sm90(p) + m;
+          bulk_load_1d(dst, src, BM * 4, bar_full(s));
+          bulk_load_1d(dst + BM * 4, src + p.hq * stats_rows_sm90(p), BM * 4, bar_full(s));
+        }
         step_on(h, m);
       }
       return g_end;
@@ -621,15 +633,17 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       // passed over. Tile j + 1's K and V so load while tile j's last steps run.
       prefetch_descs();
       auto next_tile = [&]() -> int {
-        return p.persist ? gridDim.x + atomicAdd(p.dq_done + 1, 1) : n_tiles_all();
+        if (!p.persist) return n_tiles_all();
+        unsigned ctas;  // read here, not held across the tile (the TMA thread has 24 registers)
+        asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(ctas));
+        return static_cast<int>(ctas) + atomicAdd(p.dq_done + 1, 1);
       };
       // Whether tile t has keys (its key block starts inside its sequence).
       auto has_keys = [&](int t) {
-        const int nkb = (p.max_k + BN - 1) / BN, b_t = t / nkb / p.hkv;
-        return (t % nkb) * BN < p.cu_k[b_t + 1] - p.cu_k[b_t];
+        const int b_t = t / nkb() / nhk();
+        return (t % nkb()) * BN < p.cu_k[b_t + 1] - p.cu_k[b_t];
       };
-      int t = p.persist ? blockIdx.x
-                        : blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+      int t = p.persist ? static_cast<int>(blockIdx.x) : block_tile();
       int gs = 0;  // the steps of the earlier tiles: the Q/dO stages run on across tiles
       for (int j = 0;; ++j) {
         kb = j & 1;
@@ -759,7 +773,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     }
   } else {
     // ---- consumers ----
-    setmaxnreg_inc<kDet ? C::kConsumerRegsDet : C::kConsumerRegs>();
+    setmaxnreg_inc<kDet       ? C::kConsumerRegsDet
+                   : kPersist ? C::kConsumerRegsPersist
+                              : C::kConsumerRegs>();
     const int cw = warpgroup_uniform() - 1;  // consumer warpgroup: keys [64 cw, 64 cw + 64)
     const int warp = (threadIdx.x / 32) % 4, g = lane >> 2, tq = lane & 3;
     const int kr0 = 64 * cw + 16 * warp + g;  // the lane's first key row in the block (+8)
@@ -767,7 +783,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     // dQ piece of this warpgroup: query rows 64 dq_r + [0, 64), columns 64 dq_c + [0, 64).
     constexpr bool kRowSplit = C::kDqRowSplit == 2;
     const int dq_r = kRowSplit ? cw : 0, dq_c = kRowSplit ? 0 : cw;
-    if constexpr (kDqT)
+    if constexpr (kDqT || kOverlap)
       if (score.capped()) __trap();  // the launcher never sends softcap here: no such path
     // Every consumer thread arrives: an arrival releases only its own thread's earlier reads
     // (of the stage's statistics, here), so one lane arriving for its warp would not order the
@@ -887,7 +903,13 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         }
         return;
       }
-      const int i = m_of + 64 * dq_r + 16 * warp + g;
+      // The lane's row in the block, 64 dq_r + 16 warp + g, from the thread index read here
+      // (held across the step as one value, it spilled at D=64 in the lagged schedule).
+      unsigned tid;
+      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+      const int lane_row = 64 * (kRowSplit ? static_cast<int>(tid / 128) - 1 : 0) +
+                           16 * static_cast<int>((tid / 32) % 4) + static_cast<int>((tid % 32) / 4);
+      const int i = m_of + lane_row;
       float* const dst =
           p.dq_acc + dq_acc_index<D>(sq.q_start + i, h_of, 64 * dq_c + 2 * tq, p.hq);
 #pragma unroll
@@ -931,7 +953,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
       const float* l_s = stats_lse(s);
       const float* d_s = stats_delta(s);
-      const int jw = n0 + 64 * cw + 16 * warp;  // the warp's first key
+      // The warp's first key (as j0 - g it held one register less in the persistent kernels).
+      const int jw = kPersist ? j0 - g : n0 + 64 * cw + 16 * warp;
       const bool full = m + BM <= sq.lq && sq.all_visible(m, m + BM, jw, jw + 16, p);
       // Both at once (the serial schedule, and the softcap's, whose dS needs tanh of S).
       auto grad_tile = [&](auto path) {  // three copies: see run_path
@@ -1006,7 +1029,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         for (int kk = 0; kk < BM / 16; ++kk) Wgmma<T, D>::rs_mn(dk, dsa[kk], b + kk * 2048, 1);
         wgmma_commit();
       };
-      if (!kOverlap || score.capped()) {
+      if constexpr (!kOverlap) {
         wgmma_wait<0>();
         reg_fence(st);
         reg_fence(dpt);
@@ -1027,6 +1050,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         // Overlapped: P^T while dP^T runs, then (D=128) dS^T while dV += P^T dO runs (the
         // groups complete in order: wait_group 1 leaves only the last one in flight). At D=64
         // the P^T fragments held through dS^T (S^T, dP^T: 128 floats) would spill: dV waits.
+        // No softcap here (the launcher sends it to the serial kernel; the check is before the
+        // tiles): with the softcap's serial path in this kernel too, ptxas serialised every
+        // wgmma of it (C7512).
         constexpr bool kEarlyDv = D == 128;
         wgmma_wait<1>();
         reg_fence(st);

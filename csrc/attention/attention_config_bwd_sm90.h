@@ -41,6 +41,9 @@ struct TilesBwdSm90 {
   // (65536 / 384 rounded down to 8). The consumers peak near 240 (dK, dV, S^T, dP^T: 192
   // floats at both head dims).
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+  // The persistent kernels' TMA thread keeps its tile loop's state (at 24 registers it spilled
+  // 20-32 bytes): 32 + 2 x 232 = 496.
+  static constexpr int kProducerRegsPersist = 32, kConsumerRegsPersist = 232;
   // The deterministic mode's producer warpgroup also runs the dQ writer warp (its loop state,
   // the turn and the addresses of a step): 40 + 2 x 232 = 504.
   static constexpr int kProducerRegsDet = 40, kConsumerRegsDet = 232;

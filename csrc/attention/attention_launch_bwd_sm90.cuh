@@ -20,14 +20,15 @@ namespace fusedops {
 namespace attn {
 
 // The consumers' schedule: serial unless FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=overlap (P^T while
-// dP^T runs; at D=128 dS^T while dV += P^T dO runs; the softcap takes the serial order either
-// way), which was slower on the H200 at every shape of check_attention_sm90.py's backward
-// timing (2026-12-01, bf16, B*L = 16384, H*D = 2048, TFLOP/s serial / overlap: D=128 L=4096
-// 535/405, causal 438/355, L=16384 547/439; D=64 L=4096 436/370, L=16384 462/394). Read at
-// every call.
-inline bool sm90_bwd_overlap() {
+// dP^T runs; at D=128 dS^T while dV += P^T dO runs) on a call without softcap (whose calls take
+// the serial kernel). Measured slower on the H200 at every shape of check_attention_sm90.py's
+// backward timing (2026-12-01, bf16, B*L = 16384, H*D = 2048, TFLOP/s serial / overlap: D=128
+// L=4096 535/405, causal 438/355, L=16384 547/439; D=64 L=4096 436/370, L=16384 462/394), when
+// the overlap kernel also held the softcap's serial path and ptxas serialised its wgmmas
+// (C7512); without it, D=128 compiles with no serialisation (not yet timed). Read at every call.
+inline bool sm90_bwd_overlap(const AttnParams& p) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
-  return s != nullptr && std::strcmp(s, "overlap") == 0;
+  return s != nullptr && std::strcmp(s, "overlap") == 0 && !(p.softcap > 0.f);
 }
 // The serial schedule's dQ products: a step behind (dQ_part of step i formed during step i + 1
 // from the dS^T both warpgroups wrote a step before, so that neither waits for the other's
@@ -109,18 +110,20 @@ inline bool make_dq_acc_map(CUtensorMap* map, float* acc, int hq, int total_q) {
 // tiles than a 64-row one); FUSEDOPS_ATTN_SM90_BWD_BM=64|80 forces either (80 still only in
 // that schedule, without softcap or the deterministic mode). Read at every call.
 inline bool sm90_bwd_q80(const AttnParams& p) {
-  if (p.head_dim != 128 || p.dq_sem != nullptr || p.softcap > 0.f || sm90_bwd_overlap() ||
+  if (p.head_dim != 128 || p.dq_sem != nullptr || p.softcap > 0.f || sm90_bwd_overlap(p) ||
       sm90_bwd_lagged(128))
     return false;
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_BM");
   if (s != nullptr && std::strcmp(s, "80") == 0) return true;
   if (s != nullptr && std::strcmp(s, "64") == 0) return false;
-  // By default also only for sequences of at least 4096 queries (on the H200 at B*L=16384,
-  // 80-row steps run 2-3% faster at L=4096 and 16384 and 10% slower at 1024: the fixed cost of
-  // a key block's prologue and epilogue weighs more against fewer, longer steps) and where
+  // By default also only for sequences of at least 8192 queries (on the H100 at B*L=16384,
+  // against the persistent 64-query kernel: 6% slower at L=4096, level at 8192, level to 3%
+  // faster at 16384 in two runs; 10% slower at 1024 before the 64-query kernel was persistent:
+  // the fixed cost of a key block's prologue and epilogue weighs more against fewer, longer
+  // steps, and the 80-query kernel has no persistent form) and where
   // 80-row steps add at most 4% rows over 64-row ones for the longest sequence.
   const int64_t rows80 = (p.max_q + 79) / 80 * 80, rows64 = (p.max_q + 63) / 64 * 64;
-  return p.left < 0 && p.right < 0 && p.max_q >= 4096 && rows80 * 25 <= rows64 * 26;
+  return p.left < 0 && p.right < 0 && p.max_q >= 8192 && rows80 * 25 <= rows64 * 26;
 }
 
 // Needs p.dq_acc (rows rounded up to a multiple of 8, any contents: the preprocess zeroes the
@@ -180,7 +183,7 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
         return bwd_kernel_sm90<T, D, false, false, false, BM>;  // sm90_bwd_q80's schedule
       } else {
         return p.dq_sem != nullptr ? bwd_kernel_sm90<T, D, false, true>
-               : sm90_bwd_overlap() ? bwd_kernel_sm90<T, D, true, false>
+               : sm90_bwd_overlap(p) ? bwd_kernel_sm90<T, D, true, false>
                : sm90_bwd_lagged(D) ? bwd_kernel_sm90<T, D, false, false, true>
                                     : bwd_kernel_sm90<T, D, false, false>;
       }
