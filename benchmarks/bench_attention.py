@@ -114,6 +114,7 @@ METHOD_ENV = {
     "-bwd80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
     "-bwd-nonpersistent": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "0"},  # before -nonpersistent
     "-bwd-regs": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "regs"},
+    "-bwd-deferred": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "deferred"},
     "-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
     "-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},  # before -overlap
