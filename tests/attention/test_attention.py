@@ -491,6 +491,12 @@ SM90_BWD_VARIANTS = {
     "sm90-bwd-deferred": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "deferred"},
     "sm90-bwd-3cta-deferred": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
                                "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "deferred"},
+    "sm90-bwd-3cta-deferred-lagged": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
+                                      "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "deferred",
+                                      "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
+    "sm90-bwd-3cta-deferred-overlap": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
+                                       "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "deferred",
+                                       "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     # 80-query steps at D=128 (the transposed dQ product) under masks too, and 64-query ones
     # where 80 is the default (unmasked, no softcap).
     "sm90-bwd-bm80": {"FUSEDOPS_ATTN_SM90_BWD_BM": "80"},

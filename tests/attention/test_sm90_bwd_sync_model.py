@@ -209,21 +209,25 @@ def run(tiles, lagged, seed, count=False, bug=None, defer=False):
 
     def consumer(w):
         gs = 0
-        pend = []  # defer: (buffer, reading) of the store whose wait and arrival are deferred
+        pend = []  # defer: the store (its reading flag) whose wait and arrival are deferred
+        stores = []  # every store's reading flag: none may still read when the thread exits
 
-        def release_pend():
+        def release_pend(buf):  # buf: the last tile's buffer, kb ^ 1 at every release point
             while pend:
-                pkb, reading = pend.pop()
+                reading = pend.pop()
                 if bug != "defer_no_wait":
                     yield lambda reading=reading: not reading[0]  # tma_store_wait_read<0>
-                kv_empty[pkb].arrive(1)
+                kv_empty[buf].arrive(1)
 
         for j in itertools.count():
             kb = j & 1 if nkv == 2 else 0
             yield until(kv_full[kb], (j >> 1) & 1, j >> 1)
             t = read_slot(kb, j)
             if t == sentinel:
-                yield from release_pend()
+                if bug != "defer_no_exit_wait":
+                    yield from release_pend(kb ^ 1 if nkv == 2 else 0)
+                if any(r[0] for r in stores):
+                    raise Fail(f"warpgroup {w} exits while a dK/dV store reads shared memory")
                 return
             n, K, V = tiles[t][1], sK[kb], sV[kb]
             for it in range(n):
@@ -233,7 +237,7 @@ def run(tiles, lagged, seed, count=False, bug=None, defer=False):
                 # S^T = K Q^T and dP^T = V dO^T over this warpgroup's keys, waited for together
                 r = reads((K[w], t), (st["Q"], g), (V[w], t), (st["dO"], g))
                 if it == 0:
-                    yield from release_pend()
+                    yield from release_pend(kb ^ 1 if nkv == 2 else 0)
                 yield ANY
                 done(r)
                 r = reads((st["lse"], g), (st["delta"], g))  # P^T and dS^T in registers
@@ -275,7 +279,7 @@ def run(tiles, lagged, seed, count=False, bug=None, defer=False):
                 dq_full[kb].arrive(128)
             if bug != "no_tile_barrier":
                 yield from nb1.sync(w)
-            yield from release_pend()  # (a tile without steps)
+            yield from release_pend(kb ^ 1 if nkv == 2 else 0)  # (a tile without steps)
             read_slot(kb, j)  # the epilogue reads the tile's indices again
             if tiles[t][2][w]:  # from registers (a slab crossing lk, or p.dkv_regs)
                 yield ANY
@@ -286,6 +290,7 @@ def run(tiles, lagged, seed, count=False, bug=None, defer=False):
             kv_empty[kb].arrive(127)  # the threads that do not store
             rows = reads((K[w], None), (V[w], None))
             reading = [True]
+            stores.append(reading)
 
             def store_read(rows=rows, reading=reading):
                 done(rows)
@@ -294,7 +299,7 @@ def run(tiles, lagged, seed, count=False, bug=None, defer=False):
             if bug == "early_store_release":
                 kv_empty[kb].arrive(1)
             elif defer:
-                pend.append((kb, reading))
+                pend.append(reading)
                 continue
             yield lambda reading=reading: not reading[0]  # tma_store_wait_read<0>
             if bug != "early_store_release":
@@ -332,12 +337,13 @@ def test_bwd_sync_model_has_no_deadlock_or_hazard(lagged, count, part):
 
 
 @pytest.mark.parametrize("count", [False, True], ids=["no_count", "count"])
-def test_bwd_sync_model_deferred_store_release(count):
-    """p.dkv_defer (D=128, lockstep): the dK/dV store's wait and the buffer's release deferred
-    into the next tile."""
-    rng = random.Random(7 + count)
+@pytest.mark.parametrize("lagged", [False, True], ids=["lockstep", "lagged"])
+def test_bwd_sync_model_deferred_store_release(lagged, count):
+    """p.dkv_defer (D=128): the dK/dV store's wait and the buffer's release deferred into the
+    next tile."""
+    rng = random.Random(7 + count + 2 * lagged)
     for _ in range(300):
-        run(random_tiles(rng), False, rng.randrange(1 << 30), count, defer=True)
+        run(random_tiles(rng), lagged, rng.randrange(1 << 30), count, defer=True)
 
 
 def test_bwd_sync_model_single_tiles():
@@ -368,6 +374,7 @@ def test_bwd_sync_model_single_tiles():
     ("count_no_dq_wait", False),     # a tile counted before its dQ additions are issued
     ("counter_not_counted", True),   # bar_kv_empty's count without the counting thread
     ("defer_no_wait", False),        # deferred: the buffer released before the store read it
+    ("defer_no_exit_wait", False),   # deferred: the last store not waited for at the exit
 ])
 def test_bwd_sync_model_catches_known_mistakes(bug, lagged):
     rng = random.Random(5)
