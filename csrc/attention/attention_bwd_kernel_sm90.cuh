@@ -791,7 +791,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     auto release = [&](uint32_t bar) { mbar_arrive(bar); };
 
     int gs = 0;  // the steps of the earlier tiles: the Q/dO stages run on across tiles
-    // kPersist with p.dkv_defer: whether this thread (a warpgroup's storing thread) has issued
+    // kPersist with p.dkv_defer (the default): whether this thread (a warpgroup's storing thread) has issued
     // a dK/dV store from the last tile's K/V buffer (kb ^ 1 once the next tile is set) and not
     // yet waited for it. Its wait and its arrival on the
     // buffer's empty barrier come after the next tile's first S^T and dP^T are issued (or

@@ -140,7 +140,7 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
     p.dq_probe = std::atoi(probe);
   if (const char* epi = std::getenv("FUSEDOPS_ATTN_SM90_BWD_EPILOGUE")) {
     p.dkv_regs = std::strcmp(epi, "regs") == 0;
-    p.dkv_defer = std::strcmp(epi, "deferred") == 0;
+    if (std::strcmp(epi, "immediate") == 0) p.dkv_defer = false;
   }
   using C = TilesBwdSm90<D, BM>;
   static_assert(sizeof(T) == C::kElem);
