@@ -16,7 +16,8 @@ to the same drift.
 Methods with a suffix run the fusedops backend under an environment override (METHOD_ENV):
 -atomic-dq / -deterministic the dQ modes (-deterministic-ascending with the deterministic mode's
 linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backward, -bwd-regs
-the sm90 backward storing dK/dV from registers, -bwd-nonpersistent its one-CTA-per-key-block
+the sm90 backward storing dK/dV from registers, -bwd-immediate its dK/dV store waited for before
+the next key block, -bwd-nonpersistent its one-CTA-per-key-block
 launch, -bwd-lagged /
 -bwd-lockstep its dQ products a step behind or not, -bwd-overlap its overlapped schedule, -bm64 / -bm80 its query steps at D=128,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
@@ -114,6 +115,7 @@ METHOD_ENV = {
     "-bwd80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
     "-bwd-nonpersistent": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "0"},  # before -nonpersistent
     "-bwd-regs": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "regs"},
+    "-bwd-immediate": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "immediate"},
     "-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
     "-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},  # before -overlap

@@ -264,6 +264,11 @@ BWD_VARIANTS = {
     "sm90-lockstep-3cta": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
                            "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
     "sm90-nonpersistent": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "0"},
+    # the dK/dV store's wait and the K/V buffer's release before the next key block (the
+    # persistent kernels at D=128 defer them past its first products)
+    "sm90-immediate": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "immediate"},
+    "sm90-3cta-immediate": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
+                            "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "immediate"},
 }
 # Timing also runs the sm80 backward's deterministic mode (its dQ pass).
 BWD_TIMED = {"sm80-det": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"}, **BWD_VARIANTS}

@@ -791,6 +791,22 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     auto release = [&](uint32_t bar) { mbar_arrive(bar); };
 
     int gs = 0;  // the steps of the earlier tiles: the Q/dO stages run on across tiles
+    // kPersist with p.dkv_defer (the default): whether this thread (a warpgroup's storing thread) has issued
+    // a dK/dV store from the last tile's K/V buffer (kb ^ 1 once the next tile is set) and not
+    // yet waited for it. Its wait and its arrival on the
+    // buffer's empty barrier come after the next tile's first S^T and dP^T are issued (or
+    // before that tile's own store, or at the end), so that the warpgroup does not stall on
+    // the store before its next products; the buffer is next written two tiles on.
+    // (D=128 only: at D=64 the flag took a stack slot.)
+    constexpr bool kDeferKv = kPersist && D == 128;
+    bool kv_pend = false;
+    auto release_kv_pend = [&](int buf) {
+      if (kDeferKv && kv_pend) {
+        tma_store_wait_read<0>();
+        mbar_arrive(bar_kv_empty(buf));
+        kv_pend = false;
+      }
+    };
     for (int j = 0;; ++j) {  // the CTA's tiles (one unless kPersist)
     if constexpr (kPersist) {
       kb = j & 1;
@@ -949,6 +965,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       if constexpr (kOverlap) wgmma_commit();  // S^T and dP^T as two groups
       keys_by_queries(dpt, dV_km, dDo_km + s * C::kQBytes);
       wgmma_commit();
+      if (it == 0) release_kv_pend(kb ^ 1);  // (the last tile's store, while S^T and dP^T run)
 
       // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
       const float* l_s = stats_lse(s);
@@ -1199,6 +1216,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     // kPersist: always, so that no wgmma of this tile still reads a buffer when the next tile's
     // steps write it.
     if (kPersist || !p.dkv_regs) named_bar_sync<256>(1);
+    release_kv_pend(kb ^ 1);  // a tile without steps: the last tile's store first
+    bool kv_deferred = false;  // this thread's store's wait and arrival are deferred
     if (!p.dkv_regs && n0 + 64 * cw + 64 <= se.lk) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -1221,7 +1240,11 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
           tma_store_3d(&tm_dv, sVt + c * BN * 128 + cw * 64 * 128, 64 * c, cta_hk(), row0);
         }
         tma_store_commit();
-        tma_store_wait_read<0>();  // before the buffer is reused or the CTA's shared memory goes
+        if (kDeferKv && p.dkv_defer) {
+          kv_deferred = true;
+        } else {
+          tma_store_wait_read<0>();  // before the buffer is reused or the CTA's shared memory goes
+        }
       }
     } else {
       T* dK = static_cast<T*>(p.dk) + se.k_start * p.dk_row + static_cast<int64_t>(cta_hk()) * D;
@@ -1242,8 +1265,12 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       }
     }
     if constexpr (!kPersist) break;
-    mbar_arrive(bar_kv_empty(kb));  // this thread is done with the tile's K/V buffer and slot
+    if (kv_deferred)
+      kv_pend = true;
+    else
+      mbar_arrive(bar_kv_empty(kb));  // this thread is done with the tile's K/V buffer and slot
     }  // tiles
+    release_kv_pend(kb ^ 1);  // the CTA's last store has read its buffer before the CTA exits
   }
 #elif defined(__CUDA_ARCH__)
   __trap();  // built for an architecture without wgmma: the host never launches this

@@ -138,8 +138,10 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
                                                      TilesBwdSm90<D>::kBlockN);
   if (const char* probe = std::getenv("FUSEDOPS_ATTN_SM90_BWD_DET_PROBE"))
     p.dq_probe = std::atoi(probe);
-  if (const char* epi = std::getenv("FUSEDOPS_ATTN_SM90_BWD_EPILOGUE"))
+  if (const char* epi = std::getenv("FUSEDOPS_ATTN_SM90_BWD_EPILOGUE")) {
     p.dkv_regs = std::strcmp(epi, "regs") == 0;
+    if (std::strcmp(epi, "immediate") == 0) p.dkv_defer = false;
+  }
   using C = TilesBwdSm90<D, BM>;
   static_assert(sizeof(T) == C::kElem);
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;

@@ -51,6 +51,11 @@ struct AttnParams {
   // keys lie inside the sequence; true (FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs, measurement and
   // debugging), 4-byte stores from registers everywhere.
   bool dkv_regs = false;
+  // The persistent sm90 backward's TMA store of dK/dV at D=128: true, its thread waits for the
+  // store to have read the K/V buffer, and releases the buffer, after issuing the next tile's
+  // first products; false (FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=immediate, measurement and
+  // debugging), before going on.
+  bool dkv_defer = true;
   // The sm90 forward's tile scheduler: two counters (next tile, CTAs done) on the launch's
   // stream, zero before the launch and left at zero by its last CTA
   // (attention_fwd_kernel_sm90.cuh); null: the static order only.

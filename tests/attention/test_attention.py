@@ -487,6 +487,16 @@ SM90_BWD_VARIANTS = {
     "sm90-bwd-3cta-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
                                "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
     "sm90-bwd-nonpersistent": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "0"},
+    "sm90-bwd-3cta-overlap": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
+                              "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
+    # the dK/dV store's wait and the K/V buffer's release before the next tile (the default
+    # defers them past the next tile's first products)
+    "sm90-bwd-immediate": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "immediate"},
+    "sm90-bwd-3cta-immediate": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
+                                "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "immediate"},
+    "sm90-bwd-3cta-immediate-lagged": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
+                                       "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "immediate",
+                                       "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     # 80-query steps at D=128 (the transposed dQ product) under masks too, and 64-query ones
     # where 80 is the default (unmasked, no softcap).
     "sm90-bwd-bm80": {"FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
@@ -519,7 +529,8 @@ SM90_BWD_VARIANTS = {
 }
 SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ",
                 "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER", "FUSEDOPS_ATTN_SM90_BWD_BM",
-                "FUSEDOPS_ATTN_SM90_BWD_CONVERT", "FUSEDOPS_ATTN_SM90_BWD_PERSISTENT")
+                "FUSEDOPS_ATTN_SM90_BWD_CONVERT", "FUSEDOPS_ATTN_SM90_BWD_PERSISTENT",
+                "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE")
 
 
 @pytest.mark.gpu

@@ -108,9 +108,11 @@ class Buf:
 ANY = lambda: True  # noqa: E731  (a scheduling point)
 
 
-def run(tiles, lagged, seed, count=False, bug=None):
+def run(tiles, lagged, seed, count=False, bug=None, defer=False):
     """tiles: (has_keys, n_it, (registers epilogue of warpgroup 0, of 1)) in the order the TMA
-    thread takes them; count: the counting thread (p.dq_done) runs."""
+    thread takes them; count: the counting thread (p.dq_done) runs; defer: the storing thread's
+    wait for its dK/dV store and its arrival on bar_kv_empty come after the next tile's first
+    S^T / dP^T are issued (or before that tile's epilogue, or at the exit; p.dkv_defer)."""
     rng = random.Random(seed)
     nkv = 1 if bug == "one_kv_buffer" else 2
     kv_full = [MBar(f"bar_kv{k}", 1) for k in range(2)]
@@ -207,11 +209,25 @@ def run(tiles, lagged, seed, count=False, bug=None):
 
     def consumer(w):
         gs = 0
+        pend = []  # defer: the store (its reading flag) whose wait and arrival are deferred
+        stores = []  # every store's reading flag: none may still read when the thread exits
+
+        def release_pend(buf):  # buf: the last tile's buffer, kb ^ 1 at every release point
+            while pend:
+                reading = pend.pop()
+                if bug != "defer_no_wait":
+                    yield lambda reading=reading: not reading[0]  # tma_store_wait_read<0>
+                kv_empty[buf].arrive(1)
+
         for j in itertools.count():
             kb = j & 1 if nkv == 2 else 0
             yield until(kv_full[kb], (j >> 1) & 1, j >> 1)
             t = read_slot(kb, j)
             if t == sentinel:
+                if bug != "defer_no_exit_wait":
+                    yield from release_pend(kb ^ 1 if nkv == 2 else 0)
+                if any(r[0] for r in stores):
+                    raise Fail(f"warpgroup {w} exits while a dK/dV store reads shared memory")
                 return
             n, K, V = tiles[t][1], sK[kb], sV[kb]
             for it in range(n):
@@ -220,6 +236,8 @@ def run(tiles, lagged, seed, count=False, bug=None):
                 yield until(full[s], (g // S) & 1, g // S)
                 # S^T = K Q^T and dP^T = V dO^T over this warpgroup's keys, waited for together
                 r = reads((K[w], t), (st["Q"], g), (V[w], t), (st["dO"], g))
+                if it == 0:
+                    yield from release_pend(kb ^ 1 if nkv == 2 else 0)
                 yield ANY
                 done(r)
                 r = reads((st["lse"], g), (st["delta"], g))  # P^T and dS^T in registers
@@ -261,6 +279,7 @@ def run(tiles, lagged, seed, count=False, bug=None):
                 dq_full[kb].arrive(128)
             if bug != "no_tile_barrier":
                 yield from nb1.sync(w)
+            yield from release_pend(kb ^ 1 if nkv == 2 else 0)  # (a tile without steps)
             read_slot(kb, j)  # the epilogue reads the tile's indices again
             if tiles[t][2][w]:  # from registers (a slab crossing lk, or p.dkv_regs)
                 yield ANY
@@ -271,6 +290,7 @@ def run(tiles, lagged, seed, count=False, bug=None):
             kv_empty[kb].arrive(127)  # the threads that do not store
             rows = reads((K[w], None), (V[w], None))
             reading = [True]
+            stores.append(reading)
 
             def store_read(rows=rows, reading=reading):
                 done(rows)
@@ -278,6 +298,9 @@ def run(tiles, lagged, seed, count=False, bug=None):
             events.append(store_read)
             if bug == "early_store_release":
                 kv_empty[kb].arrive(1)
+            elif defer:
+                pend.append(reading)
+                continue
             yield lambda reading=reading: not reading[0]  # tma_store_wait_read<0>
             if bug != "early_store_release":
                 kv_empty[kb].arrive(1)
@@ -313,6 +336,16 @@ def test_bwd_sync_model_has_no_deadlock_or_hazard(lagged, count, part):
         run(random_tiles(rng), lagged, rng.randrange(1 << 30), count)
 
 
+@pytest.mark.parametrize("count", [False, True], ids=["no_count", "count"])
+@pytest.mark.parametrize("lagged", [False, True], ids=["lockstep", "lagged"])
+def test_bwd_sync_model_deferred_store_release(lagged, count):
+    """p.dkv_defer (D=128): the dK/dV store's wait and the buffer's release deferred into the
+    next tile."""
+    rng = random.Random(7 + count + 2 * lagged)
+    for _ in range(300):
+        run(random_tiles(rng), lagged, rng.randrange(1 << 30), count, defer=True)
+
+
 def test_bwd_sync_model_single_tiles():
     """One tile per CTA (the first tile's buffer only), every step count, both epilogues."""
     rng = random.Random(3)
@@ -340,13 +373,16 @@ def test_bwd_sync_model_single_tiles():
     ("lag_early_ready", True),       # "ready" arrived before the half is written
     ("count_no_dq_wait", False),     # a tile counted before its dQ additions are issued
     ("counter_not_counted", True),   # bar_kv_empty's count without the counting thread
+    ("defer_no_wait", False),        # deferred: the buffer released before the store read it
+    ("defer_no_exit_wait", False),   # deferred: the last store not waited for at the exit
 ])
 def test_bwd_sync_model_catches_known_mistakes(bug, lagged):
     rng = random.Random(5)
     count = bug.startswith("count")  # the counting thread's own mistakes
+    defer = bug.startswith("defer")
     with pytest.raises(Fail):
         for _ in range(300):
-            run(random_tiles(rng), lagged, rng.randrange(1 << 30), count, bug=bug)
+            run(random_tiles(rng), lagged, rng.randrange(1 << 30), count, bug=bug, defer=defer)
 
 
 @pytest.mark.parametrize("lagged", [False, True], ids=["lockstep", "lagged"])
