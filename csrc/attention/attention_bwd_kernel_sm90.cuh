@@ -791,10 +791,10 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     auto release = [&](uint32_t bar) { mbar_arrive(bar); };
 
     int gs = 0;  // the steps of the earlier tiles: the Q/dO stages run on across tiles
-    // kPersist with p.dkv_defer (the default): whether this thread (a warpgroup's storing thread) has issued
-    // a dK/dV store from the last tile's K/V buffer (kb ^ 1 once the next tile is set) and not
-    // yet waited for it. Its wait and its arrival on the
-    // buffer's empty barrier come after the next tile's first S^T and dP^T are issued (or
+    // kPersist with p.dkv_defer (the default): whether this thread (a warpgroup's storing
+    // thread) has issued a dK/dV store from the last tile's K/V buffer (kb ^ 1 once the next
+    // tile is set) and not yet waited for it. Its wait and its arrival on the buffer's empty
+    // barrier come after the next tile's first S^T and dP^T are issued (or
     // before that tile's own store, or at the end), so that the warpgroup does not stall on
     // the store before its next products; the buffer is next written two tiles on.
     // (D=128 only: at D=64 the flag took a stack slot.)
