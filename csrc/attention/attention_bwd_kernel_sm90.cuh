@@ -220,10 +220,11 @@ __device__ __forceinline__ void red_add4(float* dst, float4 v) {
 // columns each, so that a warp's loads of O and dO are whole rows of D contiguous elements:
 // delta sums a thread's 8 products in order, then over the row's threads by shuffles (a fixed
 // tree: the same bits every run); the row's first thread writes the statistics; each thread
-// zeroes its 8 floats of the row in the accumulator (one 32-byte run, dq_acc_index; with BM = 80
-// eight floats 32 bytes apart, dq_acc_index_t). Only rows
-// of [0, lq) are zeroed: they are all that bwd_kernel_sm90 adds to and dq_convert_kernel
-// reads, since the sequences cover the packed rows. In the deterministic mode the first
+// zeroes 8 floats of the accumulator, one 32-byte run: its row's 8 columns (dq_acc_index), or
+// with BM = 80 (dq_acc_index_t's column-major tiles) one column of its 8-row tile group. Only
+// rows of [0, lq) are zeroed (with BM = 80, their groups' rows, up to the tensor's rows rounded
+// to 8): they are all that bwd_kernel_sm90 adds to and the conversions read, since the
+// sequences cover the packed rows. In the deterministic mode the first
 // contributor of a whole query block (m + BM <= lq) of a sequence whose rows start on an 8-row
 // tile stores the block instead of adding it (bwd_kernel_sm90's dQ writers), so its rows are
 // not zeroed (unless p.dq_probe bit 1, measurement: every turn adds). Grid
@@ -254,21 +255,31 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
   if (i < sq.lq) {
     acc = dot8(0.f, static_cast<const T*>(p.out) + row * p.o_row + h * D + 8 * c,
                static_cast<const T*>(p.dout) + row * p.do_row + h * D + 8 * c);
-    const int m0 = i / BM * BM;
-    bool zero = true;
-    if (p.dq_sem != nullptr && !(p.dq_probe & 2) && sq.q_start % 8 == 0 && m0 + BM <= sq.lq) {
-      int klo, khi;
-      sq.keys_of(m0, m0 + BM, p, klo, khi);
-      zero = klo >= khi;  // no contributor: nobody stores the block
-    }
-    if (zero && TilesBwdSm90<D, BM>::kDqT) {  // the column-major tiles
-      float* const z = p.dq_acc + dq_acc_index_t<D>(row, h, 8 * c, p.hq);
-#pragma unroll
-      for (int k = 0; k < 8; ++k) z[8 * k] = 0.f;
-    } else if (zero) {
-      float4* const z =
-          reinterpret_cast<float4*>(p.dq_acc + dq_acc_index<D>(row, h, 8 * c, p.hq));
-      z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (TilesBwdSm90<D, BM>::kDqT) {
+      // The column-major tiles (no deterministic mode here: every block is added): the thread
+      // zeroes column 8 c + row % 8 of its tile group, the 8 rows' 32 contiguous bytes, so a
+      // warp's stores are whole sectors (zeroing its row's 8 columns took 8 strided stores).
+      // The group's rows' threads, of this sequence or its neighbours, cover the group's 8
+      // columns of each tile; the tensor's last row also covers the columns of the rows past
+      // it (up to a multiple of 8). Columns hold rows of neighbouring sequences too: zeroes,
+      // all before the backward adds.
+      const int r0 = static_cast<int>(row & 7), r1 = row == p.total_q - 1 ? 7 : r0;
+      float4* z =
+          reinterpret_cast<float4*>(p.dq_acc + dq_acc_tile<D>(row, h, 8 * c, p.hq) + 8 * r0);
+      for (int r = r0; r <= r1; ++r, z += 2) z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    } else {
+      const int m0 = i / BM * BM;
+      bool zero = true;
+      if (p.dq_sem != nullptr && !(p.dq_probe & 2) && sq.q_start % 8 == 0 && m0 + BM <= sq.lq) {
+        int klo, khi;
+        sq.keys_of(m0, m0 + BM, p, klo, khi);
+        zero = klo >= khi;  // no contributor: nobody stores the block
+      }
+      if (zero) {
+        float4* const z =
+            reinterpret_cast<float4*>(p.dq_acc + dq_acc_index<D>(row, h, 8 * c, p.hq));
+        z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
     }
   }
   const int lane = threadIdx.x % 32;
@@ -315,25 +326,42 @@ __global__ void __launch_bounds__(256) dq_convert_tail_kernel(const AttnParams p
     }
     __syncthreads();
     const int rows = min(BM, sq.lq - m);
-    for (int j = threadIdx.x; j < rows * (D / 8); j += 256) {
-      const int64_t row = sq.q_start + m + j / (D / 8);
-      const int c = 8 * (j % (D / 8));
-      float4 x, y;
-      if constexpr (kT) {  // 8 consecutive columns of a row lie 8 floats apart
-        const float* src = p.dq_acc + dq_acc_index_t<D>(row, h, c, p.hq);
-        x = make_float4(__ldcg(src), __ldcg(src + 8), __ldcg(src + 16), __ldcg(src + 24));
-        y = make_float4(__ldcg(src + 32), __ldcg(src + 40), __ldcg(src + 48), __ldcg(src + 56));
-      } else {
+    if constexpr (kT) {
+      // Column-major tiles: a thread takes one column of a tile group (its 8 rows, 32
+      // contiguous bytes; a warp's 1 KiB) and writes its rows inside the block, a warp's 32
+      // columns of a row 64 contiguous bytes (a row's 8 columns lie 8 floats apart: read row
+      // by row, each sector was fetched by four warps).
+      const int64_t r_lo = sq.q_start + m, r_hi = r_lo + rows;
+      const int64_t g0 = r_lo / 8;
+      const int n = static_cast<int>((r_hi - 1) / 8 - g0 + 1) * D;  // columns of the groups
+      for (int j = threadIdx.x; j < n; j += 256) {
+        const int64_t g = g0 + j / D;
+        const int col = j % D;
+        const float4* src =
+            reinterpret_cast<const float4*>(p.dq_acc + dq_acc_tile<D>(8 * g, h, col, p.hq) +
+                                            8 * (col & 7));
+        const float4 x = __ldcg(src), y = __ldcg(src + 1);
+        const float v[8] = {x.x, x.y, x.z, x.w, y.x, y.y, y.z, y.w};
+        T* const dst = static_cast<T*>(p.dq) + 8 * g * p.dq_row + h * D + col;
+#pragma unroll
+        for (int r = 0; r < 8; ++r)
+          if (8 * g + r >= r_lo && 8 * g + r < r_hi)
+            dst[r * p.dq_row] = from_float<T>(v[r] * p.scale);
+      }
+    } else {
+      for (int j = threadIdx.x; j < rows * (D / 8); j += 256) {
+        const int64_t row = sq.q_start + m + j / (D / 8);
+        const int c = 8 * (j % (D / 8));
         const float4* src =
             reinterpret_cast<const float4*>(p.dq_acc + dq_acc_index<D>(row, h, c, p.hq));
-        x = __ldcg(src), y = __ldcg(src + 1);
+        const float4 x = __ldcg(src), y = __ldcg(src + 1);
+        uint4 out;
+        out.x = pack2<T>(x.x * p.scale, x.y * p.scale);
+        out.y = pack2<T>(x.z * p.scale, x.w * p.scale);
+        out.z = pack2<T>(y.x * p.scale, y.y * p.scale);
+        out.w = pack2<T>(y.z * p.scale, y.w * p.scale);
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + row * p.dq_row + h * D + c) = out;
       }
-      uint4 out;
-      out.x = pack2<T>(x.x * p.scale, x.y * p.scale);
-      out.y = pack2<T>(x.z * p.scale, x.w * p.scale);
-      out.z = pack2<T>(y.x * p.scale, y.y * p.scale);
-      out.w = pack2<T>(y.z * p.scale, y.w * p.scale);
-      *reinterpret_cast<uint4*>(static_cast<T*>(p.dq) + row * p.dq_row + h * D + c) = out;
     }
   }
   if (blockIdx.x == gridDim.x - 1 && blockIdx.y == gridDim.y - 1 && blockIdx.z == gridDim.z - 1)

@@ -116,14 +116,13 @@ inline bool sm90_bwd_q80(const AttnParams& p) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_BM");
   if (s != nullptr && std::strcmp(s, "80") == 0) return true;
   if (s != nullptr && std::strcmp(s, "64") == 0) return false;
-  // By default also only for sequences of at least 8192 queries (on the H100 at B*L=16384,
-  // against the persistent 64-query kernel: 6% slower at L=4096, level at 8192, level to 3%
-  // faster at 16384 in two runs; 10% slower at 1024 before the 64-query kernel was persistent:
-  // the fixed cost of a key block's prologue and epilogue weighs more against fewer, longer
-  // steps, and the 80-query kernel has no persistent form) and where
-  // 80-row steps add at most 4% rows over 64-row ones for the longest sequence.
+  // By default also only for sequences of at least 4096 queries without a sliding window
+  // (causal or not): on the H200 at B*L=16384, against the persistent 64-query kernel, 1-6%
+  // faster from 4096 in two runs (non-causal L=16384 once 0.7% slower), causal 2% slower at 2048
+  // (the fixed cost of a key block's prologue and epilogue weighs more against fewer, longer
+  // steps, and the 80-query kernel has no persistent form), and where 80-row steps add at most 4% rows over 64-row ones for the longest sequence.
   const int64_t rows80 = (p.max_q + 79) / 80 * 80, rows64 = (p.max_q + 63) / 64 * 64;
-  return p.left < 0 && p.right < 0 && p.max_q >= 8192 && rows80 * 25 <= rows64 * 26;
+  return p.left < 0 && p.right <= 0 && p.max_q >= 4096 && rows80 * 25 <= rows64 * 26;
 }
 
 // Needs p.dq_acc (rows rounded up to a multiple of 8, any contents: the preprocess zeroes the

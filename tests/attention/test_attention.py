@@ -678,8 +678,9 @@ def test_sm90_deterministic_backward_runs_the_sm90_kernel(head_dim, monkeypatch)
 @pytest.mark.parametrize("feature", ["plain", "short", "causal", "softcap"])
 def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
     """At D=128 the sm90 backward takes 80-query steps (its kernel's template argument 80, dQ
-    converted from column-major tiles by dq_convert_t_kernel) on unmasked calls without softcap
-    of at least 8192 queries, 64-query steps otherwise (4096 queries: "short");
+    converted from column-major tiles by dq_convert_t_kernel) on calls without a sliding window
+    (causal or not) or softcap of at least 4096 queries, 64-query steps otherwise (2048 queries:
+    "short");
     FUSEDOPS_ATTN_SM90_BWD_BM=64|80 forces either, except that softcap always takes 64."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 backward runs on compute capability 9.0")
@@ -692,7 +693,7 @@ def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
         monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_BM", bm)
     opts = {"plain": {}, "short": {}, "causal": {"causal": True},
             "softcap": {"softcap": 30.0}}[feature]
-    n = 4096 if feature == "short" else 8192
+    n = 2048 if feature == "short" else 4096
     case = A.Case(1, n, n, 2, 1, 128, torch.bfloat16, "cuda", **opts)
     inp = A.make_inputs(case)
     names = _kernel_names(lambda: A.run(lambda *a, **k: attention(*a, **k, return_lse=True,
@@ -700,7 +701,7 @@ def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
                                         inp, case, case.dtype))
     if not names:
         pytest.skip("the profiler recorded no CUDA kernels (CUPTI unavailable)")
-    want80 = feature != "softcap" and (bm == "80" or (bm is None and feature == "plain"))
+    want80 = feature != "softcap" and (bm == "80" or (bm is None and feature in ("plain", "causal")))
     conv_t = any("dq_convert_t_kernel" in n for n in names)
     main80 = any("bwd_kernel_sm90" in n and ("128, false, false, false, 80>" in n or
                                               "Li128ELb0ELb0ELb0ELi80E" in n) for n in names)
