@@ -106,9 +106,9 @@ inline bool make_dq_acc_map(CUtensorMap* map, float* acc, int hq, int total_q) {
 // Query steps of 80 rows at D=128 (TilesBwdSm90<128, 80>, the transposed dQ product): 25% more
 // work per step for about the same fixed cost of a step (barriers, statistics, descriptors), in
 // the lockstep serial schedule only, without softcap (its kernel has no softcap path). Taken
-// where no mask cuts the tiles (no causality, no window: an 80-row step crosses more diagonal
-// tiles than a 64-row one); FUSEDOPS_ATTN_SM90_BWD_BM=64|80 forces either (80 still only in
-// that schedule, without softcap or the deterministic mode). Read at every call.
+// without a sliding window, causal or not (below); FUSEDOPS_ATTN_SM90_BWD_BM=64|80 forces
+// either (80 still only in that schedule, without softcap or the deterministic mode). Read at
+// every call.
 inline bool sm90_bwd_q80(const AttnParams& p) {
   if (p.head_dim != 128 || p.dq_sem != nullptr || p.softcap > 0.f || sm90_bwd_overlap(p) ||
       sm90_bwd_lagged(128))
@@ -117,10 +117,13 @@ inline bool sm90_bwd_q80(const AttnParams& p) {
   if (s != nullptr && std::strcmp(s, "80") == 0) return true;
   if (s != nullptr && std::strcmp(s, "64") == 0) return false;
   // By default also only for sequences of at least 4096 queries without a sliding window
-  // (causal or not): on the H200 at B*L=16384, against the persistent 64-query kernel, 1-6%
-  // faster from 4096 in two runs (non-causal L=16384 once 0.7% slower), causal 2% slower at 2048
-  // (the fixed cost of a key block's prologue and epilogue weighs more against fewer, longer
-  // steps, and the 80-query kernel has no persistent form), and where 80-row steps add at most 4% rows over 64-row ones for the longest sequence.
+  // (causal or not), and where 80-row steps add at most 4% rows over 64-row ones for the
+  // longest sequence. On the H200 at B*L=16384, against the persistent 64-query kernel: 1-6%
+  // faster from 4096 in two runs (non-causal L=16384 once 0.9% slower); below 4096 one run,
+  // causal 2% slower at 2048, non-causal 1-4% faster at 1024 and 2048 (on an H100, before the
+  // column-wise dQ zeroing and conversion, 9% slower at 2048: the floor stays at 4096 for
+  // both). The fixed cost of a key block's prologue and epilogue weighs more against fewer,
+  // longer steps, and the 80-query kernel has no persistent form.
   const int64_t rows80 = (p.max_q + 79) / 80 * 80, rows64 = (p.max_q + 63) / 64 * 64;
   return p.left < 0 && p.right <= 0 && p.max_q >= 4096 && rows80 * 25 <= rows64 * 26;
 }

@@ -701,7 +701,8 @@ def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
                                         inp, case, case.dtype))
     if not names:
         pytest.skip("the profiler recorded no CUDA kernels (CUPTI unavailable)")
-    want80 = feature != "softcap" and (bm == "80" or (bm is None and feature in ("plain", "causal")))
+    want80 = feature != "softcap" and (bm == "80" or
+                                       (bm is None and feature in ("plain", "causal")))
     conv_t = any("dq_convert_t_kernel" in n for n in names)
     main80 = any("bwd_kernel_sm90" in n and ("128, false, false, false, 80>" in n or
                                               "Li128ELb0ELb0ELb0ELi80E" in n) for n in names)
