@@ -17,9 +17,9 @@ Methods with a suffix run the fusedops backend under an environment override (ME
 -atomic-dq / -deterministic the dQ modes (-deterministic-ascending with the deterministic mode's
 linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backward, -bwd-regs
 the sm90 backward storing dK/dV from registers, -bwd-immediate its dK/dV store waited for before
-the next key block, -bwd-nonpersistent its one-CTA-per-key-block
-launch, -bwd-lagged /
--bwd-lockstep its dQ products a step behind or not, -bwd-overlap its overlapped schedule, -bm64 / -bm80 its query steps at D=128,
+the next key block, -bwd-nonpersistent its one-CTA-per-key-block launch, -bwd-lagged /
+-bwd-lockstep its dQ products a step behind or not, -bwd-overlap its overlapped schedule,
+-bm64 / -bm80 its query steps at D=128,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
 -m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
 schedule, -bn176 its 176-key tiles at D=128, -mc / -nomc its K/V multicast in clusters of two
