@@ -60,17 +60,26 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
   asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
   return r;
 }
-// One arrival on the barrier at offset `bar` of the cluster's CTA of rank `rank`, with the
-// default semantics (release, CTA scope). For handing back a buffer whose reads have completed
-// (a wgmma's shared-memory operands after its wait_group): the other CTA's next write into it
-// needs no ordering beyond the arrival itself. release.cluster would cost a MEMBAR.ALL.GPU per
-// arrival (nvcc 13.0, sm_90a).
-__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+// One arrival on the barrier at offset `bar` of this CTA where `local`, and one on the same
+// barrier of the other CTA of a cluster of two where `peer`, with the default semantics
+// (release, CTA scope). For handing back a buffer whose reads have completed (a wgmma's
+// shared-memory operands after its wait_group): the other CTA's next write into it needs no
+// ordering beyond the arrival itself; release.cluster would cost a MEMBAR.ALL.GPU per arrival
+// (nvcc 13.0, sm_90a). Predicated instructions, not a branch: a branch between the two costs a
+// warp convergence barrier (BSSY / BSYNC) and a reload of the condition per call, on the
+// consumers' path from one wgmma's wait to the next wgmma. The peer's address is computed
+// either way (address arithmetic only, hoisted by ptxas into uniform registers).
+__device__ __forceinline__ void mbar_arrive_local_or_peer(uint32_t bar, bool local, bool peer) {
   asm volatile(
-      "{\n.reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-      "r"(rank)
+      "{\n.reg .pred pl, pp;\n.reg .b32 rank, remote;\n"
+      "setp.ne.b32 pl, %1, 0;\n"
+      "setp.ne.b32 pp, %2, 0;\n"
+      "@pl mbarrier.arrive.shared::cta.b64 _, [%0];\n"
+      "mov.u32 rank, %%cluster_ctarank;\n"
+      "xor.b32 rank, rank, 1;\n"
+      "mapa.shared::cluster.u32 remote, %0, rank;\n"
+      "@pp mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "r"(static_cast<int>(local)), "r"(static_cast<int>(peer))
       : "memory");
 }
 // Every thread of every CTA of the cluster: arrive (release), then wait for all (acquire).

@@ -466,10 +466,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       // CTA's barrier), whose next loads write into both CTAs.
       auto release_kv = [&](uint32_t bar) {
         __syncwarp();
-        if (lane == 0)
-          mbar_arrive(bar);
-        else if (kv_multicast && lane == 1)
-          mbar_arrive_cluster(bar, cluster_ctarank() ^ 1u);
+        mbar_arrive_local_or_peer(bar, lane == 0, kv_multicast && lane == 1);
       };
       auto kempty = [&](int i) { return bar_kempty((kv + i) % S); };
       auto vempty = [&](int i) { return bar_vempty((kv + i) % S); };
