@@ -224,7 +224,7 @@ inline int sm90_multicast_wanted(const AttnParams& p) {
   if (s != nullptr && std::strcmp(s, "0") == 0) return 0;
   if (s != nullptr && std::strcmp(s, "1") == 0) return 1;
   if (s != nullptr && std::strcmp(s, "require") == 0) return 2;
-  return sm90_auto_multicast(p.head_dim) ? 1 : 0;
+  return sm90_auto_multicast(p.head_dim, p.max_k) ? 1 : 0;
 }
 
 // A launch of clusters of two CTAs along x (cfg.attrs points at attr: not copyable).

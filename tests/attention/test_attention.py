@@ -172,10 +172,13 @@ SM90_MC_CASES = {
     "gqa-1024x1000": (4, 1024, 1000, 16, 4, 128, {}),
     "softcap-1000x700-d64": (4, 1000, 700, 8, 8, 64, dict(softcap=20.0)),
     "mqa-1536-fp16": (2, 1536, 1536, 4, 1, 128, {}),
+    # From 8192 keys at D=128 the default multicasts ("auto" below).
+    "8192-d128": (1, 8192, 8192, 2, 2, 128, {}),
 }
 # "require": the launcher raises where it cannot multicast, so a fallback cannot pass for it.
 # The persistent launch with each schedule, over 3 CTAs (one cluster of two, many tiles each),
-# over 4 with O stored from registers, one CTA per tile, the 128-query tiles at D=64; and off.
+# over 4 with O stored from registers, one CTA per tile, the 128-query tiles at D=64; off; and
+# the default ("auto": multicast at D=128 from 8192 keys, sm90_auto_multicast).
 SM90_MC_ENVS = {
     "multicast": dict(FUSEDOPS_ATTN_SM90_MULTICAST="require"),
     "overlap": dict(FUSEDOPS_ATTN_SM90_MULTICAST="require", FUSEDOPS_ATTN_SM90_SCHEDULE="overlap"),
@@ -190,7 +193,11 @@ SM90_MC_ENVS = {
                           FUSEDOPS_ATTN_SM90_PERSISTENT="0"),
     "m128": dict(FUSEDOPS_ATTN_SM90_MULTICAST="require", FUSEDOPS_ATTN_SM90_TILE="m128"),
     "off": dict(FUSEDOPS_ATTN_SM90_MULTICAST="0"),
+    "auto": {},
 }
+# The long case with the default launch, multicast required and off only.
+SM90_MC_PARAMS = [(case, env) for case in SM90_MC_CASES for env in SM90_MC_ENVS
+                  if case != "8192-d128" or env in ("multicast", "auto", "off")]
 
 
 def poison_cuda_outputs(monkeypatch):
@@ -242,8 +249,7 @@ def test_sm90_persistent_work_tiles(case, env, monkeypatch):
 
 @pytest.mark.gpu
 @NEEDS_EXT
-@pytest.mark.parametrize("env", list(SM90_MC_ENVS))
-@pytest.mark.parametrize("case", list(SM90_MC_CASES))
+@pytest.mark.parametrize("case, env", SM90_MC_PARAMS)
 def test_sm90_kv_multicast(case, env, monkeypatch):
     """The sm90 forward with K and V shared by TMA multicast between the two CTAs of a cluster
     (each loads half of every tile's rows into both) against the float64 oracle, forward and
