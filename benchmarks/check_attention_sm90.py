@@ -118,7 +118,8 @@ VARIANTS = {
     # K/V multicast in clusters of two (FUSEDOPS_ATTN_SM90_MULTICAST; unset: sm90_auto_multicast)
     # where the launch allows it (no mask, equal lengths, an even number of q-blocks; elsewhere
     # the same calls run without): forced on with each schedule, over 3 CTAs (one cluster, many
-    # tiles each), one CTA per tile; and forced off (the default).
+    # tiles each), one CTA per tile; and forced off (the default for these cases: multicast is
+    # on by default only at D=128 from 8192 keys).
     "mc-ovl": {SCHED: "overlap", MC: "1", **MUFU_M128},
     "mc-pp": {SCHED: "pingpong", MC: "1", **MUFU_M128},
     "mc-ser-3cta": {SCHED: "serial", MC: "1", "FUSEDOPS_ATTN_SM90_PERSISTENT": "3", **MUFU_M128},
