@@ -169,18 +169,17 @@ constexpr bool sm90_auto_persistent(int head_dim, bool causal, int max_k, bool d
   return dynamic || !(causal && head_dim == 128 && max_k >= 8192);
 }
 
-// Whether calls whose tiles all see the same keys (no mask or window, equal lengths; the
-// launcher checks the rest) run in clusters of two CTAs that share each K/V tile by TMA
-// multicast (attention_fwd_kernel_sm90.cuh): half the K/V traffic from L2 per query
-// (FlashAttention-3 does this for 16-bit inputs from head dim 128). On at D=128 from 8192 keys:
-// since the consumers release a stage by two predicated arrivals (git d511626; before, a branch
-// between the local and the remote arrival cost every release a convergence barrier), it is
-// 4-5% faster there on an H100 80GB (2026-12-05, git e941e75, bf16, B*L = 16384, H*D = 2048,
-// five interleaved rounds, forward TFLOP/s with / without): D=128 L=1024 558/574, 2048 597/594, 4096 623/627, 8192
-// 646/623, 16384 663/634 (FA4 659 and 674 at 8192 and 16384 in the same run); D=64 level
-// (L=4096 484/481, 8192 518/517, 16384 530/525). Before that change (H200, git 07324d0) it
-// was level or slower: D=128 L=4096 601/604, L=16384 621/615; D=64 L=4096 459/473.
-// FUSEDOPS_ATTN_SM90_MULTICAST overrides it.
+// Whether calls whose tiles all see the same keys (no mask or window, equal lengths; the launcher
+// checks the rest) run in clusters of two CTAs that share each K/V tile by TMA multicast
+// (attention_fwd_kernel_sm90.cuh): half the K/V traffic from L2 per query (FlashAttention-3 does
+// this for 16-bit inputs from head dim 128). On at D=128 from 8192 keys: since the consumers
+// release a stage by two predicated arrivals (git d511626; before, a branch between the local and
+// the remote arrival cost every release a convergence barrier), it is 4-5% faster there on an H100
+// 80GB (2026-12-05, git e941e75, bf16, B*L = 16384, H*D = 2048, five interleaved rounds, forward
+// TFLOP/s with / without): D=128 L=1024 558/574, 2048 597/594, 4096 623/627, 8192 646/623, 16384
+// 663/634 (FA4 659 and 674 at 8192 and 16384 in the same run); D=64 level (L=4096 484/481, 8192
+// 518/517, 16384 530/525). Before that change (H200, git 07324d0) it was level or slower: D=128
+// L=4096 601/604, L=16384 621/615; D=64 L=4096 459/473. FUSEDOPS_ATTN_SM90_MULTICAST overrides it.
 constexpr bool sm90_auto_multicast(int head_dim, int max_k) {
   return head_dim == 128 && max_k >= 8192;
 }
