@@ -116,16 +116,16 @@ inline bool sm90_bwd_q80(const AttnParams& p) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_BM");
   if (s != nullptr && std::strcmp(s, "80") == 0) return true;
   if (s != nullptr && std::strcmp(s, "64") == 0) return false;
-  // By default also only for sequences of at least 4096 queries without a sliding window
-  // (causal or not), and where 80-row steps add at most 4% rows over 64-row ones for the
-  // longest sequence. On the H200 at B*L=16384, against the persistent 64-query kernel: 1-6%
-  // faster from 4096 in two runs (non-causal L=16384 once 0.9% slower); below 4096 one run,
-  // causal 2% slower at 2048, non-causal 1-4% faster at 1024 and 2048 (on an H100, before the
-  // column-wise dQ zeroing and conversion, 9% slower at 2048: the floor stays at 4096 for
-  // both). The fixed cost of a key block's prologue and epilogue weighs more against fewer,
-  // longer steps, and the 80-query kernel has no persistent form.
+  // By default also only without a sliding window, for sequences of at least 2048 queries
+  // (4096 under a causal mask), and where 80-row steps add at most 4% rows over 64-row ones for
+  // the longest sequence. Against the persistent 64-query kernel at B*L=16384: on the H200 1-6%
+  // faster from 4096 in two runs (non-causal L=16384 once 0.9% slower), non-causal 4% faster
+  // at 2048 and 1% at 1024, causal 2% slower at 2048; on an H100 (seven rounds) non-causal 5%
+  // faster at 2048, causal 1.5% faster there. The fixed cost of a key block's prologue and epilogue
+  // weighs more against fewer, longer steps, and the 80-query kernel has no persistent form.
   const int64_t rows80 = (p.max_q + 79) / 80 * 80, rows64 = (p.max_q + 63) / 64 * 64;
-  return p.left < 0 && p.right <= 0 && p.max_q >= 4096 && rows80 * 25 <= rows64 * 26;
+  const int floor = p.right < 0 ? 2048 : 4096;
+  return p.left < 0 && p.right <= 0 && p.max_q >= floor && rows80 * 25 <= rows64 * 26;
 }
 
 // Needs p.dq_acc (rows rounded up to a multiple of 8, any contents: the preprocess zeroes the
