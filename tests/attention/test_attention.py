@@ -681,12 +681,12 @@ def test_sm90_deterministic_backward_runs_the_sm90_kernel(head_dim, monkeypatch)
 @pytest.mark.gpu
 @NEEDS_EXT
 @pytest.mark.parametrize("bm", [None, "64", "80"])
-@pytest.mark.parametrize("feature", ["plain", "plain2048", "short", "causal", "short_causal", "softcap"])
+@pytest.mark.parametrize("feature", ["plain", "plain1024", "short", "causal", "short_causal", "softcap"])
 def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
     """At D=128 the sm90 backward takes 80-query steps (its kernel's template argument 80, dQ
     converted from column-major tiles by dq_convert_t_kernel) on calls without a sliding window
-    or softcap of at least 2048 queries, 4096 under a causal mask, 64-query steps otherwise
-    ("short": 1024 queries, "short_causal": 2048 causal);
+    or softcap of at least 1024 queries, 4096 under a causal mask, 64-query steps otherwise
+    ("short": 1000 queries, "short_causal": 2048 causal);
     FUSEDOPS_ATTN_SM90_BWD_BM=64|80 forces either, except that softcap always takes 64."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 backward runs on compute capability 9.0")
@@ -697,9 +697,9 @@ def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
     monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_CONVERT", "after")
     if bm is not None:
         monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_BM", bm)
-    opts = {"plain": {}, "plain2048": {}, "short": {}, "causal": {"causal": True},
+    opts = {"plain": {}, "plain1024": {}, "short": {}, "causal": {"causal": True},
             "short_causal": {"causal": True}, "softcap": {"softcap": 30.0}}[feature]
-    n = {"short": 1024, "plain2048": 2048, "short_causal": 2048}.get(feature, 4096)
+    n = {"short": 1000, "plain1024": 1024, "short_causal": 2048}.get(feature, 4096)
     case = A.Case(1, n, n, 2, 1, 128, torch.bfloat16, "cuda", **opts)
     inp = A.make_inputs(case)
     names = _kernel_names(lambda: A.run(lambda *a, **k: attention(*a, **k, return_lse=True,
@@ -708,7 +708,7 @@ def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
     if not names:
         pytest.skip("the profiler recorded no CUDA kernels (CUPTI unavailable)")
     want80 = feature != "softcap" and (bm == "80" or
-                                       (bm is None and feature in ("plain", "plain2048",
+                                       (bm is None and feature in ("plain", "plain1024",
                                                                    "causal")))
     conv_t = any("dq_convert_t_kernel" in n for n in names)
     main80 = any("bwd_kernel_sm90" in n and ("128, false, false, false, 80>" in n or
