@@ -120,12 +120,13 @@ inline bool sm90_bwd_q80(const AttnParams& p) {
   // (4096 under a causal mask), and where 80-row steps add at most 4% rows over 64-row ones for
   // the longest sequence. Against the persistent 64-query kernel at B*L=16384: on the H200 1-6%
   // faster from 4096 in two runs (non-causal L=16384 once 0.9% slower), non-causal 4% faster
-  // at 2048 and 1% at 1024, causal 2% slower at 2048 and 1% at 1024; on an H100 (seven rounds)
-  // non-causal 4-5% faster at 1024 and 2048, causal 1-3% faster. The fixed cost of a key block's prologue and epilogue
-  // weighs more against fewer, longer steps, and the 80-query kernel has no persistent form.
+  // at 2048 and 1% at 1024, causal 2% slower at 2048 and 1% at 1024 (hence the causal floor);
+  // on an H100 (seven rounds) non-causal 4-5% faster at 1024 and 2048, causal 1-3% faster. The
+  // fixed cost of a key block's prologue and epilogue weighs more against fewer, longer steps,
+  // and the 80-query kernel has no persistent form.
   const int64_t rows80 = (p.max_q + 79) / 80 * 80, rows64 = (p.max_q + 63) / 64 * 64;
-  const int floor = p.right < 0 ? 1024 : 4096;
-  return p.left < 0 && p.right <= 0 && p.max_q >= floor && rows80 * 25 <= rows64 * 26;
+  const int min_q = p.right < 0 ? 1024 : 4096;
+  return p.left < 0 && p.right <= 0 && p.max_q >= min_q && rows80 * 25 <= rows64 * 26;
 }
 
 // Needs p.dq_acc (rows rounded up to a multiple of 8, any contents: the preprocess zeroes the

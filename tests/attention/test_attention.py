@@ -681,7 +681,8 @@ def test_sm90_deterministic_backward_runs_the_sm90_kernel(head_dim, monkeypatch)
 @pytest.mark.gpu
 @NEEDS_EXT
 @pytest.mark.parametrize("bm", [None, "64", "80"])
-@pytest.mark.parametrize("feature", ["plain", "plain1024", "short", "causal", "short_causal", "softcap"])
+@pytest.mark.parametrize("feature", ["plain", "plain1024", "short", "causal", "short_causal",
+                                     "softcap"])
 def test_sm90_backward_query_step_selection(feature, bm, monkeypatch):
     """At D=128 the sm90 backward takes 80-query steps (its kernel's template argument 80, dQ
     converted from column-major tiles by dq_convert_t_kernel) on calls without a sliding window
