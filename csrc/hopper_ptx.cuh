@@ -71,15 +71,13 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
 // either way (address arithmetic only, hoisted by ptxas into uniform registers).
 __device__ __forceinline__ void mbar_arrive_local_or_peer(uint32_t bar, bool local, bool peer) {
   asm volatile(
-      "{\n.reg .pred pl, pp;\n.reg .b32 rank, remote;\n"
+      "{\n.reg .pred pl, pp;\n.reg .b32 remote;\n"
       "setp.ne.b32 pl, %1, 0;\n"
       "setp.ne.b32 pp, %2, 0;\n"
       "@pl mbarrier.arrive.shared::cta.b64 _, [%0];\n"
-      "mov.u32 rank, %%cluster_ctarank;\n"
-      "xor.b32 rank, rank, 1;\n"
-      "mapa.shared::cluster.u32 remote, %0, rank;\n"
+      "mapa.shared::cluster.u32 remote, %0, %3;\n"
       "@pp mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
-      "r"(static_cast<int>(local)), "r"(static_cast<int>(peer))
+      "r"(static_cast<int>(local)), "r"(static_cast<int>(peer)), "r"(cluster_ctarank() ^ 1u)
       : "memory");
 }
 // Every thread of every CTA of the cluster: arrive (release), then wait for all (acquire).
