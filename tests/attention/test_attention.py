@@ -354,7 +354,7 @@ def test_sm90_backward_replays_in_a_cuda_graph(causal, deterministic, convert, m
         graph.replay()
         ref = bwd()
         torch.cuda.synchronize()
-        for name, a, b in zip(("dq", "dk", "dv"), grads, ref):
+        for name, a, b in zip(("dq", "dk", "dv"), grads, ref, strict=True):
             if deterministic or name != "dq":  # dK, dV: registers, a fixed order
                 assert torch.equal(a, b), name
             else:  # dQ: float32 atomics in another order, then one bf16 rounding

@@ -22,7 +22,7 @@ def index_t(i, h, c):  # dq_acc_index_t<D>
 def prep_zeroed(starts, lens, total_q):
     """Positions bwd_prep_kernel_sm90<T, 128, 80> zeroes (every thread of the padded rows)."""
     zeroed = set()
-    for q_start, lq in zip(starts, lens):
+    for q_start, lq in zip(starts, lens, strict=True):
         for i in range((lq + BM - 1) // BM * BM):
             if i >= lq:
                 continue  # past the sequence: statistics only
@@ -41,7 +41,7 @@ def tail_writes(starts, lens):
     """(row, head, column) -> accumulator position, as dq_convert_tail_kernel<T, 128, 80>
     writes dQ, with each element's writer count."""
     writes = {}
-    for q_start, lq in zip(starts, lens):
+    for q_start, lq in zip(starts, lens, strict=True):
         for m in range(0, lq, BM):
             rows = min(BM, lq - m)
             r_lo, r_hi = q_start + m, q_start + m + rows
@@ -90,7 +90,7 @@ def test_model_catches_a_zeroing_without_the_last_rows_columns():
     length is not a multiple of 8 leaves valid rows' elements unzeroed (the check can fail)."""
     starts, lens, total_q = [0, 5], [5, 78], 83
     zeroed = set()
-    for q_start, lq in zip(starts, lens):
+    for q_start, lq in zip(starts, lens, strict=True):
         for i in range(lq):
             row = q_start + i
             for h in range(HQ):

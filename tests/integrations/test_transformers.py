@@ -12,15 +12,15 @@ transformers = pytest.importorskip("transformers")
 from hf_models import (  # noqa: E402
     FAMILIES,
     MOE,
-    SWIGLU_MLP,
-    swiglu_mlps,
     SEQ,
+    SWIGLU_MLP,
     VOCAB,
     batch,
     config,
     model_pair,
     reference_loss,
     rel_err,
+    swiglu_mlps,
 )
 
 import fusedops.integrations.transformers as fo_hf  # noqa: E402

@@ -9,8 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from fusedops import dispatch
-from fusedops._checks import (F32_MAX, F32_TINY, check_bool, check_budget_mib, check_int,
-                              check_real)
+from fusedops._checks import F32_MAX, F32_TINY, check_bool, check_budget_mib, check_int, check_real
 from fusedops.linear_ce import backends as _backends  # noqa: F401  (declares the backends)
 
 __all__ = ["linear_cross_entropy", "LinearCrossEntropyLoss"]
