@@ -132,8 +132,13 @@ def read_rows(path: str, run: str | None = "last") -> list[dict]:
 def add_plot_args(parser, op: str) -> None:
     """The options of the plot scripts: the PNG to write, --run, --results."""
     parser.add_argument("out", help="the PNG to write")
+    add_run_args(parser, op)
+
+
+def add_run_args(parser, op: str) -> None:
+    """--run and --results: which rows of benchmarks/results/<op>.jsonl a script reads."""
     parser.add_argument("--run", default="last",
-                        help="run id(s) to plot, comma-separated (default: the file's last run)")
+                        help="run id(s), comma-separated (default: the file's last run)")
     parser.add_argument("--results", default=results_path(op),
                         help=f"results file (default benchmarks/results/{op}.jsonl)")
 

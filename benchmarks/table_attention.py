@@ -13,7 +13,7 @@ forward + backward over FA4's ("step"). Missing methods print "-".
 import argparse
 import statistics
 
-from common import read_rows, results_path
+from common import add_run_args, read_rows
 
 FWD = ("cuda-sm90", "sdpa_cudnn", "fa4")
 BWD = ("cuda-sm90", "cuda-sm90-deterministic", "sdpa_cudnn", "fa4")
@@ -55,10 +55,7 @@ def table(rows: list[dict]) -> list[str]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--run", default="last",
-                    help="run id(s), comma-separated (default: the file's last run)")
-    ap.add_argument("--results", default=results_path("attention"),
-                    help="results file (default benchmarks/results/attention.jsonl)")
+    add_run_args(ap, "attention")
     args = ap.parse_args(argv)
     print("\n".join(table(read_rows(args.results, args.run))))
 
