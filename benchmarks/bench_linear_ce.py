@@ -23,6 +23,8 @@ d_weight compute dz from z in their operand path).
 probability near 1 / V) or "peaked" (as a trained model's: the target's logit ~10 above the rest,
 where Cut Cross-Entropy's gradient filter skips most blocks); rows carry it as "data".
 "-fullrows" variants of the lowmem methods force whole-row chunks however few rows fit.
+"-filter" methods pass filter_eps=2^-12 (gradient filtering, Cut Cross-Entropy's threshold: dz
+blocks below it are skipped in the d_hidden and d_weight products).
 "fusedops-b<MiB>" (named in --methods only) runs the default backend at that memory budget.
 
 --loss picks what is differentiated: "mean" (the default), "none" (reduction "none", per-token
@@ -123,14 +125,15 @@ def eager_loss(x, w, t, softcap=None, kind="mean"):
 
 
 LOWMEM_MIB = 64  # the low-memory setting reported as "-lowmem"
+FILTER_EPS = 2.0**-12  # gradient filtering's threshold for the "-filter" methods (as CCE's)
 
 
-def fused_fn(softcap, kind, backend=None, budget_mib=None):
+def fused_fn(softcap, kind, backend=None, budget_mib=None, filter_eps=None):
     """fusedops.linear_cross_entropy as a step's loss for --loss kind."""
     from fusedops.linear_ce import linear_cross_entropy
     return lambda x, w, t: finish(linear_cross_entropy(
         x, w, t, softcap=softcap, backend=backend, check_targets=False,
-        memory_budget_mib=budget_mib, **loss_options(kind)), kind)
+        memory_budget_mib=budget_mib, filter_eps=filter_eps, **loss_options(kind)), kind)
 
 
 def methods(softcap, kind="mean"):
@@ -167,7 +170,9 @@ def methods(softcap, kind="mean"):
             return out
         return run
 
-    out = {"fusedops": fused(), "fusedops-lowmem": fused(budget=LOWMEM_MIB)}
+    out = {"fusedops": fused(), "fusedops-lowmem": fused(budget=LOWMEM_MIB),
+           "fusedops-filter": fused_fn(softcap, kind, filter_eps=FILTER_EPS),
+           "fusedops-lowmem-filter": fused_fn(softcap, kind, None, LOWMEM_MIB, FILTER_EPS)}
     from fusedops.linear_ce import gemm_sm90
     if gemm_sm90.supported(torch.device("cuda")) and kind == "mean":
         out["fusedops-sm90"] = with_gemm("sm90")

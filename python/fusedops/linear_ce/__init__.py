@@ -19,7 +19,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
-                  memory_budget_mib, ignore_index, return_lse, check_targets):
+                  memory_budget_mib, ignore_index, return_lse, check_targets, filter_eps=None):
     if not isinstance(hidden, Tensor):
         raise TypeError(f"hidden must be a Tensor, got {type(hidden).__name__}")
     if not isinstance(weight, Tensor):
@@ -62,11 +62,11 @@ def _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, soft
         if t is not None and t.device != hidden.device:
             raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
     _check_options(reduction, label_smoothing, softcap, z_loss, memory_budget_mib, ignore_index,
-                   return_lse, check_targets)
+                   return_lse, check_targets, filter_eps)
 
 
 def _check_options(reduction, label_smoothing, softcap, z_loss, memory_budget_mib, ignore_index,
-                   return_lse, check_targets):
+                   return_lse, check_targets, filter_eps=None):
     """The checks of the plain options (no tensor); LinearCrossEntropyLoss runs them at
     construction."""
     if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
@@ -88,6 +88,9 @@ def _check_options(reduction, label_smoothing, softcap, z_loss, memory_budget_mi
     if not (z_loss >= 0.0 and math.isfinite(z_loss)):
         raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
     check_budget_mib("memory_budget_mib", memory_budget_mib)
+    filter_eps = check_real("filter_eps", filter_eps, optional=True)
+    if filter_eps is not None and not (0.0 <= filter_eps < 1.0):
+        raise ValueError(f"filter_eps must be None or a number in [0, 1), got {filter_eps}")
 
 
 def _env_check_targets() -> bool:
@@ -124,7 +127,8 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
                          z_loss: float = 0.0, return_lse: bool = False,
                          backend: str | None = None, check_targets: bool | None = None,
                          memory_budget_mib: float | None = None, process_group=None,
-                         vocab_start: int | None = None, check_replicated: bool = False):
+                         vocab_start: int | None = None, check_replicated: bool = False,
+                         filter_eps: float | None = None):
     """Cross-entropy of `hidden @ weight.T + bias` against `target`, never materialising logits.
 
     Equals, within rounding, ``F.cross_entropy(z.float(), target, ignore_index=ignore_index,
@@ -171,9 +175,23 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
       in all against the mean/sum path's three). check_replicated=True also checks that hidden
       and target agree across ranks (an all-reduce of a few sums).
       fusedops/linear_ce/parallel.py and docs/linear_ce.md have the design.
+    * filter_eps (default None: exact gradients): gradient filtering. Blocks of 128 tokens x 128
+      vocabulary entries of d logits whose every entry is at most filter_eps times the token's
+      weight in the loss (1/N for the mean; for reduction "none" and return_lse the upstream
+      gradient of the token's lse) in magnitude count as zero in d_hidden and d_weight, so those
+      products run over the other blocks only (block-sparse Triton kernels on the GPU for
+      float16/bfloat16). On a trained model's outputs, where most of each row's probability lies
+      in entries far below 2^-12, 2**-12 skips most of the two gradient GEMMs; on spread-out
+      logits nearly nothing is skipped and the products run slower than cuBLAS's. The loss, lse
+      and d_bias stay exact; the dropped entries (the softmax tail, label smoothing's uniform
+      part away from kept blocks) are an approximation the caller accepts. Not with
+      process_group or FUSEDOPS_LCE_ALGO=recompute.
     """
     if (process_group is not None or vocab_start is not None or _parallel.is_dtensor(weight)
             or _parallel.is_dtensor(bias)):
+        if filter_eps is not None:
+            raise ValueError("filter_eps is not supported with vocab parallelism (process_group, "
+                             "vocab_start or a DTensor weight); pass filter_eps=None")
         return _parallel.linear_cross_entropy(
             hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
@@ -184,7 +202,7 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
         raise ValueError("check_replicated=True compares hidden and target across the ranks of "
                          "process_group; pass process_group (or a DTensor weight) with it")
     _check_inputs(hidden, weight, target, bias, reduction, label_smoothing, softcap, z_loss,
-                  memory_budget_mib, ignore_index, return_lse, check_targets)
+                  memory_budget_mib, ignore_index, return_lse, check_targets, filter_eps)
     lead_shape, h2, w, b, t1 = _flat_inputs(hidden, weight, bias, target)
     hidden_size = h2.shape[1]
     vocab_size = weight.shape[0]
@@ -192,17 +210,21 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
     if check_targets is None:
         check_targets = _env_check_targets()
     algo = _env_algo()
+    if filter_eps is not None and algo != "auto":
+        raise ValueError("filter_eps applies to the default algorithm; FUSEDOPS_LCE_ALGO="
+                         f"{algo} is set (unset it, or pass filter_eps=None)")
+    feps = -1.0 if filter_eps is None else float(filter_eps)
     # The ops check the flat target; the error is re-raised here with the caller's index (eager
     # only: under torch.compile the op's own error, with the flat index, comes out).
     try:
         if reduction != "none" and not return_lse and algo == "auto":
             return _ops.fused_loss(h2, w, b, t1, int(ignore_index), reduction,
                                    float(label_smoothing), float(softcap or 0.0), float(z_loss),
-                                   memory_budget_mib, bool(check_targets), name)
+                                   memory_budget_mib, bool(check_targets), name, feps)
         if algo == "auto":
             lse, z_target, z_sum = _ops.stats(h2, w, b, t1, int(ignore_index),
                                               float(softcap or 0.0), memory_budget_mib,
-                                              bool(check_targets), name)
+                                              bool(check_targets), name, feps)
         else:
             if w.dtype != h2.dtype:  # mixed precision on the recompute path: cast (autograd
                 w = w.to(h2.dtype)   # casts back)
@@ -223,11 +245,14 @@ class LinearCrossEntropyLoss(nn.Module):
                  return_lse: bool = False, backend: str | None = None,
                  check_targets: bool | None = None, memory_budget_mib: float | None = None,
                  process_group=None, vocab_start: int | None = None,
-                 check_replicated: bool = False):
+                 check_replicated: bool = False, filter_eps: float | None = None):
         super().__init__()
         # Bad options raise here, with linear_cross_entropy's messages, not at the first forward.
         _check_options(reduction, label_smoothing, softcap, z_loss, memory_budget_mib,
-                       ignore_index, return_lse, check_targets)
+                       ignore_index, return_lse, check_targets, filter_eps)
+        if filter_eps is not None and (process_group is not None or vocab_start is not None):
+            raise ValueError("filter_eps is not supported with vocab parallelism (process_group "
+                             "or vocab_start); pass filter_eps=None")
         if backend is not None:
             dispatch.check_backend(backend)
         check_bool("check_replicated", check_replicated)
@@ -237,6 +262,8 @@ class LinearCrossEntropyLoss(nn.Module):
                             label_smoothing=label_smoothing, softcap=softcap, z_loss=z_loss,
                             return_lse=return_lse, backend=backend, check_targets=check_targets,
                             memory_budget_mib=memory_budget_mib)
+        if filter_eps is not None:
+            self.options.update(filter_eps=filter_eps)
         if process_group is not None or vocab_start is not None or check_replicated:
             self.options.update(process_group=process_group, vocab_start=vocab_start,
                                 check_replicated=check_replicated)

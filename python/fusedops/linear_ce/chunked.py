@@ -36,7 +36,7 @@ from torch import Tensor
 
 from fusedops import _ext  # noqa: F401  (loads torch.ops.fusedops.*_cuda when built)
 from fusedops.dispatch import cuda_arch
-from fusedops.linear_ce import gemm_sm90
+from fusedops.linear_ce import filtered, gemm_sm90
 
 MIB = 1 << 20
 DEFAULT_BUDGET_MIB = 512.0
@@ -284,8 +284,10 @@ def stats_plan(plan: Plan, hidden: Tensor, w_mm: Tensor, bias: Tensor | None, ta
 def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                   ignore_index: int, reduction: str, label_smoothing: float, softcap: float,
                   z_loss: float, budget: int, need_dh: bool, need_dw: bool, need_db: bool,
-                  backend: str):
+                  backend: str, filter_eps: float = -1.0):
     """Returns (loss, lse, d_hidden, d_weight, d_bias) with the gradients for upstream g = 1.
+    filter_eps >= 0: d_hidden and d_weight skip the dz blocks below filter_eps times the token's
+    weight (fusedops.linear_ce.filtered); negative: exact.
 
     hidden (N, H) contiguous; weight (V, H) contiguous, of hidden's dtype or float32 (mixed
     precision: the GEMMs run in hidden's dtype, d_weight and d_bias come out float32).
@@ -307,6 +309,7 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     else:
         scale = torch.ones((), dtype=cdt, device=dev)
     w_tok = valid.to(cdt) * scale  # d loss / d (per-token loss), for g = 1
+    thr = w_tok * filter_eps if filter_eps >= 0 else None  # w_tok >= 0
     lse = torch.empty(n_tokens, dtype=cdt, device=dev)
     zt = torch.zeros(n_tokens, dtype=cdt, device=dev)
     zsum = torch.zeros(n_tokens, dtype=cdt, device=dev)
@@ -324,8 +327,8 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
             plan = splan
             partials = torch.empty(plan.rows, gemm_sm90.stats_tiles(vocab), 4,
                                    dtype=torch.float32, device=dev)
-            dz_in_gemm = gemm_sm90.dz_route_why_not(hidden, d_weight if need_dw else None,
-                                                    b_in) is None
+            dz_in_gemm = thr is None and gemm_sm90.dz_route_why_not(
+                hidden, d_weight if need_dw else None, b_in) is None
         db_chunk = None
         if dz_in_gemm and need_db:
             # d_bias's chunk sums come from the d_weight GEMM (a plain sum when d_weight is not
@@ -373,14 +376,16 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
                     _rows(backend, z, b_in, target[n0:n1], 0, vocab, w_tok[n0:n1], lse[n0:n1],
                           lse[n0:n1], lse[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap, MODE_DZ)
                     _grads_from_dz(z, x, w_mm, 0, vocab, d_hidden[n0:n1] if need_dh else None,
-                                   d_weight if need_dw else None, d_bias32, first_dw)
+                                   d_weight if need_dw else None, d_bias32, first_dw,
+                                   None if thr is None else thr[n0:n1])
                     first_dw = False
                 continue
             if plan.full_rows:
                 z = logits_then_rows(n0, n1, 0, vocab, MODE_FULL_DZ if need_grads else MODE_FULL)
                 if need_grads:
                     _grads_from_dz(z, x, w_mm, 0, vocab, d_hidden[n0:n1] if need_dh else None,
-                                   d_weight if need_dw else None, d_bias32, first_dw)
+                                   d_weight if need_dw else None, d_bias32, first_dw,
+                                   None if thr is None else thr[n0:n1])
                     first_dw = False
                 continue
             m[n0:n1] = -math.inf
@@ -393,10 +398,11 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
             for v0 in range(0, vocab, plan.cols):
                 v1 = min(v0 + plan.cols, vocab)
                 z = logits_then_rows(n0, n1, v0, v1, MODE_DZ)
-                _grads_from_dz(z, x, w_mm, v0, v1, None, d_weight if need_dw else None,
-                               d_bias32, first_dw)
+                mask = _grads_from_dz(z, x, w_mm, v0, v1, None, d_weight if need_dw else None,
+                                      d_bias32, first_dw, None if thr is None else thr[n0:n1],
+                                      need_dh)
                 if need_dh:
-                    _add_dh_chunk(acc, part, z, w_mm[v0:v1], v0 == 0)
+                    _add_dh_chunk(acc, part, z, w_mm[v0:v1], v0 == 0, mask)
             first_dw = False
             if need_dh:
                 d_hidden[n0:n1] = acc[: n1 - n0]
@@ -430,11 +436,16 @@ def _dh_accumulator(plan: Plan, hidden: Tensor, cdt: torch.dtype, need_dh: bool)
     return acc, torch.empty(rows, hidden_size, dtype=hidden.dtype, device=hidden.device)
 
 
-def _add_dh_chunk(acc: Tensor, part: Tensor, dz: Tensor, w_chunk: Tensor, first: bool) -> None:
+def _add_dh_chunk(acc: Tensor, part: Tensor, dz: Tensor, w_chunk: Tensor, first: bool,
+                  mask: Tensor | None = None) -> None:
     """acc[:rows] (=/+=) dz @ w_chunk, a vocab chunk's part of d_hidden in the float32
     accumulator: through cuBLAS's float32 output (part is acc), or a partial in the input dtype
-    and an add (the CPU path)."""
+    and an add (the CPU path); over the blocks of `mask` only (filtering, on the GPU), where
+    given."""
     rows = dz.shape[0]
+    if mask is not None:
+        filtered.d_hidden(dz, w_chunk, acc[:rows], not first, mask)
+        return
     if part is acc:
         _mm(acc[:rows], dz, w_chunk, not first)
         return
@@ -445,13 +456,32 @@ def _add_dh_chunk(acc: Tensor, part: Tensor, dz: Tensor, w_chunk: Tensor, first:
         acc[:rows].add_(part[:rows])
 
 
-def _grads_from_dz(dz, x, w_mm, v0, v1, dh_out, dw_out, db32, first_dw):
-    if dh_out is not None:
-        _mm(dh_out, dz, w_mm[v0:v1], False)
-    if dw_out is not None:
-        _mm(dw_out[v0:v1], dz.T, x, not first_dw)
+def _grads_from_dz(dz, x, w_mm, v0, v1, dh_out, dw_out, db32, first_dw, thr=None,
+                   want_mask=False):
+    """d_hidden (dh_out =), d_weight rows v0:v1 (dw_out =, or += unless first_dw) and d_bias
+    (db32 +=, always exact) of a dz chunk. thr (rows,): the filter's per-token thresholds, or
+    None for exact products. Returns the filter's block mask when want_mask and the block-sparse
+    kernels take the chunk (the caller's d_hidden product then uses it), else None: elsewhere
+    the dropped blocks are zeroed in dz, so dense products of it are the filtered ones."""
     if db32 is not None:
         db32[v0:v1] += dz.sum(0, dtype=db32.dtype)
+    mask = None
+    if thr is not None:
+        mask = filtered.block_mask(dz, thr)
+        if not filtered.sparse_ok(dz):
+            filtered.zero_dropped_(dz, mask)
+            mask = None
+    if dh_out is not None:
+        if mask is None:
+            _mm(dh_out, dz, w_mm[v0:v1], False)
+        else:
+            filtered.d_hidden(dz, w_mm[v0:v1], dh_out, False, mask)
+    if dw_out is not None:
+        if mask is None:
+            _mm(dw_out[v0:v1], dz.T, x, not first_dw)
+        else:
+            filtered.d_weight(dz, x, dw_out[v0:v1], not first_dw, mask)
+    return mask if want_mask else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -499,13 +529,15 @@ def grads_sweep(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Ten
                 lse: Tensor, coef, plan: Plan, backend: str, need_dh: bool, need_dw: bool,
                 need_db: bool, mode: int = MODE_DZ_GRADS, vocab: int | None = None,
                 eps: float = 0.0, zl: float = 0.0, softcap: float = 0.0,
-                kept: Tensor | None = None):
+                kept: Tensor | None = None, filter_eps: float = -1.0):
     """(d_hidden, d_weight, d_bias) through the logits recomputed chunk by chunk, each turned
     into dz by the row kernel's `mode` with the final lse: MODE_DZ_GRADS, coef = (d_lse, d_zt,
     d_zsum) the statistics' upstream gradients; MODE_DZ, coef = (w,) the loss's per-token
     weights with label smoothing eps and z-loss zl over `vocab` columns (a vocab shard's rows
     are columns of the full row). kept: statistics()'s buffer, whose last token chunk needs no
-    GEMM (it is overwritten). Gradients not asked for are empty tensors."""
+    GEMM (it is overwritten). filter_eps >= 0: the products skip the dz blocks below filter_eps
+    times |coef[0][token]| (fusedops.linear_ce.filtered). Gradients not asked for are empty
+    tensors."""
     n_tokens = hidden.shape[0]
     rows = weight.shape[0]
     vocab = rows if vocab is None else vocab
@@ -523,6 +555,7 @@ def grads_sweep(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Ten
         zt_arr, zs_arr = coef[1], coef[2]
     else:
         zt_arr = zs_arr = torch.zeros(n_tokens, dtype=cdt, device=dev)  # not read by MODE_DZ
+    thr = w_arr.abs() * filter_eps if filter_eps >= 0 else None
     if kept is not None and not (plan.full_rows and kept.numel() == plan.rows * plan.cols):
         kept = None  # not this plan's buffer (the plan changed since the forward)
     buf = kept if kept is not None else \
@@ -543,11 +576,12 @@ def grads_sweep(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Ten
             _rows(backend, z, None if b_in is None else b_in[v0:v1], target[n0:n1], v0, vocab,
                   w_arr[n0:n1], lse[n0:n1], lse[n0:n1], lse[n0:n1], zt_arr[n0:n1],
                   zs_arr[n0:n1], eps, zl, softcap, mode)
-            _grads_from_dz(z, x, w_mm, v0, v1,
-                           d_hidden[n0:n1] if need_dh and plan.full_rows else None,
-                           d_weight if need_dw else None, d_bias32, i == 0)
+            mask = _grads_from_dz(z, x, w_mm, v0, v1,
+                                  d_hidden[n0:n1] if need_dh and plan.full_rows else None,
+                                  d_weight if need_dw else None, d_bias32, i == 0,
+                                  None if thr is None else thr[n0:n1], acc is not None)
             if acc is not None:
-                _add_dh_chunk(acc, part, z, w_mm[v0:v1], v0 == 0)
+                _add_dh_chunk(acc, part, z, w_mm[v0:v1], v0 == 0, mask)
         if acc is not None:
             d_hidden[n0:n1] = acc[: n1 - n0]
     d_bias = d_bias32.to(bias.dtype) if need_db else hidden.new_empty(0)

@@ -195,8 +195,8 @@ def _check_backend(backend: str) -> None:
 def linear_ce_fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                     ignore_index: int, reduction: str, label_smoothing: float, softcap: float,
                     z_loss: float, budget_bytes: int, check_targets: bool, need_dh: bool,
-                    need_dw: bool, need_db: bool,
-                    backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                    need_dw: bool, need_db: bool, backend: str,
+                    filter_eps: float = -1.0) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     if check_targets:
         check_targets_in_range(target, weight.shape[0], ignore_index)
     if reduction not in _REDUCTION_NAMES:
@@ -204,12 +204,12 @@ def linear_ce_fused(hidden: Tensor, weight: Tensor, bias: Tensor | None, target:
     _check_backend(backend)
     return chunked.fused_forward(hidden, weight, bias, target.long(), ignore_index, reduction,
                                  label_smoothing, softcap, z_loss, budget_bytes, need_dh, need_dw,
-                                 need_db and bias is not None, backend)
+                                 need_db and bias is not None, backend, filter_eps)
 
 
 @linear_ce_fused.register_fake
 def _(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap, z_loss,
-      budget_bytes, check_targets, need_dh, need_dw, need_db, backend):
+      budget_bytes, check_targets, need_dh, need_dw, need_db, backend, filter_eps=-1.0):
     dt = _stat_dtype(hidden)
     return (hidden.new_empty((), dtype=dt), hidden.new_empty(hidden.shape[0], dtype=dt),
             *_grad_shapes(hidden, weight, bias, need_dh, need_dw, need_db))
@@ -238,9 +238,10 @@ class _FusedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, reduction, label_smoothing,
-                softcap, z_loss, budget, check_targets, need_dh, need_dw, need_db, backend):
+                softcap, z_loss, budget, check_targets, need_dh, need_dw, need_db, backend,
+                filter_eps):
         args = (hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap,
-                z_loss, budget, False, need_dh, need_dw, need_db, backend)
+                z_loss, budget, False, need_dh, need_dw, need_db, backend, filter_eps)
         loss, _lse, dh, dw, db = linear_ce_fused(*args[:10], check_targets, *args[11:])
         ctx.backend = backend
         ctx.need = (need_dh, need_dw, need_db)
@@ -269,17 +270,19 @@ class _FusedLoss(torch.autograd.Function):
                     scale_grad_(grad, g_loss, ctx.backend)
             grads = [grad if need else None for need, grad in zip(ctx.need, grads, strict=True)]
             grads = refuse_double_backward(DOUBLE_BACKWARD, (*inputs[:3], g_loss), grads)
-        return (*grads, None, None, None, None, None, None, None, None, None, None, None, None)
+        return (*grads, *([None] * 13))
 
 
 def fused_loss(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap,
-               z_loss, memory_budget_mib, check_targets, backend):
-    """The loss through linear_ce_fused; gradients flow to hidden, weight and bias."""
+               z_loss, memory_budget_mib, check_targets, backend, filter_eps=-1.0):
+    """The loss through linear_ce_fused; gradients flow to hidden, weight and bias.
+    filter_eps: negative for exact gradients, else fusedops.linear_ce.filtered's threshold."""
     grad_on = torch.is_grad_enabled()
     need = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     return _FusedLoss.apply(hidden, weight, bias, target, ignore_index, reduction,
                             label_smoothing, softcap, z_loss,
-                            chunked.budget_bytes(memory_budget_mib), check_targets, *need, backend)
+                            chunked.budget_bytes(memory_budget_mib), check_targets, *need, backend,
+                            float(filter_eps))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -325,20 +328,22 @@ def _(hidden, weight, bias, target, ignore_index, softcap, budget_bytes, check_t
 def linear_ce_stats_bwd(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                         lse: Tensor, d_lse: Tensor, d_zt: Tensor, d_zsum: Tensor, kept: Tensor,
                         softcap: float, budget_bytes: int, need_dh: bool, need_dw: bool,
-                        need_db: bool, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                        need_db: bool, backend: str,
+                        filter_eps: float = -1.0) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients for the statistics' upstream gradients; kept (linear_ce_stats' buffer, or
-    empty) is overwritten."""
+    empty) is overwritten. filter_eps: as linear_ce_fused's."""
     _check_backend(backend)
     plan = _stats_plan(hidden, weight, budget_bytes, need_dh)
     coef = tuple(g.to(lse.dtype).contiguous() for g in (d_lse, d_zt, d_zsum))
     return chunked.grads_sweep(hidden, weight, bias, target.long(), lse, coef, plan, backend,
                                need_dh, need_dw, need_db and bias is not None,
-                               softcap=softcap, kept=kept if kept.numel() else None)
+                               softcap=softcap, kept=kept if kept.numel() else None,
+                               filter_eps=filter_eps)
 
 
 @linear_ce_stats_bwd.register_fake
 def _(hidden, weight, bias, target, lse, d_lse, d_zt, d_zsum, kept, softcap, budget_bytes,
-      need_dh, need_dw, need_db, backend):
+      need_dh, need_dw, need_db, backend, filter_eps=-1.0):
     return _grad_shapes(hidden, weight, bias, need_dh, need_dw, need_db)
 
 
@@ -350,41 +355,43 @@ class _StatsFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, ignore_index, softcap, budget,
-                check_targets, need_dh, need_dw, need_db, backend):
+                check_targets, need_dh, need_dw, need_db, backend, filter_eps):
         keep = (need_dh or need_dw or need_db) and not torch.compiler.is_compiling()
         lse, zt, zsum, kept = linear_ce_stats(hidden, weight, bias, target, ignore_index,
                                               softcap, budget, check_targets, need_dh, keep,
                                               backend)
         ctx.save_for_backward(hidden, weight, bias, target, lse)
         ctx.kept = kept if kept.numel() else None
-        ctx.options = (softcap, budget, need_dh, need_dw, need_db, backend)
+        ctx.options = (softcap, budget, need_dh, need_dw, need_db, backend, filter_eps)
         return lse, zt, zsum
 
     @staticmethod
     def backward(ctx, g_lse, g_zt, g_zsum):
         hidden, weight, bias, target, lse = ctx.saved_tensors
-        softcap, budget, need_dh, need_dw, need_db, backend = ctx.options
+        softcap, budget, need_dh, need_dw, need_db, backend, filter_eps = ctx.options
         kept, ctx.kept = ctx.kept, None
         if kept is None:
             kept = hidden.new_empty(0)
         grads = [g if g is not None else torch.zeros_like(lse) for g in (g_lse, g_zt, g_zsum)]
         dh, dw, db = linear_ce_stats_bwd(hidden, weight, bias, target, lse, *grads, kept,
-                                         softcap, budget, need_dh, need_dw, need_db, backend)
+                                         softcap, budget, need_dh, need_dw, need_db, backend,
+                                         filter_eps)
         grads = (dh if need_dh else None, dw if need_dw else None, db if need_db else None)
         if not torch.compiler.is_compiling():
             grads = refuse_double_backward(DOUBLE_BACKWARD, (hidden, weight, bias, g_lse, g_zt,
                                                              g_zsum), grads)
-        return (*grads, *([None] * 9))
+        return (*grads, *([None] * 10))
 
 
 def stats(hidden, weight, bias, target, ignore_index, softcap, memory_budget_mib, check_targets,
-          backend):
+          backend, filter_eps=-1.0):
     """Per-token (lse, target logit, logit sum) through the statistics path, differentiable
-    for hidden, weight and bias."""
+    for hidden, weight and bias; filter_eps as fused_loss's."""
     grad_on = torch.is_grad_enabled()
     need = [grad_on and t is not None and t.requires_grad for t in (hidden, weight, bias)]
     return _StatsFn.apply(hidden, weight, bias, target, ignore_index, softcap,
-                          chunked.budget_bytes(memory_budget_mib), check_targets, *need, backend)
+                          chunked.budget_bytes(memory_budget_mib), check_targets, *need, backend,
+                          float(filter_eps))
 
 
 def loss_from_statistics(lse: Tensor, z_target: Tensor, z_sum: Tensor, valid: Tensor,

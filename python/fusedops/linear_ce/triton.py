@@ -461,3 +461,129 @@ def scale_if_not_one(x, g):
     block = 64 if _interpreting() else 4096
     grid = min(triton.cdiv(n, block), 1056)
     _scale_kernel[(grid,)](x, g, n, BLOCK=block, num_warps=1 if _interpreting() else 8)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gradient filtering (fusedops.linear_ce.filtered): which BLOCK x BLOCK blocks of a dz chunk hold
+# an entry above the token's threshold, and the d_hidden / d_weight products over those blocks
+# only. Each output tile loops over its list of kept blocks (built on the device, no host sync).
+
+@triton.jit
+def _mask_kernel(DZ, THR, MASK, rows, cols, ld_dz, n_kb, BLOCK: tl.constexpr):
+    rb = tl.program_id(0)
+    kb = tl.program_id(1)
+    r = rb * BLOCK + tl.arange(0, BLOCK)
+    c = kb * BLOCK + tl.arange(0, BLOCK)
+    rm = r < rows
+    m = rm[:, None] & (c < cols)[None, :]
+    a = tl.load(DZ + r.to(tl.int64)[:, None] * ld_dz + c[None, :], mask=m, other=0.0)
+    thr = tl.load(THR + r, mask=rm, other=0.0)
+    af = a.to(tl.float32)
+    big = ((tl.abs(af) > thr[:, None]) | (af != af)) & m  # a NaN counts as large
+    keep = tl.max(big.to(tl.int32), axis=1)
+    tl.store(MASK + rb * n_kb + kb, tl.max(keep, axis=0).to(tl.int8))
+
+
+@triton.jit
+def _dh_kernel(DZ, W, OUT, IDX, CNT, rows, cols, H, ld_dz, n_kb, ACCUM: tl.constexpr,
+               BLOCK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+    # OUT[r, j] (+)= sum over kept blocks kb of row block rt: DZ[r, kb] @ W[kb, j]
+    rt = tl.program_id(0)
+    r = rt * BLOCK + tl.arange(0, BLOCK)
+    j = tl.program_id(1) * BH + tl.arange(0, BH)
+    rm = r < rows
+    jm = j < H
+    cnt = tl.load(CNT + rt)
+    acc = tl.zeros((BLOCK, BH), dtype=tl.float32)
+    SUB: tl.constexpr = BLOCK // BK
+    for t in range(0, cnt * SUB):  # one flat loop over (kept block, BK step): one pipeline
+        kb = tl.load(IDX + rt * n_kb + t // SUB)
+        k = kb * BLOCK + (t % SUB) * BK + tl.arange(0, BK)
+        km = k < cols
+        a = tl.load(DZ + r.to(tl.int64)[:, None] * ld_dz + k[None, :],
+                    mask=rm[:, None] & km[None, :], other=0.0)
+        b = tl.load(W + k.to(tl.int64)[:, None] * H + j[None, :],
+                    mask=km[:, None] & jm[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+    offs = r.to(tl.int64)[:, None] * H + j[None, :]
+    m = rm[:, None] & jm[None, :]
+    if ACCUM:
+        acc += tl.load(OUT + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _dw_kernel(DZ, X, OUT, IDX, CNT, rows, cols, H, ld_dz, n_rb, ACCUM: tl.constexpr,
+               BLOCK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+    # OUT[v, j] (+)= sum over kept blocks rb of column block vt: DZ[rb, v]^T @ X[rb, j]
+    vt = tl.program_id(0)
+    v = vt * BLOCK + tl.arange(0, BLOCK)
+    j = tl.program_id(1) * BH + tl.arange(0, BH)
+    vm = v < cols
+    jm = j < H
+    cnt = tl.load(CNT + vt)
+    acc = tl.zeros((BLOCK, BH), dtype=tl.float32)
+    SUB: tl.constexpr = BLOCK // BK
+    for t in range(0, cnt * SUB):
+        rb = tl.load(IDX + vt * n_rb + t // SUB)
+        n = rb * BLOCK + (t % SUB) * BK + tl.arange(0, BK)
+        nm = n < rows
+        a = tl.load(DZ + n.to(tl.int64)[:, None] * ld_dz + v[None, :],
+                    mask=nm[:, None] & vm[None, :], other=0.0)
+        b = tl.load(X + n.to(tl.int64)[:, None] * H + j[None, :],
+                    mask=nm[:, None] & jm[None, :], other=0.0)
+        acc = tl.dot(tl.trans(a), b, acc)
+    offs = v.to(tl.int64)[:, None] * H + j[None, :]
+    m = vm[:, None] & jm[None, :]
+    if ACCUM:  # a tile with no kept block keeps its values: neither read nor written
+        m = m & (cnt > 0)
+        acc += tl.load(OUT + offs, mask=m, other=0.0).to(tl.float32)
+    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=m)
+
+
+def _kept_lists(mask, dim: int):
+    """(idx, cnt): per row of mask (dim=1) or per column (dim=0), the kept blocks' indices
+    first, in increasing order (int32, contiguous), and their count."""
+    m = mask if dim == 1 else mask.t()
+    cnt = m.sum(1, dtype=torch.int32)
+    idx = torch.argsort(m, dim=1, descending=True, stable=True).to(torch.int32).contiguous()
+    return idx, cnt
+
+
+def filter_mask(dz, thr, block: int):
+    """(blocks of rows, blocks of columns) int8 mask of dz's kept blocks (filtered.block_mask)."""
+    rows, cols = dz.shape
+    nr, nk = triton.cdiv(rows, block), triton.cdiv(cols, block)
+    mask = torch.empty(nr, nk, dtype=torch.int8, device=dz.device)
+    if nr and nk:
+        _mask_kernel[(nr, nk)](dz, thr.float().contiguous(), mask, rows, cols, dz.stride(0), nk,
+                               BLOCK=block, num_warps=8)
+    return mask
+
+
+_SPARSE_TILE = dict(BH=128, BK=64, num_warps=8, num_stages=3)
+
+
+def sparse_dh(dz, w_chunk, out, accumulate: bool, mask, block: int):
+    """out (+)= dz @ w_chunk over mask's kept blocks; out (rows, H) contiguous."""
+    rows, cols = dz.shape
+    hidden = w_chunk.shape[1]
+    if rows == 0:
+        return
+    idx, cnt = _kept_lists(mask, 1)
+    grid = (triton.cdiv(rows, block), triton.cdiv(hidden, _SPARSE_TILE["BH"]))
+    _dh_kernel[grid](dz, w_chunk, out, idx, cnt, rows, cols, hidden, dz.stride(0), mask.shape[1],
+                     ACCUM=accumulate, BLOCK=block, **_SPARSE_TILE)
+
+
+def sparse_dw(dz, x, out, accumulate: bool, mask, block: int):
+    """out (+)= dz^T @ x over mask's kept blocks; out (cols, H) contiguous; with accumulate, a
+    tile without a kept block is left as it is."""
+    rows, cols = dz.shape
+    hidden = x.shape[1]
+    if cols == 0:
+        return
+    idx, cnt = _kept_lists(mask, 0)
+    grid = (triton.cdiv(cols, block), triton.cdiv(hidden, _SPARSE_TILE["BH"]))
+    _dw_kernel[grid](dz, x, out, idx, cnt, rows, cols, hidden, dz.stride(0), mask.shape[0],
+                     ACCUM=accumulate, BLOCK=block, **_SPARSE_TILE)
