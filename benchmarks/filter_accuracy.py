@@ -10,7 +10,7 @@ Per shape and data mode, the mean loss's gradients and their Frobenius-norm rela
   approximation itself without rounding;
 - "eager bf16 + filter": the eager bf16 computation with the filter's blocks dropped (the mask of
   128 x 128 blocks of the float32 dz), what a filtered bf16 run computes up to its own rounding.
-Rows go to benchmarks/results/linear_ce_filter.jsonl (op "linear_ce_filter_accuracy").
+Rows go to benchmarks/results/linear_ce_filter.jsonl (op "linear_ce_filter").
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def exact(x, w, t, softcap, eps=None):
     ww = w.double().requires_grad_()
     loss = linear_cross_entropy(xx, ww, t, softcap=softcap, backend="torch", filter_eps=eps)
     dh, dw = torch.autograd.grad(loss, [xx, ww])
-    return float(loss), dh, dw
+    return float(loss.detach()), dh, dw
 
 
 def eager_bf16(x, w, t, softcap, eps=None):
@@ -92,7 +92,7 @@ def main():
             gh, gw = eager_bf16(x, w, t, softcap, args.eps)
             for method, a, b in (("eager_bf16", eh, ew), ("filter_float64", fh, fw),
                                  ("eager_bf16_filter", gh, gw)):
-                rows.append(dict(op="linear_ce_filter_accuracy", method=method, shape=shape,
+                rows.append(dict(op="linear_ce_filter", method=method, shape=shape,
                                  N=args.tokens, H=h, V=v, softcap=softcap, data=data,
                                  filter_eps=args.eps, loss=round(loss, 4),
                                  err_dh=rel(a, dh), err_dw=rel(b, dw), **meta))

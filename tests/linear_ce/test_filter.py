@@ -233,3 +233,25 @@ def test_module_passes_filter_eps():
     mod(xx, w, t).backward()
     ref = _oracle(x, w, t, up, "mean", EPS, torch.float64)
     assert O.rel_err(xx.grad, ref[1]) < 1e-12
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compiles_fullgraph_with_filter(reduction):
+    """The ops carry filter_eps through torch.compile(fullgraph=True): the eager bits."""
+    x, w, t, up = _peaked(200, 256, 1000)
+    x, w = x.float(), w.float()
+
+    def step(fn):
+        xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fn(xx, ww)
+        (loss * up.float()).sum().backward() if reduction == "none" else loss.backward()
+        return loss.detach(), xx.grad, ww.grad
+
+    def fn(xx, ww):
+        return linear_cross_entropy(xx, ww, t, reduction=reduction, filter_eps=EPS,
+                                    check_targets=False, backend="torch")
+
+    eager = step(fn)
+    compiled = step(torch.compile(fn, fullgraph=True))
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
