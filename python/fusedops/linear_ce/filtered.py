@@ -36,15 +36,20 @@ def block_mask(dz: Tensor, thr: Tensor) -> Tensor:
     |dz[i, v]| > thr[i] (a NaN counts as large). dz (rows, cols) with unit column stride; thr
     (rows,) float32/float64."""
     rows, cols = dz.shape
-    nr, nk = blocks(rows), blocks(cols)
     if sparse_ok(dz):
         from fusedops.linear_ce import triton as tk
         return tk.filter_mask(dz, thr, BLOCK)
-    pad = torch.zeros(nr * BLOCK, nk * BLOCK, dtype=torch.bool, device=dz.device)
+    nk = blocks(cols)
     t = thr.to(torch.float64 if dz.dtype == torch.float64 else torch.float32)
-    a = dz.to(t.dtype).abs()
-    pad[:rows, :cols] = ~(a <= t[:, None])  # NaN: large
-    return pad.view(nr, BLOCK, nk, BLOCK).any(3).any(1).to(torch.int8)
+    mask = torch.zeros(blocks(rows), nk, dtype=torch.int8, device=dz.device)
+    for rb in range(mask.shape[0]):  # one block row at a time: temporaries of BLOCK rows
+        r0, r1 = rb * BLOCK, min(rows, (rb + 1) * BLOCK)
+        big = ~(dz[r0:r1].to(t.dtype).abs() <= t[r0:r1, None])  # NaN: large
+        per_col = big.any(0)
+        pad = per_col.new_zeros(nk * BLOCK)
+        pad[:cols] = per_col
+        mask[rb] = pad.view(nk, BLOCK).any(1).to(torch.int8)
+    return mask
 
 
 def zero_dropped_(dz: Tensor, mask: Tensor) -> None:
