@@ -201,6 +201,60 @@ def test_block_mask_gpu_matches_cpu(dtype):
                        filtered.block_mask(dz, thr))
 
 
+def _kernel_params():
+    """The Triton kernels on a GPU, or on the CPU under TRITON_INTERPRET=1."""
+    out = []
+    for backend, device in O.available_backends():
+        if backend != "triton":
+            continue
+        marks = [pytest.mark.gpu] if device == "cuda" else []
+        dtypes = [torch.bfloat16, torch.float16] if device == "cuda" else [torch.float16]
+        out += [pytest.param(device, d, marks=marks, id=f"{device}-{str(d)[6:]}") for d in dtypes]
+    return out or [pytest.param(None, None, marks=pytest.mark.skip(reason="needs Triton: a GPU "
+                                                                   "or TRITON_INTERPRET=1"))]
+
+
+@pytest.mark.parametrize("device,dtype", _kernel_params())
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_sparse_kernels_match_masked_dense_products(device, dtype, accumulate):
+    """The Triton mask and block-sparse d_hidden / d_weight kernels against zero_dropped_ and
+    dense float64 products: ragged edges (rows, cols, H not multiples of the tiles), an empty
+    row block and an empty column block; with accumulate, tiles without a kept block keep their
+    old values bit for bit."""
+    from fusedops.linear_ce import triton as tk
+    g = torch.Generator().manual_seed(4)
+    rows, cols, h = 300, 530, 136
+    dz = torch.randn(rows, cols, generator=g) * 1e-4
+    big = [(3, 10), (3, 300), (140, 130), (290, 520), (200, 10)]  # row block 2 keeps 0 and 4
+    for r, c in big:
+        dz[r, c] = 1.0
+    dz = dz.to(dtype)
+    thr = torch.full((rows,), 0.5)
+    mask = filtered.block_mask(dz, thr)
+    assert mask.sum() == 5 and mask[:, 3].sum() == 0  # column block 3 holds no large entry
+    if device == "cuda":
+        assert torch.equal(tk.filter_mask(dz.cuda(), thr.cuda(), B).cpu(), mask)
+    w = (torch.randn(cols, h, generator=g) / 8).to(dtype)
+    x = torch.randn(rows, h, generator=g).to(dtype)
+    z = dz.clone()
+    filtered.zero_dropped_(z, mask)
+    ref_dh, ref_dw = z.double() @ w.double(), z.double().t() @ x.double()
+    old_dh = torch.randn(rows, h, generator=g).to(dtype)
+    old_dw = torch.randn(cols, h, generator=g).to(dtype)
+    dh, dw = old_dh.clone().to(device), old_dw.clone().to(device)
+    dev = dict(device=device)
+    tk.sparse_dh(dz.to(**dev), w.to(**dev), dh, accumulate, mask.to(**dev), B)
+    tk.sparse_dw(dz.to(**dev), x.to(**dev), dw, accumulate, mask.to(**dev), B)
+    dh, dw = dh.cpu(), dw.cpu()
+    if accumulate:
+        ref_dh, ref_dw = ref_dh + old_dh.double(), ref_dw + old_dw.double()
+        assert torch.equal(dw[3 * B: 4 * B], old_dw[3 * B: 4 * B])  # no kept block: untouched
+    for got, ref in ((dh, ref_dh), (dw, ref_dw)):
+        assert O.rel_err(got, ref) < 4e-3, O.rel_err(got, ref)  # half-precision rounding
+    if not accumulate:
+        assert dw[3 * B: 4 * B].abs().max() == 0
+
+
 @pytest.mark.parametrize("bad,exc", [(-1e-3, ValueError), (1.0, ValueError), (math.nan, ValueError),
                                      (math.inf, ValueError), ("auto", TypeError),
                                      (True, TypeError)])

@@ -70,6 +70,32 @@ def test_parity(backend, device, dtype, lead, hidden_size, vocab_size, feature):
     O.check(case, impl, _ORACLE)
 
 
+def _recompute_params():
+    for backend, device in BACKENDS:
+        for dtype in _dtypes(backend, device)[:1]:
+            big = [((1000,), 4096, 32003)] if device == "cuda" else []
+            for lead, hs, vs in SHAPES_SMALL + big:
+                for fname in ("plain", "everything"):
+                    marks = [pytest.mark.gpu] if device == "cuda" else []
+                    yield pytest.param(backend, device, dtype, lead, hs, vs, fname, marks=marks,
+                                       id=f"{backend}-{device}-{str(dtype)[6:]}-"
+                                          f"{'x'.join(map(str, lead))}-{hs}-{vs}-{fname}")
+
+
+@pytest.mark.parametrize("backend,device,dtype,lead,hidden_size,vocab_size,feature",
+                         list(_recompute_params()))
+def test_parity_recompute_algorithm(backend, device, dtype, lead, hidden_size, vocab_size,
+                                    feature, monkeypatch):
+    """FUSEDOPS_LCE_ALGO=recompute (fusedops::linear_ce_fwd / linear_ce_bwd) on each backend."""
+    monkeypatch.setenv("FUSEDOPS_LCE_ALGO", "recompute")
+    case = O.Case(lead, hidden_size, vocab_size, dtype, device, **FEATURES[feature])
+
+    def impl(h, w, t, b, **kw):
+        return linear_cross_entropy(h, w, t, b, backend=backend, **kw)
+
+    O.check(case, impl, _ORACLE)
+
+
 def test_reference_matches_torch_cross_entropy_float64():
     """The oracle itself equals F.cross_entropy on materialised float64 logits."""
     for feature in ("plain", "everything", "sum_bias", "smoothing"):

@@ -485,58 +485,36 @@ def _mask_kernel(DZ, THR, MASK, rows, cols, ld_dz, n_kb, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _dh_kernel(DZ, W, OUT, IDX, CNT, rows, cols, H, ld_dz, n_kb, ACCUM: tl.constexpr,
-               BLOCK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
-    # OUT[r, j] (+)= sum over kept blocks kb of row block rt: DZ[r, kb] @ W[kb, j]
-    rt = tl.program_id(0)
-    r = rt * BLOCK + tl.arange(0, BLOCK)
+def _sparse_kernel(DZ, B, OUT, IDX, CNT, n_out, n_red, H, ld_dz, n_list, ACCUM: tl.constexpr,
+                   DW: tl.constexpr, BLOCK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
+    # OUT[o, j] (+)= sum over the kept blocks kb of output block ot: A[o, kb] @ B[kb, j], where
+    # A = DZ for d_hidden (o a token, the sum over vocab columns) and DZ^T for d_weight (o a vocab
+    # column, the sum over tokens). IDX[ot, :CNT[ot]] lists the kept blocks.
+    ot = tl.program_id(0)
+    o = ot * BLOCK + tl.arange(0, BLOCK)
     j = tl.program_id(1) * BH + tl.arange(0, BH)
-    rm = r < rows
+    om = o < n_out
     jm = j < H
-    cnt = tl.load(CNT + rt)
+    cnt = tl.load(CNT + ot)
     acc = tl.zeros((BLOCK, BH), dtype=tl.float32)
     SUB: tl.constexpr = BLOCK // BK
     for t in range(0, cnt * SUB):  # one flat loop over (kept block, BK step): one pipeline
-        kb = tl.load(IDX + rt * n_kb + t // SUB)
+        kb = tl.load(IDX + ot * n_list + t // SUB)
         k = kb * BLOCK + (t % SUB) * BK + tl.arange(0, BK)
-        km = k < cols
-        a = tl.load(DZ + r.to(tl.int64)[:, None] * ld_dz + k[None, :],
-                    mask=rm[:, None] & km[None, :], other=0.0)
-        b = tl.load(W + k.to(tl.int64)[:, None] * H + j[None, :],
+        km = k < n_red
+        if DW:
+            a = tl.trans(tl.load(DZ + k.to(tl.int64)[:, None] * ld_dz + o[None, :],
+                                 mask=km[:, None] & om[None, :], other=0.0))
+        else:
+            a = tl.load(DZ + o.to(tl.int64)[:, None] * ld_dz + k[None, :],
+                        mask=om[:, None] & km[None, :], other=0.0)
+        b = tl.load(B + k.to(tl.int64)[:, None] * H + j[None, :],
                     mask=km[:, None] & jm[None, :], other=0.0)
         acc = tl.dot(a, b, acc)
-    offs = r.to(tl.int64)[:, None] * H + j[None, :]
-    m = rm[:, None] & jm[None, :]
-    if ACCUM:
-        acc += tl.load(OUT + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _dw_kernel(DZ, X, OUT, IDX, CNT, rows, cols, H, ld_dz, n_rb, ACCUM: tl.constexpr,
-               BLOCK: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
-    # OUT[v, j] (+)= sum over kept blocks rb of column block vt: DZ[rb, v]^T @ X[rb, j]
-    vt = tl.program_id(0)
-    v = vt * BLOCK + tl.arange(0, BLOCK)
-    j = tl.program_id(1) * BH + tl.arange(0, BH)
-    vm = v < cols
-    jm = j < H
-    cnt = tl.load(CNT + vt)
-    acc = tl.zeros((BLOCK, BH), dtype=tl.float32)
-    SUB: tl.constexpr = BLOCK // BK
-    for t in range(0, cnt * SUB):
-        rb = tl.load(IDX + vt * n_rb + t // SUB)
-        n = rb * BLOCK + (t % SUB) * BK + tl.arange(0, BK)
-        nm = n < rows
-        a = tl.load(DZ + n.to(tl.int64)[:, None] * ld_dz + v[None, :],
-                    mask=nm[:, None] & vm[None, :], other=0.0)
-        b = tl.load(X + n.to(tl.int64)[:, None] * H + j[None, :],
-                    mask=nm[:, None] & jm[None, :], other=0.0)
-        acc = tl.dot(tl.trans(a), b, acc)
-    offs = v.to(tl.int64)[:, None] * H + j[None, :]
-    m = vm[:, None] & jm[None, :]
+    offs = o.to(tl.int64)[:, None] * H + j[None, :]
+    m = om[:, None] & jm[None, :]
     if ACCUM:  # a tile with no kept block keeps its values: neither read nor written
-        m = m & (cnt > 0)
+        m = m & (tl.zeros_like(o) + cnt > 0)[:, None]  # (a tensor: the interpreter's masks)
         acc += tl.load(OUT + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=m)
 
@@ -564,26 +542,25 @@ def filter_mask(dz, thr, block: int):
 _SPARSE_TILE = dict(BH=128, BK=64, num_warps=8, num_stages=3)
 
 
-def sparse_dh(dz, w_chunk, out, accumulate: bool, mask, block: int):
-    """out (+)= dz @ w_chunk over mask's kept blocks; out (rows, H) contiguous."""
+def _sparse_product(dz, b, out, accumulate: bool, mask, block: int, dw: bool):
     rows, cols = dz.shape
-    hidden = w_chunk.shape[1]
-    if rows == 0:
+    n_out, n_red = (cols, rows) if dw else (rows, cols)
+    hidden = b.shape[1]
+    if n_out == 0:
         return
-    idx, cnt = _kept_lists(mask, 1)
-    grid = (triton.cdiv(rows, block), triton.cdiv(hidden, _SPARSE_TILE["BH"]))
-    _dh_kernel[grid](dz, w_chunk, out, idx, cnt, rows, cols, hidden, dz.stride(0), mask.shape[1],
-                     ACCUM=accumulate, BLOCK=block, **_SPARSE_TILE)
+    idx, cnt = _kept_lists(mask, 0 if dw else 1)
+    grid = (triton.cdiv(n_out, block), triton.cdiv(hidden, _SPARSE_TILE["BH"]))
+    _sparse_kernel[grid](dz, b, out, idx, cnt, n_out, n_red, hidden, dz.stride(0), idx.shape[1],
+                         ACCUM=accumulate, DW=dw, BLOCK=block, **_SPARSE_TILE)
+
+
+def sparse_dh(dz, w_chunk, out, accumulate: bool, mask, block: int):
+    """out (+)= dz @ w_chunk over mask's kept blocks; out (rows, H) contiguous; with accumulate,
+    a row block without a kept block is left as it is."""
+    _sparse_product(dz, w_chunk, out, accumulate, mask, block, dw=False)
 
 
 def sparse_dw(dz, x, out, accumulate: bool, mask, block: int):
     """out (+)= dz^T @ x over mask's kept blocks; out (cols, H) contiguous; with accumulate, a
     tile without a kept block is left as it is."""
-    rows, cols = dz.shape
-    hidden = x.shape[1]
-    if cols == 0:
-        return
-    idx, cnt = _kept_lists(mask, 0)
-    grid = (triton.cdiv(cols, block), triton.cdiv(hidden, _SPARSE_TILE["BH"]))
-    _dw_kernel[grid](dz, x, out, idx, cnt, rows, cols, hidden, dz.stride(0), mask.shape[0],
-                     ACCUM=accumulate, BLOCK=block, **_SPARSE_TILE)
+    _sparse_product(dz, x, out, accumulate, mask, block, dw=True)
