@@ -371,6 +371,42 @@ def test_memory_budget_reaches_the_loss():
             fo_hf.apply_fusedops(cand, memory_budget_mib=bad)
 
 
+def test_filter_eps_reaches_the_loss():
+    """apply_fusedops(filter_eps=...) is the fused loss's gradient filtering: the loss stays
+    stock's, the LM head's gradient is linear_cross_entropy's with that filter_eps on the same
+    hidden states (and differs from the exact one), and patching again without it is exact."""
+    from fusedops.linear_ce import linear_cross_entropy
+
+    ref, cand = model_pair("llama", torch.float64)
+    inputs, labels = batch("right")
+    labels = torch.where(labels >= 0, labels % 128, labels)  # no target in vocab block 1 ...
+    ref.train()
+    cand.train()
+    eps = 0.5  # ... whose probabilities (below 0.1 here) all lie below eps: the block drops
+    fo_hf.apply_fusedops(cand, filter_eps=eps)
+    seen = []
+    hook = cand.model.register_forward_hook(
+        lambda mod, args, out: seen.append(out.last_hidden_state.detach()))
+    out, grads = _run(cand, inputs, labels)
+    hook.remove()
+    ref_loss = reference_loss(ref(**inputs, use_cache=False).logits, labels)
+    ref_loss.backward()
+    g_ref = _grads(ref)
+    assert rel_err(out.loss, ref_loss) < 1e-10
+    w = cand.lm_head.weight.detach().clone().requires_grad_(True)
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    linear_cross_entropy(seen[0], w, shifted, filter_eps=eps).backward()
+    assert rel_err(grads["lm_head.weight"], w.grad) < 1e-12
+    assert rel_err(grads["lm_head.weight"], g_ref["lm_head.weight"]) > 1e-6
+    fo_hf.apply_fusedops(cand)  # back to exact gradients
+    _, grads = _run(cand, inputs, labels)
+    for name, g in g_ref.items():
+        assert rel_err(grads[name], g) < 1e-9, name
+    for bad in (-0.1, 1.0, "0.1", True):
+        with pytest.raises(ValueError, match="filter_eps"):
+            fo_hf.apply_fusedops(cand, filter_eps=bad)
+
+
 def test_memory_budget_on_a_class():
     from transformers import LlamaForCausalLM
 

@@ -29,6 +29,7 @@ from fusedops.integrations.transformers.attention import (
 )
 from fusedops.integrations.transformers.loss import (
     MODEL_BUDGET,
+    MODEL_FILTER,
     check_lm_head,
     fused_causal_lm_forward,
     patch_lm_head,
@@ -64,6 +65,13 @@ def _check_budget(value) -> None:
         raise ValueError(f"memory_budget_mib must be a positive number or None, got {value!r}")
 
 
+def _check_filter_eps(value) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"filter_eps must be None or a number in [0, 1), got {value!r}")
+
+
 def _check_forward_free(model) -> None:
     """Raises if something other than fusedops replaced model.forward on the instance (beneath
     an accelerate hook: the forward the hook calls): replacing it again would silently undo
@@ -90,7 +98,7 @@ def _accelerate_hooked(model) -> bool:
 
 
 def _patch_instance(model, attention: bool, linear_ce: bool, memory_budget_mib=None,
-                    mlp: bool = False):
+                    mlp: bool = False, filter_eps=None):
     if linear_ce:  # refusals before anything is changed
         _check_forward_free(model)
         check_lm_head(model.lm_head)
@@ -105,8 +113,9 @@ def _patch_instance(model, attention: bool, linear_ce: bool, memory_budget_mib=N
     if mlp:
         patch_mlps(model)
     if linear_ce:
-        patch_lm_head(model.lm_head, memory_budget_mib)
+        patch_lm_head(model.lm_head, memory_budget_mib, filter_eps)
         setattr(model, MODEL_BUDGET, memory_budget_mib)
+        setattr(model, MODEL_FILTER, filter_eps)
         if not getattr(model, _FORWARD_FLAG, False):
             forward = types.MethodType(fused_causal_lm_forward, model)
             if _accelerate_hooked(model):
@@ -134,7 +143,8 @@ def _patch_class(cls: type) -> None:
 
 
 def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = True,
-                   memory_budget_mib: float | None = None, mlp: bool = True):
+                   memory_budget_mib: float | None = None, mlp: bool = True,
+                   filter_eps: float | None = None):
     """Uses fusedops in a transformers causal LM; returns what it was given.
 
     model_or_class: a built model (an instance of a supported ``*ForCausalLM``, or a PEFT model
@@ -163,6 +173,10 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
     step's peak: for Llama-3.2-1B at 8192 tokens the peak is the last decoder layer's MLP
     backward once the budget is at most 128 MiB (benchmarks/results/train_step.jsonl).
 
+    filter_eps: the fused loss's gradient filtering (linear_cross_entropy's filter_eps; None, the
+    default: exact gradients). Faster on a trained model's peaked outputs, at a cost in the
+    accuracy of the hidden states' gradient that linear_cross_entropy's docstring quantifies.
+
     Patching again is harmless; for a class the last call's flags apply to models built later.
     Raises TypeError naming the class for an unsupported model.
     """
@@ -170,14 +184,16 @@ def apply_fusedops(model_or_class, *, attention: bool = True, linear_ce: bool = 
     _check_flag("linear_ce", linear_ce)
     _check_flag("mlp", mlp)
     _check_budget(memory_budget_mib)
+    _check_filter_eps(filter_eps)
     if isinstance(model_or_class, type):
         _check_supported(model_or_class)
-        setattr(model_or_class, _CLASS_OPTIONS, (attention, linear_ce, memory_budget_mib, mlp))
+        setattr(model_or_class, _CLASS_OPTIONS, (attention, linear_ce, memory_budget_mib, mlp,
+                                                  filter_eps))
         _patch_class(model_or_class)
         return model_or_class
     model = model_or_class
     if family_of(type(model)) is None and callable(getattr(model, "get_base_model", None)):
         model = model.get_base_model()  # a PEFT model: patch the transformers model inside
     _check_supported(type(model))
-    _patch_instance(model, attention, linear_ce, memory_budget_mib, mlp)
+    _patch_instance(model, attention, linear_ce, memory_budget_mib, mlp, filter_eps)
     return model_or_class

@@ -21,12 +21,15 @@ from fusedops.integrations.transformers import models as _models
 from fusedops.linear_ce import linear_cross_entropy
 
 __all__ = ["fused_head_forward", "patch_lm_head", "check_lm_head", "fused_causal_lm_forward",
-           "MODEL_BUDGET"]
+           "MODEL_BUDGET", "MODEL_FILTER"]
 
 _HEAD_FLAG = "_fusedops_fused_head"
 _HEAD_BUDGET = "_fusedops_memory_budget_mib"
 #: The patched model's attribute holding apply_fusedops' memory_budget_mib.
 MODEL_BUDGET = "_fusedops_model_memory_budget_mib"
+_HEAD_FILTER = "_fusedops_filter_eps"
+#: The patched model's attribute holding apply_fusedops' filter_eps.
+MODEL_FILTER = "_fusedops_model_filter_eps"
 
 
 def fused_head_forward(self: nn.Linear, hidden: Tensor, labels: Tensor | None = None, *,
@@ -39,19 +42,18 @@ def fused_head_forward(self: nn.Linear, hidden: Tensor, labels: Tensor | None = 
     ``softcap * tanh(logits / softcap)`` (no tanh for softcap None) computed by
     fusedops.linear_ce without forming the logits; the mean over tokens whose label is not
     ignore_index, or their sum divided by num_items_in_batch when that is given. The scratch
-    budget is the one patch_lm_head was given.
+    budget and filter_eps are the ones patch_lm_head was given.
     """
     if labels is None:
         return type(self).forward(self, hidden)
     labels = labels.to(hidden.device)
-    budget = getattr(self, _HEAD_BUDGET, None)
+    opts = dict(ignore_index=ignore_index, softcap=softcap,
+                memory_budget_mib=getattr(self, _HEAD_BUDGET, None),
+                filter_eps=getattr(self, _HEAD_FILTER, None))
     if num_items_in_batch is None:
-        return linear_cross_entropy(hidden, self.weight, labels, self.bias,
-                                    ignore_index=ignore_index, reduction="mean", softcap=softcap,
-                                    memory_budget_mib=budget)
-    loss = linear_cross_entropy(hidden, self.weight, labels, self.bias,
-                                ignore_index=ignore_index, reduction="sum", softcap=softcap,
-                                memory_budget_mib=budget)
+        return linear_cross_entropy(hidden, self.weight, labels, self.bias, reduction="mean",
+                                    **opts)
+    loss = linear_cross_entropy(hidden, self.weight, labels, self.bias, reduction="sum", **opts)
     if isinstance(num_items_in_batch, Tensor):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
@@ -79,23 +81,24 @@ def check_lm_head(head: nn.Module) -> None:
                 "product); pass linear_ce=False to keep the model's own head and loss")
 
 
-def patch_lm_head(head: nn.Module, memory_budget_mib: float | None = None) -> nn.Module:
+def patch_lm_head(head: nn.Module, memory_budget_mib: float | None = None,
+                  filter_eps: float | None = None) -> nn.Module:
     """Gives `head` (an nn.Linear) the forward of :func:`fused_head_forward`, whose fused loss
-    uses `memory_budget_mib` (None: linear_cross_entropy's default); idempotent, the last
-    call's budget applies. A PEFT modules_to_save wrapper has each of its copies patched."""
+    uses `memory_budget_mib` and `filter_eps` (linear_cross_entropy's options; None: their
+    defaults); idempotent, the last call's options apply. A PEFT modules_to_save wrapper has
+    each of its copies patched."""
     copies = _peft_copies(head)
     if copies is not None:
         check_lm_head(head)
         for module in copies:
-            patch_lm_head(module, memory_budget_mib)
+            patch_lm_head(module, memory_budget_mib, filter_eps)
         return head
-    if getattr(head, _HEAD_FLAG, False):
-        setattr(head, _HEAD_BUDGET, memory_budget_mib)
-        return head
-    check_lm_head(head)
-    head.forward = types.MethodType(fused_head_forward, head)
-    setattr(head, _HEAD_FLAG, True)
+    if not getattr(head, _HEAD_FLAG, False):
+        check_lm_head(head)
+        head.forward = types.MethodType(fused_head_forward, head)
+        setattr(head, _HEAD_FLAG, True)
     setattr(head, _HEAD_BUDGET, memory_budget_mib)
+    setattr(head, _HEAD_FILTER, filter_eps)
     return head
 
 
@@ -186,7 +189,8 @@ def fused_causal_lm_forward(self, input_ids: torch.LongTensor | None = None,
         # PEFT's modules_to_save wrapper, which may have gained an adapter's copy).
         head = self.lm_head
         if not getattr(head, _HEAD_FLAG, False):
-            patch_lm_head(head, getattr(self, MODEL_BUDGET, None))
+            patch_lm_head(head, getattr(self, MODEL_BUDGET, None),
+                          getattr(self, MODEL_FILTER, None))
         loss = head(hidden, shift_labels, ignore_index=ignore_index,
                     softcap=getattr(self.config, "final_logit_softcapping", None),
                     num_items_in_batch=kwargs.get("num_items_in_batch"))
