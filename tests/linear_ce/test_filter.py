@@ -100,10 +100,16 @@ def _budget(plan, n, h, v, elem):
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("plan", list(PLANS))
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_filtered_gradients_match_oracle(backend, device, plan, reduction, monkeypatch):
+@pytest.mark.parametrize("route", ["auto", "sparse", "dense"])
+def test_filtered_gradients_match_oracle(backend, device, plan, reduction, route, monkeypatch):
+    """route: FUSEDOPS_LCE_FILTER_ROUTE, the block-sparse kernels or cuBLAS on the zeroed chunk
+    (a GPU's choice; elsewhere the dense route always runs)."""
     n, h, v = PLANS[plan]
     if backend == "triton" and device == "cpu" and plan != "rows":
         pytest.skip("the Triton interpreter: one plan is enough")
+    if route != "auto" and device != "cuda":
+        pytest.skip("the route is chosen on a GPU only")
+    monkeypatch.setenv("FUSEDOPS_LCE_FILTER_ROUTE", route)
     if plan == "two_chunks":
         monkeypatch.setenv("FUSEDOPS_LCE_MIN_FULL_ROWS", "128")
     dtype = _dtype(backend, device)
@@ -238,6 +244,9 @@ def test_sparse_kernels_match_masked_dense_products(device, dtype, accumulate):
     x = torch.randn(rows, h, generator=g).to(dtype)
     z = dz.clone()
     filtered.zero_dropped_(z, mask)
+    z_dev = dz.to(device)
+    tk.zero_blocks(z_dev, mask.to(device), B)
+    assert torch.equal(z_dev.cpu(), z)
     ref_dh, ref_dw = z.double() @ w.double(), z.double().t() @ x.double()
     old_dh = torch.randn(rows, h, generator=g).to(dtype)
     old_dw = torch.randn(cols, h, generator=g).to(dtype)
@@ -253,6 +262,25 @@ def test_sparse_kernels_match_masked_dense_products(device, dtype, accumulate):
         assert O.rel_err(got, ref) < 4e-3, O.rel_err(got, ref)  # half-precision rounding
     if not accumulate:
         assert dw[3 * B: 4 * B].abs().max() == 0
+
+
+def test_sparse_route_below_the_dense_share(monkeypatch):
+    """The block-sparse kernels take a chunk with fewer than DENSE_SHARE of its blocks kept;
+    FUSEDOPS_LCE_FILTER_ROUTE forces either route and names itself when bad."""
+    monkeypatch.delenv("FUSEDOPS_LCE_FILTER_ROUTE", raising=False)
+    mask = torch.zeros(4, 10, dtype=torch.int8)
+    mask.view(-1)[: int(40 * filtered.DENSE_SHARE) - 1] = 1
+    assert filtered.sparse_pays(mask)
+    mask.view(-1)[: int(40 * filtered.DENSE_SHARE)] = 1
+    assert not filtered.sparse_pays(mask)
+    assert filtered.sparse_pays(torch.zeros(0, 3, dtype=torch.int8))
+    monkeypatch.setenv("FUSEDOPS_LCE_FILTER_ROUTE", "sparse")
+    assert filtered.sparse_pays(mask)
+    monkeypatch.setenv("FUSEDOPS_LCE_FILTER_ROUTE", "dense")
+    assert not filtered.sparse_pays(torch.zeros(4, 10, dtype=torch.int8))
+    monkeypatch.setenv("FUSEDOPS_LCE_FILTER_ROUTE", "fast")
+    with pytest.raises(ValueError, match="FUSEDOPS_LCE_FILTER_ROUTE"):
+        filtered.sparse_pays(mask)
 
 
 @pytest.mark.parametrize("bad,exc", [(-1e-3, ValueError), (1.0, ValueError), (math.nan, ValueError),

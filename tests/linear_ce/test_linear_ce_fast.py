@@ -191,9 +191,12 @@ def test_no_grad_forward_matches_and_returns_no_grads():
 @pytest.mark.parametrize("backend", ["cuda-sm90", "cuda-sm80", "triton"])
 @pytest.mark.parametrize("budget", [None, 64])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_cuda_graph_capture(backend, budget, reduction):
+@pytest.mark.parametrize("filter_eps", [None, 2**-12])
+def test_cuda_graph_capture(backend, budget, reduction, filter_eps, monkeypatch):
     """Forward + backward of the fast path (mean) and of the statistics path (per-token losses
-    and lse), targets unchecked, captured and replayed."""
+    and lse), targets unchecked, captured and replayed. With filter_eps the route is chosen
+    without a host synchronisation during capture (the block-sparse kernels, which the eager
+    runs here are made to take too)."""
     sig = dispatch.InputSig("linear_ce", "cuda", 0, torch.bfloat16, 256)
     if dispatch.why_not(backend, sig) is not None:
         pytest.skip(dispatch.why_not(backend, sig))
@@ -204,14 +207,17 @@ def test_cuda_graph_capture(backend, budget, reduction):
     x.requires_grad_()
 
     up = torch.rand(1024, device="cuda", generator=g)
+    monkeypatch.setenv("FUSEDOPS_LCE_FILTER_ROUTE", "sparse")
 
     def run(xx, ww):
         if reduction == "mean":
             return linear_cross_entropy(xx, ww, t, backend=backend, check_targets=False,
-                                        memory_budget_mib=budget, label_smoothing=0.1)
+                                        memory_budget_mib=budget, label_smoothing=0.1,
+                                        filter_eps=filter_eps)
         loss, lse = linear_cross_entropy(xx, ww, t, backend=backend, check_targets=False,
                                          memory_budget_mib=budget, label_smoothing=0.1,
-                                         reduction="none", return_lse=True)
+                                         reduction="none", return_lse=True,
+                                         filter_eps=filter_eps)
         return (loss * up).sum() + 1e-2 * lse.square().sum()
 
     def step():
@@ -229,8 +235,10 @@ def test_cuda_graph_capture(backend, budget, reduction):
     ref = (step().detach().clone(), x.grad.clone(), w.grad.clone())
     x.grad = w.grad = None
     graph = torch.cuda.CUDAGraph()
+    monkeypatch.setenv("FUSEDOPS_LCE_FILTER_ROUTE", "auto")
     with torch.cuda.graph(graph):
         loss = step()
+    monkeypatch.setenv("FUSEDOPS_LCE_FILTER_ROUTE", "sparse")
     t.copy_(torch.randint(0, 32003, (1024,), device="cuda", generator=g))  # new data, same graph
     graph.replay()
     xf, wf = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()

@@ -462,13 +462,14 @@ def _grads_from_dz(dz, x, w_mm, v0, v1, dh_out, dw_out, db32, first_dw, thr=None
     (db32 +=, always exact) of a dz chunk. thr (rows,): the filter's per-token thresholds, or
     None for exact products. Returns the filter's block mask when want_mask and the block-sparse
     kernels take the chunk (the caller's d_hidden product then uses it), else None: elsewhere
-    the dropped blocks are zeroed in dz, so dense products of it are the filtered ones."""
+    (no GPU kernels, or too many kept blocks for them to pay) the dropped blocks are zeroed in
+    dz, so dense products of it are the filtered ones."""
     if db32 is not None:
         db32[v0:v1] += dz.sum(0, dtype=db32.dtype)
     mask = None
     if thr is not None:
         mask = filtered.block_mask(dz, thr)
-        if not filtered.sparse_ok(dz):
+        if not (filtered.sparse_ok(dz) and filtered.sparse_pays(mask)):
             filtered.zero_dropped_(dz, mask)
             mask = None
     if dh_out is not None:

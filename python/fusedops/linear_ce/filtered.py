@@ -11,8 +11,9 @@ kernels' dense rate (below cuBLAS's). The loss and d_bias are always exact.
 
 Three pieces per chunk: `block_mask` (which blocks stay), then `d_hidden` and `d_weight`. On a
 GPU with float16/bfloat16 dz they are Triton kernels that loop over each output tile's list of
-kept blocks; elsewhere (CPU, float32/float64) the dropped blocks are zeroed in dz and the dense
-products run, which is the definition the GPU kernels are tested against.
+kept blocks, where fewer than DENSE_SHARE of the chunk's blocks stay (`sparse_pays`); elsewhere
+(denser chunks, CPU, float32/float64) the dropped blocks are zeroed in dz and the dense products
+run, which is also the definition the GPU kernels are tested against.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ import torch
 from torch import Tensor
 
 BLOCK = 128  # rows and columns of a filter block (and of the sparse kernels' output tiles)
+# Share of kept blocks from which cuBLAS on the zeroed chunk beats the block-sparse kernels:
+# these run at about half its rate on a full mask (H100: d_hidden 416 / 750 TFLOP/s, d_weight
+# 290 / 661; benchmarks/results/linear_ce.jsonl, method fusedops-filter on dense data).
+DENSE_SHARE = 0.5
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -56,6 +61,10 @@ def zero_dropped_(dz: Tensor, mask: Tensor) -> None:
     """Zeroes the blocks of dz whose mask entry is 0 (filtering where the block-sparse kernels do
     not run: the dense products of the result are then the filtered ones). No temporaries larger
     than a block row of mask."""
+    if dz.is_cuda and _HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        from fusedops.linear_ce import triton as tk
+        tk.zero_blocks(dz, mask, BLOCK)
+        return
     rows, cols = dz.shape
     full = cols // BLOCK
     keep = mask.to(dz.dtype)
@@ -71,6 +80,22 @@ def sparse_ok(dz: Tensor) -> bool:
     """Whether the block-sparse Triton kernels take this chunk (a GPU, float16/bfloat16)."""
     return (dz.is_cuda and dz.dtype in (torch.float16, torch.bfloat16) and _HAS_TRITON
             and os.environ.get("TRITON_INTERPRET", "0") != "1")
+
+
+def sparse_pays(mask: Tensor) -> bool:
+    """Whether the block-sparse kernels should take a chunk with this mask: fewer than
+    DENSE_SHARE of its blocks kept. Reading the share synchronises with the device once per
+    chunk; during CUDA graph capture (no synchronisation allowed) the answer is yes.
+    FUSEDOPS_LCE_FILTER_ROUTE (read at each call; for measurement and tests): sparse or dense
+    forces the route."""
+    route = os.environ.get("FUSEDOPS_LCE_FILTER_ROUTE", "auto")
+    if route not in ("auto", "sparse", "dense"):
+        raise ValueError(f"FUSEDOPS_LCE_FILTER_ROUTE must be auto, sparse or dense, got {route!r}")
+    if route != "auto":
+        return route == "sparse"
+    if mask.numel() == 0 or (mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return True
+    return int(mask.sum(dtype=torch.int64)) < DENSE_SHARE * mask.numel()
 
 
 def d_hidden(dz: Tensor, w_chunk: Tensor, out: Tensor, accumulate: bool, mask: Tensor) -> None:

@@ -519,6 +519,18 @@ def _sparse_kernel(DZ, B, OUT, IDX, CNT, n_out, n_red, H, ld_dz, n_list, ACCUM: 
     tl.store(OUT + offs, acc.to(OUT.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _zero_blocks_kernel(DZ, MASK, rows, cols, ld_dz, n_kb, BLOCK: tl.constexpr):
+    rb = tl.program_id(0)
+    kb = tl.program_id(1)
+    if tl.load(MASK + rb * n_kb + kb) == 0:
+        r = rb * BLOCK + tl.arange(0, BLOCK)
+        c = kb * BLOCK + tl.arange(0, BLOCK)
+        m = (r < rows)[:, None] & (c < cols)[None, :]
+        zero = tl.zeros((BLOCK, BLOCK), dtype=DZ.dtype.element_ty)
+        tl.store(DZ + r.to(tl.int64)[:, None] * ld_dz + c[None, :], zero, mask=m)
+
+
 def _kept_lists(mask, dim: int):
     """(idx, cnt): per row of mask (dim=1) or per column (dim=0), the kept blocks' indices
     first, in increasing order (int32, contiguous), and their count."""
@@ -537,6 +549,15 @@ def filter_mask(dz, thr, block: int):
         _mask_kernel[(nr, nk)](dz, thr.float().contiguous(), mask, rows, cols, dz.stride(0), nk,
                                BLOCK=block, num_warps=8)
     return mask
+
+
+def zero_blocks(dz, mask, block: int):
+    """Zeroes the blocks of dz (rows, cols; unit column stride) whose mask entry is 0."""
+    rows, cols = dz.shape
+    nr, nk = mask.shape
+    if nr and nk:
+        _zero_blocks_kernel[(nr, nk)](dz, mask, rows, cols, dz.stride(0), nk, BLOCK=block,
+                                      num_warps=8)
 
 
 _SPARSE_TILE = dict(BH=128, BK=64, num_warps=8, num_stages=3)
