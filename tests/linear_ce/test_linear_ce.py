@@ -40,6 +40,13 @@ def _dtypes(backend, device):
     return [torch.float32, torch.bfloat16, torch.float16]
 
 
+def _param(backend, device, dtype, lead, hs, vs, fname):
+    marks = [pytest.mark.gpu] if device == "cuda" else []
+    return pytest.param(backend, device, dtype, lead, hs, vs, fname, marks=marks,
+                        id=f"{backend}-{device}-{str(dtype)[6:]}-"
+                           f"{'x'.join(map(str, lead))}-{hs}-{vs}-{fname}")
+
+
 def _params():
     for backend, device in BACKENDS:
         interp = backend == "triton" and device == "cpu"
@@ -53,15 +60,19 @@ def _params():
                     if interp and fname not in ("plain", "everything", "all_ignored",
                                                 "sum_bias"):
                         continue
-                    marks = [pytest.mark.gpu] if device == "cuda" else []
-                    yield pytest.param(backend, device, dtype, lead, hs, vs, fname, marks=marks,
-                                       id=f"{backend}-{device}-{str(dtype)[6:]}-"
-                                          f"{'x'.join(map(str, lead))}-{hs}-{vs}-{fname}")
+                    yield _param(backend, device, dtype, lead, hs, vs, fname)
 
 
-@pytest.mark.parametrize("backend,device,dtype,lead,hidden_size,vocab_size,feature",
-                         list(_params()))
-def test_parity(backend, device, dtype, lead, hidden_size, vocab_size, feature):
+def _recompute_params():
+    for backend, device in BACKENDS:
+        dtype = _dtypes(backend, device)[0]
+        big = [((1000,), 4096, 32003)] if device == "cuda" else []
+        for lead, hs, vs in SHAPES_SMALL + big:
+            for fname in ("plain", "everything"):
+                yield _param(backend, device, dtype, lead, hs, vs, fname)
+
+
+def _check_parity(backend, device, dtype, lead, hidden_size, vocab_size, feature):
     case = O.Case(lead, hidden_size, vocab_size, dtype, device, **FEATURES[feature])
 
     def impl(h, w, t, b, **kw):
@@ -70,16 +81,10 @@ def test_parity(backend, device, dtype, lead, hidden_size, vocab_size, feature):
     O.check(case, impl, _ORACLE)
 
 
-def _recompute_params():
-    for backend, device in BACKENDS:
-        for dtype in _dtypes(backend, device)[:1]:
-            big = [((1000,), 4096, 32003)] if device == "cuda" else []
-            for lead, hs, vs in SHAPES_SMALL + big:
-                for fname in ("plain", "everything"):
-                    marks = [pytest.mark.gpu] if device == "cuda" else []
-                    yield pytest.param(backend, device, dtype, lead, hs, vs, fname, marks=marks,
-                                       id=f"{backend}-{device}-{str(dtype)[6:]}-"
-                                          f"{'x'.join(map(str, lead))}-{hs}-{vs}-{fname}")
+@pytest.mark.parametrize("backend,device,dtype,lead,hidden_size,vocab_size,feature",
+                         list(_params()))
+def test_parity(backend, device, dtype, lead, hidden_size, vocab_size, feature):
+    _check_parity(backend, device, dtype, lead, hidden_size, vocab_size, feature)
 
 
 @pytest.mark.parametrize("backend,device,dtype,lead,hidden_size,vocab_size,feature",
@@ -88,12 +93,7 @@ def test_parity_recompute_algorithm(backend, device, dtype, lead, hidden_size, v
                                     feature, monkeypatch):
     """FUSEDOPS_LCE_ALGO=recompute (fusedops::linear_ce_fwd / linear_ce_bwd) on each backend."""
     monkeypatch.setenv("FUSEDOPS_LCE_ALGO", "recompute")
-    case = O.Case(lead, hidden_size, vocab_size, dtype, device, **FEATURES[feature])
-
-    def impl(h, w, t, b, **kw):
-        return linear_cross_entropy(h, w, t, b, backend=backend, **kw)
-
-    O.check(case, impl, _ORACLE)
+    _check_parity(backend, device, dtype, lead, hidden_size, vocab_size, feature)
 
 
 def test_reference_matches_torch_cross_entropy_float64():
