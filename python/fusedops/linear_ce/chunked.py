@@ -310,6 +310,7 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
         scale = torch.ones((), dtype=cdt, device=dev)
     w_tok = valid.to(cdt) * scale  # d loss / d (per-token loss), for g = 1
     thr = w_tok * filter_eps if filter_eps >= 0 else None  # w_tok >= 0
+    route = filtered.Route()
     lse = torch.empty(n_tokens, dtype=cdt, device=dev)
     zt = torch.zeros(n_tokens, dtype=cdt, device=dev)
     zsum = torch.zeros(n_tokens, dtype=cdt, device=dev)
@@ -377,7 +378,7 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
                           lse[n0:n1], lse[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap, MODE_DZ)
                     _grads_from_dz(z, x, w_mm, 0, vocab, d_hidden[n0:n1] if need_dh else None,
                                    d_weight if need_dw else None, d_bias32, first_dw,
-                                   None if thr is None else thr[n0:n1])
+                                   None if thr is None else thr[n0:n1], route=route)
                     first_dw = False
                 continue
             if plan.full_rows:
@@ -385,7 +386,7 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
                 if need_grads:
                     _grads_from_dz(z, x, w_mm, 0, vocab, d_hidden[n0:n1] if need_dh else None,
                                    d_weight if need_dw else None, d_bias32, first_dw,
-                                   None if thr is None else thr[n0:n1])
+                                   None if thr is None else thr[n0:n1], route=route)
                     first_dw = False
                 continue
             m[n0:n1] = -math.inf
@@ -400,7 +401,7 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
                 z = logits_then_rows(n0, n1, v0, v1, MODE_DZ)
                 mask = _grads_from_dz(z, x, w_mm, v0, v1, None, d_weight if need_dw else None,
                                       d_bias32, first_dw, None if thr is None else thr[n0:n1],
-                                      need_dh)
+                                      need_dh, route)
                 if need_dh:
                     _add_dh_chunk(acc, part, z, w_mm[v0:v1], v0 == 0, mask)
             first_dw = False
@@ -457,19 +458,19 @@ def _add_dh_chunk(acc: Tensor, part: Tensor, dz: Tensor, w_chunk: Tensor, first:
 
 
 def _grads_from_dz(dz, x, w_mm, v0, v1, dh_out, dw_out, db32, first_dw, thr=None,
-                   want_mask=False):
+                   want_mask=False, route=None):
     """d_hidden (dh_out =), d_weight rows v0:v1 (dw_out =, or += unless first_dw) and d_bias
     (db32 +=, always exact) of a dz chunk. thr (rows,): the filter's per-token thresholds, or
-    None for exact products. Returns the filter's block mask when want_mask and the block-sparse
-    kernels take the chunk (the caller's d_hidden product then uses it), else None: elsewhere
-    (no GPU kernels, or too many kept blocks for them to pay) the dropped blocks are zeroed in
-    dz, so dense products of it are the filtered ones."""
+    None for exact products; route: the call's filtered.Route. Returns the filter's block mask
+    when want_mask and the block-sparse kernels take the chunk (the caller's d_hidden product
+    then uses it), else None: elsewhere (no GPU kernels, or too many kept blocks for them to
+    pay) the dropped blocks are zeroed in dz, so dense products of it are the filtered ones."""
     if db32 is not None:
         db32[v0:v1] += dz.sum(0, dtype=db32.dtype)
     mask = None
     if thr is not None:
         mask = filtered.block_mask(dz, thr)
-        if not (filtered.sparse_ok(dz) and filtered.sparse_pays(mask)):
+        if not (route or filtered.Route()).sparse(dz, mask):
             filtered.zero_dropped_(dz, mask)
             mask = None
     if dh_out is not None:
@@ -557,6 +558,7 @@ def grads_sweep(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Ten
     else:
         zt_arr = zs_arr = torch.zeros(n_tokens, dtype=cdt, device=dev)  # not read by MODE_DZ
     thr = w_arr.abs() * filter_eps if filter_eps >= 0 else None
+    route = filtered.Route()
     if kept is not None and not (plan.full_rows and kept.numel() == plan.rows * plan.cols):
         kept = None  # not this plan's buffer (the plan changed since the forward)
     buf = kept if kept is not None else \
@@ -580,7 +582,7 @@ def grads_sweep(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Ten
             mask = _grads_from_dz(z, x, w_mm, v0, v1,
                                   d_hidden[n0:n1] if need_dh and plan.full_rows else None,
                                   d_weight if need_dw else None, d_bias32, i == 0,
-                                  None if thr is None else thr[n0:n1], acc is not None)
+                                  None if thr is None else thr[n0:n1], acc is not None, route)
             if acc is not None:
                 _add_dh_chunk(acc, part, z, w_mm[v0:v1], v0 == 0, mask)
         if acc is not None:

@@ -11,8 +11,8 @@ kernels' dense rate (below cuBLAS's). The loss and d_bias are always exact.
 
 Three pieces per chunk: `block_mask` (which blocks stay), then `d_hidden` and `d_weight`. On a
 GPU with float16/bfloat16 dz they are Triton kernels that loop over each output tile's list of
-kept blocks, where fewer than DENSE_SHARE of the chunk's blocks stay (`sparse_pays`); elsewhere
-(denser chunks, CPU, float32/float64) the dropped blocks are zeroed in dz and the dense products
+kept blocks, where fewer than DENSE_SHARE of the first chunk's blocks stay (`Route`); elsewhere
+(denser masks, CPU, float32/float64) the dropped blocks are zeroed in dz and the dense products
 run, which is also the definition the GPU kernels are tested against.
 """
 
@@ -82,10 +82,27 @@ def sparse_ok(dz: Tensor) -> bool:
             and os.environ.get("TRITON_INTERPRET", "0") != "1")
 
 
+class Route:
+    """The products' route for one call's sweep over its chunks: chosen at the first chunk the
+    sparse kernels could take (`sparse_pays`, one host synchronisation per call: one per chunk
+    exposed the launch overhead of every chunk, 1.3-1.9x the time at the 64 MiB setting) and
+    kept for the rest."""
+
+    def __init__(self):
+        self._sparse = None
+
+    def sparse(self, dz: Tensor, mask: Tensor) -> bool:
+        if not sparse_ok(dz):
+            return False
+        if self._sparse is None:
+            self._sparse = sparse_pays(mask)
+        return self._sparse
+
+
 def sparse_pays(mask: Tensor) -> bool:
-    """Whether the block-sparse kernels should take a chunk with this mask: fewer than
-    DENSE_SHARE of its blocks kept. Reading the share synchronises with the device once per
-    chunk; during CUDA graph capture (no synchronisation allowed) the answer is yes.
+    """Whether the block-sparse kernels should take chunks like this mask's: fewer than
+    DENSE_SHARE of its blocks kept. Reading the share synchronises with the device; during CUDA
+    graph capture (no synchronisation allowed) the answer is yes.
     FUSEDOPS_LCE_FILTER_ROUTE (read at each call; for measurement and tests): sparse or dense
     forces the route."""
     route = os.environ.get("FUSEDOPS_LCE_FILTER_ROUTE", "auto")
