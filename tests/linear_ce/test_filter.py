@@ -283,6 +283,37 @@ def test_sparse_route_below_the_dense_share(monkeypatch):
         filtered.sparse_pays(mask)
 
 
+def test_route_is_chosen_once_per_call(monkeypatch):
+    """filtered.Route reads the kept share at the first chunk the sparse kernels could take and
+    keeps that choice for the call's other chunks (one host synchronisation per call); chunks
+    they cannot take (the CPU, float32) always go dense. A call through the chunked path asks
+    once however many chunks it has."""
+    monkeypatch.delenv("FUSEDOPS_LCE_FILTER_ROUTE", raising=False)
+    asked = []
+    real = filtered.sparse_pays
+    monkeypatch.setattr(filtered, "sparse_pays", lambda m: asked.append(m) or real(m))
+    monkeypatch.setattr(filtered, "sparse_ok", lambda dz: dz.dtype == torch.float16)
+    dz = torch.zeros(2, 2, dtype=torch.float16)
+    sparse, dense = torch.zeros(2, 2, dtype=torch.int8), torch.ones(2, 2, dtype=torch.int8)
+    route = filtered.Route()
+    assert not route.sparse(dz.float(), sparse) and not asked  # not the sparse kernels' chunk
+    assert route.sparse(dz, sparse) and len(asked) == 1
+    assert route.sparse(dz, dense) and len(asked) == 1  # kept
+    assert not filtered.Route().sparse(dz, dense) and len(asked) == 2
+    # the whole path: two token chunks, one question (answered "dense": the dropped blocks are
+    # zeroed on the CPU; the mask comes from the Triton kernel, under the interpreter here)
+    if not filtered._HAS_TRITON or torch.cuda.is_available():
+        return
+    monkeypatch.setattr(filtered, "sparse_ok", lambda dz: True)
+    monkeypatch.setattr(filtered, "sparse_pays", lambda m: asked.append(m) or False)
+    monkeypatch.setenv("FUSEDOPS_LCE_MIN_FULL_ROWS", "128")
+    x, w, t, up = _peaked(*PLANS["two_chunks"])
+    asked.clear()
+    budget = _budget("two_chunks", *PLANS["two_chunks"], 4)
+    _run(x, w, t, up, "mean", torch.float32, "cpu", filter_eps=EPS, memory_budget_mib=budget)
+    assert len(asked) == 1
+
+
 @pytest.mark.parametrize("bad,exc", [(-1e-3, ValueError), (1.0, ValueError), (math.nan, ValueError),
                                      (math.inf, ValueError), ("auto", TypeError),
                                      (True, TypeError)])
