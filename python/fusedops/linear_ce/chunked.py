@@ -310,7 +310,7 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
         scale = torch.ones((), dtype=cdt, device=dev)
     w_tok = valid.to(cdt) * scale  # d loss / d (per-token loss), for g = 1
     thr = w_tok * filter_eps if filter_eps >= 0 else None  # w_tok >= 0
-    route = filtered.Route()
+    route = filtered.Route() if thr is not None else None
     lse = torch.empty(n_tokens, dtype=cdt, device=dev)
     zt = torch.zeros(n_tokens, dtype=cdt, device=dev)
     zsum = torch.zeros(n_tokens, dtype=cdt, device=dev)
@@ -461,16 +461,17 @@ def _grads_from_dz(dz, x, w_mm, v0, v1, dh_out, dw_out, db32, first_dw, thr=None
                    want_mask=False, route=None):
     """d_hidden (dh_out =), d_weight rows v0:v1 (dw_out =, or += unless first_dw) and d_bias
     (db32 +=, always exact) of a dz chunk. thr (rows,): the filter's per-token thresholds, or
-    None for exact products; route: the call's filtered.Route. Returns the filter's block mask
-    when want_mask and the block-sparse kernels take the chunk (the caller's d_hidden product
-    then uses it), else None: elsewhere (no GPU kernels, or too many kept blocks for them to
-    pay) the dropped blocks are zeroed in dz, so dense products of it are the filtered ones."""
+    None for exact products; route: the call's filtered.Route, given with thr. Returns the
+    filter's block mask when want_mask and the block-sparse kernels take the chunk (the caller's
+    d_hidden product then uses it), else None: elsewhere (no GPU kernels, or too many kept
+    blocks for them to pay) the dropped blocks are zeroed in dz, so dense products of it are
+    the filtered ones."""
     if db32 is not None:
         db32[v0:v1] += dz.sum(0, dtype=db32.dtype)
     mask = None
     if thr is not None:
         mask = filtered.block_mask(dz, thr)
-        if not (route or filtered.Route()).sparse(dz, mask):
+        if not route.sparse(dz, mask):
             filtered.zero_dropped_(dz, mask)
             mask = None
     if dh_out is not None:
@@ -558,7 +559,7 @@ def grads_sweep(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Ten
     else:
         zt_arr = zs_arr = torch.zeros(n_tokens, dtype=cdt, device=dev)  # not read by MODE_DZ
     thr = w_arr.abs() * filter_eps if filter_eps >= 0 else None
-    route = filtered.Route()
+    route = filtered.Route() if thr is not None else None
     if kept is not None and not (plan.full_rows and kept.numel() == plan.rows * plan.cols):
         kept = None  # not this plan's buffer (the plan changed since the forward)
     buf = kept if kept is not None else \

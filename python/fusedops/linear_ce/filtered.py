@@ -32,6 +32,11 @@ DENSE_SHARE = 0.5
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
+def _triton_on(t: Tensor) -> bool:
+    """Whether Triton's compiled kernels can run on t (a GPU tensor, not the interpreter)."""
+    return t.is_cuda and _HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
 def blocks(n: int) -> int:
     return -(-n // BLOCK)
 
@@ -61,7 +66,7 @@ def zero_dropped_(dz: Tensor, mask: Tensor) -> None:
     """Zeroes the blocks of dz whose mask entry is 0 (filtering where the block-sparse kernels do
     not run: the dense products of the result are then the filtered ones). No temporaries larger
     than a block row of mask."""
-    if dz.is_cuda and _HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if _triton_on(dz):
         from fusedops.linear_ce import triton as tk
         tk.zero_blocks(dz, mask, BLOCK)
         return
@@ -78,8 +83,7 @@ def zero_dropped_(dz: Tensor, mask: Tensor) -> None:
 
 def sparse_ok(dz: Tensor) -> bool:
     """Whether the block-sparse Triton kernels take this chunk (a GPU, float16/bfloat16)."""
-    return (dz.is_cuda and dz.dtype in (torch.float16, torch.bfloat16) and _HAS_TRITON
-            and os.environ.get("TRITON_INTERPRET", "0") != "1")
+    return _triton_on(dz) and dz.dtype in (torch.float16, torch.bfloat16)
 
 
 class Route:
