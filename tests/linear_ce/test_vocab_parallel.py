@@ -54,6 +54,10 @@ CASES = {
     "vocab_chunks": dict(reduction="mean", V=BIG_V, budget=SMALL_BUDGET, bias=True,
                          label_smoothing=0.1, z_loss=1e-3, softcap=5.0, ignore=True),
     "vocab_chunks_none": dict(reduction="none", V=BIG_V, budget=SMALL_BUDGET, split="tiny"),
+    # The small budget on rank 0 only: alone, its plan (one-token chunks) and the others' (one
+    # chunk) would differ; the token chunks, one round of collectives each, must not.
+    "budgets_differ": dict(reduction="mean", V=BIG_V, budget_rank0=SMALL_BUDGET,
+                           bias=True, ignore=True, label_smoothing=0.1),
     "recompute_mean": dict(reduction="mean", algo="recompute", bias=True, label_smoothing=0.1,
                            softcap=3.0, z_loss=1e-2, ignore=True),
     "recompute_tiny": dict(reduction="sum", algo="recompute", split="tiny"),
@@ -135,7 +139,7 @@ def _run(x, w, b, t, g_loss, g_lse, opts, backend, **extra):
                                             **extra)
             return {"loss": loss.cpu(), "lse": None, "dx": None, "dw": None, "db": None,
                     "grad_fn": loss.grad_fn is not None}
-        out = linear_cross_entropy(x, w_leaf, t, b, backend=backend, **_kwargs(opts), **extra)
+        out = linear_cross_entropy(x, w_leaf, t, b, backend=backend, **{**_kwargs(opts), **extra})
     finally:
         os.environ.pop("FUSEDOPS_LCE_ALGO", None)
         if algo is not None:
@@ -301,6 +305,8 @@ def _worker(rank, world, init_file, out_dir, backend_name, device_kind, dtypes, 
                 kw = dict(process_group=group)
                 if split in ("permuted", "start"):
                     kw["vocab_start"] = start
+                if rank == 0 and "budget_rank0" in opts:
+                    kw["memory_budget_mib"] = opts["budget_rank0"]
                 ws = w[start:start + rows]
                 bs = None if b is None else b[start:start + rows]
                 res = _run(x, ws, bs, t, g_loss, g_lse, opts, backend, **kw)
@@ -537,8 +543,9 @@ def _misuse_results(tmp_path_factory):
     return _MISUSE_CACHE["res"]
 
 
-def test_single_process_group_equals_plain_op(tmp_path):
-    """A group of one: the same as the op without process_group (no spawn needed)."""
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo group of one process, this one (no spawn needed)."""
     import torch.distributed as dist
 
     if not _gloo_ok():
@@ -548,14 +555,46 @@ def test_single_process_group_equals_plain_op(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init1'}", rank=0,
                             world_size=1)
     try:
-        opts = CASES["everything"]
-        x, w, b, t, g_loss, g_lse = _full_inputs(opts, torch.float64)
-        got = _run(x, w, b, t, g_loss, g_lse, opts, "torch", process_group=dist.group.WORLD)
-        ref = _run(x, w, b, t, g_loss, g_lse, opts, "torch")
-        for k in ("loss", "lse", "dx", "dw", "db"):
-            assert _rel(got[k], ref[k]) <= 1e-13, k
+        yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", ["everything", "label_smoothing"])
+def test_single_process_group_equals_plain_op(one_rank_group, case):
+    """A group of one: the same as the op without process_group (the statistics path with
+    return_lse, and the mean/sum path)."""
+    opts = CASES[case]
+    x, w, b, t, g_loss, g_lse = _full_inputs(opts, torch.float64)
+    got = _run(x, w, b, t, g_loss, g_lse, opts, "torch", process_group=one_rank_group)
+    ref = _run(x, w, b, t, g_loss, g_lse, opts, "torch")
+    for k in ("loss", "lse", "dx", "dw", "db"):
+        if ref[k] is not None:
+            assert _rel(got[k], ref[k]) <= 1e-13, k
+
+
+@pytest.mark.parametrize("reduction,per_chunk", [("mean", 3), ("sum", 3), ("none", 4)])
+def test_gemms_per_token_chunk(one_rank_group, monkeypatch, reduction, per_chunk):
+    """The mean and sum losses of a shard take three GEMMs per token chunk (logits, d_hidden,
+    d_weight: the gradients formed in the forward from the combined statistics), as on one
+    device; reduction "none" recomputes the logits in the backward (four)."""
+    from fusedops.linear_ce import chunked
+
+    calls = []
+    mm = chunked._mm
+    monkeypatch.setattr(chunked, "_mm", lambda *a: (calls.append(a[0].shape), mm(*a))[1])
+    x, w, b, t, _, _ = _full_inputs(dict(reduction=reduction, V=BIG_V), torch.float32)
+    budget = (2 * 2**20 + 64 * 18 + 18 * BIG_V * 4 // 2) / 2**20  # whole rows of 9 tokens
+    monkeypatch.setenv("FUSEDOPS_LCE_MIN_FULL_ROWS", "9")  # (not vocab chunks)
+    xr = x.detach().requires_grad_()
+    wr = w.detach().requires_grad_()
+    loss = linear_cross_entropy(xr, wr, t, process_group=one_rank_group, backend="torch",
+                                reduction=reduction, memory_budget_mib=budget)
+    loss.sum().backward()
+    assert len(calls) == 2 * per_chunk, calls  # 18 tokens in two chunks
+    ref_x, ref_w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    linear_cross_entropy(ref_x, ref_w, t, backend="torch", reduction=reduction).sum().backward()
+    assert _rel(xr.grad, ref_x.grad) <= 1e-5 and _rel(wr.grad, ref_w.grad) <= 1e-5
 
 
 # ----------------------------------------------------------------------------------------------

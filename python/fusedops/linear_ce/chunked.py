@@ -284,17 +284,26 @@ def stats_plan(plan: Plan, hidden: Tensor, w_mm: Tensor, bias: Tensor | None, ta
 def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor,
                   ignore_index: int, reduction: str, label_smoothing: float, softcap: float,
                   z_loss: float, budget: int, need_dh: bool, need_dw: bool, need_db: bool,
-                  backend: str, filter_eps: float = -1.0):
+                  backend: str, filter_eps: float = -1.0, *, combine=None,
+                  vocab_total: int | None = None, plan: Plan | None = None):
     """Returns (loss, lse, d_hidden, d_weight, d_bias) with the gradients for upstream g = 1.
     filter_eps >= 0: d_hidden and d_weight skip the dz blocks below filter_eps times the token's
     weight (fusedops.linear_ce.filtered); negative: exact.
+
+    A vocab shard (fusedops.linear_ce.parallel): weight holds some rows of a vocabulary of
+    vocab_total entries and targets are relative to its first row; combine(lse, zt, zsum), called
+    once per token chunk with that chunk's statistics of the shard, replaces them in place by
+    the whole vocabulary's, before any dz is formed; plan fixes the token chunks (the same on
+    every rank, so that every rank calls combine equally often). The loss and lse are then the
+    whole vocabulary's, d_hidden this shard's part of it.
 
     hidden (N, H) contiguous; weight (V, H) contiguous, of hidden's dtype or float32 (mixed
     precision: the GEMMs run in hidden's dtype, d_weight and d_bias come out float32).
     Gradients not asked for are empty tensors.
     """
     n_tokens, hidden_size = hidden.shape
-    vocab = weight.shape[0]
+    vocab = weight.shape[0]  # rows of this weight (a shard's with combine)
+    v_all = vocab if vocab_total is None else vocab_total  # columns of the full row
     dev = hidden.device
     cdt = compute_dtype(hidden)
     w_mm, b_in = gemm_operands(hidden, weight, bias, cdt)
@@ -317,11 +326,14 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     eps, zl, cap = float(label_smoothing), float(z_loss), float(softcap)
 
     if n_tokens > 0:
-        plan = plan_chunks(n_tokens, hidden_size, vocab, hidden.element_size(), budget,
-                           need_dh)
+        if plan is None:
+            plan = plan_chunks(n_tokens, hidden_size, vocab, hidden.element_size(), budget,
+                               need_dh)
         # FUSEDOPS_LCE_GEMM=sm90-fused: the statistics come from the logits GEMM's epilogue and
-        # the row kernel only turns z into dz (MODE_DZ).
-        splan = stats_plan(plan, hidden, w_mm, b_in, target, budget, need_dh)
+        # the row kernel only turns z into dz (MODE_DZ). Not for shards (its partials change
+        # the plan).
+        splan = None if combine is not None else \
+            stats_plan(plan, hidden, w_mm, b_in, target, budget, need_dh)
         partials = None
         dz_in_gemm = False  # FUSEDOPS_LCE_GEMM=sm90-fused2: no dz pass (gemm_sm90.dz_gemm)
         if splan is not None:
@@ -348,10 +360,20 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
             z = _flat_view(buf, n1 - n0, v1 - v0)
             _mm(z, hidden[n0:n1], w_mm[v0:v1].T, False)
             state = lse if m is None else m, lse if s is None else s  # unused by whole rows
-            _rows(backend, z, None if b_in is None else b_in[v0:v1], target[n0:n1], v0, vocab,
+            _rows(backend, z, None if b_in is None else b_in[v0:v1], target[n0:n1], v0, v_all,
                   w_tok[n0:n1], lse[n0:n1], state[0][n0:n1], state[1][n0:n1], zt[n0:n1],
                   zsum[n0:n1], eps, zl, cap, mode)
             return z
+
+        def whole_row_grads(z, n0, n1, dz_pass):
+            """d_hidden[n0:n1], d_weight (+)= and d_bias += of a whole-row chunk's z, turned
+            into dz first by the row kernel's MODE_DZ where dz_pass (else it already is dz)."""
+            if dz_pass:
+                _rows(backend, z, b_in, target[n0:n1], 0, v_all, w_tok[n0:n1], lse[n0:n1],
+                      lse[n0:n1], lse[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap, MODE_DZ)
+            _grads_from_dz(z, hidden[n0:n1], w_mm, 0, vocab,
+                           d_hidden[n0:n1] if need_dh else None, d_weight if need_dw else None,
+                           d_bias32, first_dw, None if thr is None else thr[n0:n1], route=route)
 
         first_dw = True
         for n0 in range(0, n_tokens, plan.rows):
@@ -374,19 +396,18 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
                             d_bias32 += db_chunk
                     first_dw = False
                 elif need_grads:
-                    _rows(backend, z, b_in, target[n0:n1], 0, vocab, w_tok[n0:n1], lse[n0:n1],
-                          lse[n0:n1], lse[n0:n1], zt[n0:n1], zsum[n0:n1], eps, zl, cap, MODE_DZ)
-                    _grads_from_dz(z, x, w_mm, 0, vocab, d_hidden[n0:n1] if need_dh else None,
-                                   d_weight if need_dw else None, d_bias32, first_dw,
-                                   None if thr is None else thr[n0:n1], route=route)
+                    whole_row_grads(z, n0, n1, True)
                     first_dw = False
                 continue
             if plan.full_rows:
-                z = logits_then_rows(n0, n1, 0, vocab, MODE_FULL_DZ if need_grads else MODE_FULL)
+                # One pass for the statistics and dz, or for a shard (combine) the statistics,
+                # their combination over the group, then dz with the whole row's lse.
+                both = need_grads and combine is None
+                z = logits_then_rows(n0, n1, 0, vocab, MODE_FULL_DZ if both else MODE_FULL)
+                if combine is not None:
+                    combine(lse[n0:n1], zt[n0:n1], zsum[n0:n1])
                 if need_grads:
-                    _grads_from_dz(z, x, w_mm, 0, vocab, d_hidden[n0:n1] if need_dh else None,
-                                   d_weight if need_dw else None, d_bias32, first_dw,
-                                   None if thr is None else thr[n0:n1], route=route)
+                    whole_row_grads(z, n0, n1, not both)
                     first_dw = False
                 continue
             m[n0:n1] = -math.inf
@@ -394,6 +415,8 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
             for v0 in range(0, vocab, plan.cols):
                 logits_then_rows(n0, n1, v0, min(v0 + plan.cols, vocab), MODE_MERGE)
             torch.add(m[n0:n1], torch.log(s[n0:n1]), out=lse[n0:n1])
+            if combine is not None:
+                combine(lse[n0:n1], zt[n0:n1], zsum[n0:n1])
             if not need_grads:
                 continue
             for v0 in range(0, vocab, plan.cols):
@@ -410,7 +433,7 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     elif need_dw:
         d_weight.zero_()
 
-    per_tok = lse - (1.0 - eps) * zt - (eps / vocab) * zsum if eps else lse - zt
+    per_tok = lse - (1.0 - eps) * zt - (eps / v_all) * zsum if eps else lse - zt
     if zl:
         per_tok = per_tok + zl * lse * lse
     # ignored tokens add exactly 0, also when their logits overflowed (0 * inf would be NaN)

@@ -13,11 +13,16 @@ global lse (softmax(z) restricted to the shard is exp(z - lse)) and the target i
 the shard; that gives the shard's d_weight and d_bias (kept local) and its part of d_hidden,
 summed over the group by one all-reduce of tokens x H values.
 
-Two implementations of those passes, the same as on one device:
-* _ShardLoss (losses without return_lse): cuBLAS GEMMs and the row kernels of
-  fusedops.linear_ce.chunked, chunks sized by memory_budget_mib; the shard is a vocab chunk of
-  the full row. One GEMM in the forward, three in the backward (one GEMM more than the one-device
-  mean/sum path, which keeps dz from its single pass).
+Three implementations of those passes, as on one device:
+* _ShardFused (mean and sum): the one-device fast path (chunked.fused_forward) on the shard,
+  gradients for an upstream gradient of 1 computed in the forward and scaled in the backward.
+  Per token chunk: the logits GEMM, the shard's statistics, their all-reduces (so the group's
+  collectives follow the token chunks, whose size every rank takes from the same plan), dz with
+  the global lse, and the d_hidden and d_weight GEMMs: three GEMMs over the shard, as on one
+  device; d_hidden's all-reduce ends the forward.
+* _ShardLoss (reduction "none"): cuBLAS GEMMs and the row kernels of fusedops.linear_ce.chunked,
+  chunks sized by memory_budget_mib; the shard is a vocab chunk of the full row. One GEMM in the
+  forward, three in the backward (the per-token upstream gradient is known only there).
 * _ShardStats (return_lse=True, any upstream gradient of lse): the statistics ops
   fusedops::linear_ce_stats and linear_ce_stats_bwd (the same GEMMs and row kernels, for upstream
   gradients of all three statistics), or with FUSEDOPS_LCE_ALGO=recompute the recompute kernels'
@@ -38,9 +43,10 @@ from fusedops.linear_ce import chunked
 from fusedops.linear_ce import ops as _ops
 
 # The layout all-gather's row per rank: ok, rows, vocab_start, has_vocab_start, tokens, hidden
-# size, need_dh, bias, dtype, check_replicated, check_targets, and the smallest and largest
-# target that is not ignore_index (_NO_TARGET / -_NO_TARGET when there is none).
-_META = 13
+# size, need_dh, bias, dtype, check_replicated, check_targets, the scratch budget in bytes, and
+# the smallest and largest target that is not ignore_index (_NO_TARGET / -_NO_TARGET when there
+# is none).
+_META = 14
 _NO_TARGET = 2**62
 # vocab_start must leave room for its shard's rows in int64 arithmetic
 _MAX_VOCAB_START = 2**62
@@ -168,6 +174,71 @@ class _ShardStats(torch.autograd.Function):
         grads = refuse_double_backward(_ops.DOUBLE_BACKWARD,
                                        (hidden, weight, bias, g_lse, g_zt, g_zsum), grads)
         return (*grads, *([None] * 8))
+
+
+def _combiner(group, comm_dev):
+    """combine(lse, zt, zsum) for chunked.fused_forward: a token chunk's shard statistics made
+    the group's in place (two all-reduces of O(chunk tokens) values)."""
+    import torch.distributed as dist
+
+    def combine(lse: Tensor, zt: Tensor, zsum: Tensor) -> None:
+        gmax = _all_reduce_(lse.clone(), dist.ReduceOp.MAX, group, comm_dev)
+        packed = torch.stack([torch.exp(lse - gmax), zt, zsum])
+        _all_reduce_(packed, dist.ReduceOp.SUM, group, comm_dev)
+        torch.add(gmax, torch.log(packed[0]), out=lse)
+        zt.copy_(packed[1])
+        zsum.copy_(packed[2])
+
+    return combine
+
+
+class _ShardFused(torch.autograd.Function):
+    """Mean or sum loss of a shard through chunked.fused_forward: the forward computes the
+    whole loss and this rank's gradients for an upstream gradient of 1 (d_hidden summed over
+    the group), the backward scales them by the upstream gradient. The gradients are held as
+    ctx attributes and handed over in the first backward, as ops._FusedLoss does; a second
+    backward of a retained graph runs the forward's sweep again (every rank does, so the
+    collectives stay matched)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_local, reduction, vocab, eps, zl, cap,
+                plan, backend, group, comm_dev, need):
+        ctx.save_for_backward(hidden, weight, bias, target)
+        ctx.options = (ignore_local, reduction, vocab, eps, zl, cap, plan, backend, group,
+                       comm_dev, need)
+        loss, grads = _ShardFused.sweep(hidden, weight, bias, target, *ctx.options)
+        ctx.grads = grads
+        return loss
+
+    @staticmethod
+    def sweep(hidden, weight, bias, target, ignore_local, reduction, vocab, eps, zl, cap, plan,
+              backend, group, comm_dev, need):
+        import torch.distributed as dist
+
+        need_dh, need_dw, need_db = need
+        loss, _lse, dh, dw, db = chunked.fused_forward(
+            hidden, weight, bias, target, ignore_local, reduction, eps, cap, zl, 0, need_dh,
+            need_dw, need_db, backend, combine=_combiner(group, comm_dev), vocab_total=vocab,
+            plan=plan)
+        if need_dh and dh.numel() > 0:  # need_dh is the same on every rank (checked)
+            _all_reduce_(dh, dist.ReduceOp.SUM, group, comm_dev)
+        return loss, [dh, dw, db]
+
+    @staticmethod
+    def backward(ctx, g_loss):
+        inputs = ctx.saved_tensors
+        need = ctx.options[-1]
+        backend = ctx.options[7]
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:  # a second backward through a retained graph
+            with torch.no_grad():
+                grads = _ShardFused.sweep(*inputs, *ctx.options)[1]
+        for want, grad in zip(need, grads, strict=True):
+            if want:
+                chunked.scale_grad_(grad, g_loss, backend)
+        grads = [grad if want else None for want, grad in zip(need, grads, strict=True)]
+        grads = refuse_double_backward(_ops.DOUBLE_BACKWARD, (*inputs[:3], g_loss), grads)
+        return (*grads, *([None] * 12))
 
 
 class _ShardLoss(torch.autograd.Function):
@@ -336,6 +407,7 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     # So do the options every rank must agree on and the range of the targets (checked against
     # V, which only the all-gather tells).
     local_error = None
+    budget = 0
     try:
         check_bool("check_replicated", check_replicated)
         if vocab_start is not None:
@@ -370,6 +442,7 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
         _DTYPE_CODES.get(hidden.dtype, -1) if ok else -1,
         int(ok and check_replicated),
         int(ok and check_targets),
+        budget if ok else 0,
     ], dtype=torch.int64, device=comm_dev)
     span = (_target_range(target, ignore_index).to(comm_dev) if ok and check_targets else
             torch.tensor([_NO_TARGET, -_NO_TARGET], dtype=torch.int64, device=comm_dev))
@@ -388,8 +461,8 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
 
     lead_shape, h2, w, b, t1 = _flat_inputs(hidden, weight, bias, target)
     if check_targets:
-        bad = [r for r, row in enumerate(rows_meta) if row[11] <= row[12]
-               and (row[11] < 0 or row[12] >= vocab_size)]
+        bad = [r for r, row in enumerate(rows_meta) if row[12] <= row[13]
+               and (row[12] < 0 or row[13] >= vocab_size)]
         if rank in bad:  # this rank's own error, naming the first bad target
             _ops.check_targets_in_range(t1, vocab_size, int(ignore_index), lead_shape)
         if bad:
@@ -418,15 +491,18 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     need_dh = bool(rows_meta[rank][6])
     valid = t1 != ignore_index
     recompute = algo == "recompute"
-    if not return_lse and not recompute:
+    if not return_lse and not recompute and reduction != "none":
+        grad_on = torch.is_grad_enabled()
+        need = (need_dh, grad_on and w.requires_grad,
+                grad_on and b is not None and b.requires_grad)
+        return _ShardFused.apply(h2, w, b, t_local.long(), int(ignore_index) - vocab_start,
+                                 reduction, vocab_size, float(label_smoothing), float(z_loss),
+                                 float(softcap or 0.0), _common_plan(rows_meta, rank, h2, need_dh),
+                                 name, group, comm_dev, need)
+    if not return_lse and not recompute:  # reduction "none"
         per_tok = _ShardLoss.apply(h2, w, b, t_local.long(), valid, vocab_size,
                                    float(label_smoothing), float(z_loss), float(softcap or 0.0),
-                                   budget, name, group,
-                                   comm_dev, need_dh)
-        if reduction == "mean":
-            return per_tok.sum() / valid.sum().clamp(min=1).to(per_tok.dtype)
-        if reduction == "sum":
-            return per_tok.sum()
+                                   budget, name, group, comm_dev, need_dh)
         return per_tok.view(lead_shape)
     if recompute and w.dtype != h2.dtype:  # mixed precision: the GEMMs in hidden's dtype
         w = w.to(h2.dtype)                  # (autograd casts back)
@@ -436,6 +512,21 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
                                              budget, recompute)
     return _ops.loss_from_statistics(lse, z_target, z_sum, valid, vocab_size, label_smoothing,
                                      z_loss, reduction, lead_shape, return_lse)
+
+
+def _common_plan(rows_meta, rank: int, h2: Tensor, need_dh: bool) -> chunked.Plan:
+    """The token chunks of the mean/sum sweep, the same on every rank (each chunk is one round
+    of collectives): planned for the largest shard under the smallest budget of the group, so
+    that every rank's chunk fits its own budget; the columns are this rank's shard (whole rows,
+    or vocab chunks of at most the planned width)."""
+    widest = max(row[1] for row in rows_meta)
+    budget = min(row[11] for row in rows_meta)
+    plan = chunked.plan_chunks(h2.shape[0], h2.shape[1], widest, h2.element_size(), budget,
+                               need_dh)
+    own = rows_meta[rank][1]
+    if plan.full_rows:
+        return chunked.Plan(plan.rows, own, True)
+    return chunked.Plan(plan.rows, min(plan.cols, own), False)
 
 
 def _check_layout(rows_meta, rank: int) -> int:
