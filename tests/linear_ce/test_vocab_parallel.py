@@ -66,6 +66,9 @@ CASES = {
     "frozen_hidden": dict(reduction="sum", bias=True, frozen=True, label_smoothing=0.1),
     "no_grad_eval": dict(reduction="mean", bias=True, no_grad=True, z_loss=1e-2),
 }
+# DTensor weight and bias (Shard(0) over a 1-D mesh) -> the case whose options they take: the
+# statistics path (return_lse) and the mean loss's path
+DTENSOR_CASES = {"dtensor": "everything", "dtensor_mean": "bias"}
 DTYPES = {"float64": torch.float64, "float32": torch.float32}
 MISUSE = ("group_type", "start_out_of_range", "overlap", "start_on_one_rank", "target_range",
           "mismatch_hidden", "bad_dtype_one_rank", "tokens_differ", "empty_shard",
@@ -317,14 +320,15 @@ def _worker(rank, world, init_file, out_dir, backend_name, device_kind, dtypes, 
                 from torch.distributed.device_mesh import init_device_mesh
                 from torch.distributed.tensor import Shard, distribute_tensor
 
-                opts = CASES["everything"]
-                x, w, b, t, g_loss, g_lse = _full_inputs(opts, dtype, device)
                 mesh = init_device_mesh("cpu" if device_kind == "cpu" else "cuda", (world,))
-                wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
-                bd = distribute_tensor(b, mesh, [Shard(0)])
-                res = _run(x, wd, bd, t, g_loss, g_lse, opts, backend, dtensor=True)
-                res["span"] = _layout(None, world)[rank]
-                results[(dname, "dtensor")] = res
+                for case, base in DTENSOR_CASES.items():
+                    opts = CASES[base]
+                    x, w, b, t, g_loss, g_lse = _full_inputs(opts, dtype, device)
+                    wd = distribute_tensor(w, mesh, [Shard(0)]).requires_grad_()
+                    bd = distribute_tensor(b, mesh, [Shard(0)])
+                    res = _run(x, wd, bd, t, g_loss, g_lse, opts, backend, dtensor=True)
+                    res["span"] = _layout(None, world)[rank]
+                    results[(dname, case)] = res
         if world == 2 and device_kind == "cpu":
             for name in MISUSE:
                 results[("misuse", name)] = _misuse(name, rank, world, group, device)
@@ -422,7 +426,7 @@ def _reference(dname, case, device="cpu", backend="torch"):
     """One process on the full weight. For GPU ranks: the float64 torch oracle of the same
     rounded inputs (a GPU reference would mix in its own path's rounding, e.g. TF32 dots in
     Triton's float32 recompute kernels for return_lse)."""
-    opts = CASES["everything"] if case == "dtensor" else CASES[case]
+    opts = CASES[DTENSOR_CASES.get(case, case)]
     dtype = DTYPES[dname] if dname in DTYPES else getattr(torch, dname)
     if device != "cpu":
         up = lambda a: None if a is None else a.double()  # noqa: E731
@@ -457,7 +461,7 @@ def _compare(per_rank, dname, case, device="cpu", backend="torch"):
 
 
 def opts_v(case):
-    return (CASES["everything"] if case == "dtensor" else CASES[case]).get("V", V)
+    return CASES[DTENSOR_CASES.get(case, case)].get("V", V)
 
 
 def _gloo_ok():
@@ -476,7 +480,7 @@ def gloo_results(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("dname", list(DTYPES))
-@pytest.mark.parametrize("case", list(CASES) + ["dtensor"])
+@pytest.mark.parametrize("case", list(CASES) + list(DTENSOR_CASES))
 def test_gloo_matches_one_process(gloo_results, dname, case):
     _, per_rank = gloo_results
     _compare(per_rank, dname, case)
@@ -611,7 +615,7 @@ def test_nccl_two_gpus(tmp_path):
     per_rank = _spawn(str(tmp_path), 2, "nccl", "cuda-per-rank", _gpu_dtypes(), None,
                       timeout=300)
     for dname in _gpu_dtypes():
-        for case in [*CASES, "dtensor"]:
+        for case in [*CASES, *DTENSOR_CASES]:
             _compare(per_rank, dname, case, "cuda:0", None)
 
 
