@@ -18,8 +18,9 @@ for each other), reported as the slowest rank; "extra_mib" is per rank, reported
 --simulate (one GPU, one process): what one of --world ranks computes, without the other ranks.
 The vocab-parallel op runs on rank 0's shard (V / world rows) over a one-process NCCL group
 (its all-reduces are local copies), next to the one-GPU op on the whole weight; rows carry
-simulated=true. Its times leave out the real communication: per token 16 bytes of statistics in
-the forward and H values of d_hidden in the backward (64 MiB at the Llama-3 shape in bf16).
+simulated=true. Its times leave out the real communication: per token 16 bytes of statistics
+and H values of d_hidden (64 MiB at the Llama-3 shape in bf16), both in the forward of the mean
+loss timed here.
 The loss of a shard alone is not the full loss, so the check of the split (loss and gradients
 against one GPU) is a third row: the vocab-parallel op with the whole weight over that group
 (the same code path, a shard of V rows). tests/linear_ce/test_vocab_parallel.py checks two

@@ -58,6 +58,11 @@ CASES = {
     # chunk) would differ; the token chunks, one round of collectives each, must not.
     "budgets_differ": dict(reduction="mean", V=BIG_V, budget_rank0=SMALL_BUDGET,
                            bias=True, ignore=True, label_smoothing=0.1),
+    # rank 0's one-row shard fits whole rows of 8 tokens in its budget and no vocab chunk (the
+    # float32 d_hidden row needs more): the others' shards would not fit that budget, but need
+    # only their own
+    "narrow_small_budget": dict(reduction="sum", V=BIG_V, split="tiny", bias=True,
+                                budget_rank0=(2 * 2**20 + 64 * 18 + 64) / 2**20),
     "recompute_mean": dict(reduction="mean", algo="recompute", bias=True, label_smoothing=0.1,
                            softcap=3.0, z_loss=1e-2, ignore=True),
     "recompute_tiny": dict(reduction="sum", algo="recompute", split="tiny"),
@@ -75,7 +80,9 @@ MISUSE = ("group_type", "start_out_of_range", "overlap", "start_on_one_rank", "t
           "start_type", "double_backward", "double_backward_lse", "dtensor_replicate",
           "module_form", "bias_group_differs", "target_one_rank", "check_targets_one_rank",
           "replicated_one_rank", "replicated_type_one_rank", "start_huge_one_rank",
-          "mismatch_hidden_nan", "same_nan_hidden", "algo_env", "budget_env_one_rank")
+          "mismatch_hidden_nan", "same_nan_hidden", "algo_env", "budget_env_one_rank",
+          "reduction_one_rank", "algo_one_rank", "min_full_rows_one_rank",
+          "ignore_index_int64_min")
 
 
 def _sizes(split, world, v):
@@ -221,6 +228,31 @@ def _misuse(name, rank, world, group, device):
                 linear_cross_entropy(x, ws, t, bs, **kw)
             finally:
                 os.environ.pop("FUSEDOPS_LCE_MEMORY_MIB", None)
+        elif name == "reduction_one_rank":  # per-chunk collectives on one, per-call on the other
+            linear_cross_entropy(x, ws, t, bs, reduction="none" if rank == 0 else "sum", **kw)
+        elif name == "algo_one_rank":
+            if rank == 1:
+                os.environ["FUSEDOPS_LCE_ALGO"] = "recompute"
+            try:
+                linear_cross_entropy(x, ws, t, bs, **kw)
+            finally:
+                os.environ.pop("FUSEDOPS_LCE_ALGO", None)
+        elif name == "min_full_rows_one_rank":  # each rank's own plan differs: still one sweep
+            if rank == 0:
+                os.environ["FUSEDOPS_LCE_MIN_FULL_ROWS"] = "1"
+            budget = (2 * 2**20 + 64 * 18 + 6 * rows * 8) / 2**20  # whole rows of 6 tokens
+            try:
+                got = linear_cross_entropy(x, ws, t, bs, memory_budget_mib=budget, **kw)
+            finally:
+                os.environ.pop("FUSEDOPS_LCE_MIN_FULL_ROWS", None)
+            want = linear_cross_entropy(x, w, t, b, backend="torch")
+            assert _rel(got, want) <= 1e-12, (got, want)
+        elif name == "ignore_index_int64_min":  # no shifted sentinel (it would overflow)
+            lowest = -2**63
+            t = torch.where(torch.arange(t.numel()).view(t.shape) % 3 == 0, lowest, t)
+            got = linear_cross_entropy(x, ws, t, bs, ignore_index=lowest, **kw)
+            want = linear_cross_entropy(x, w, t, b, ignore_index=lowest, backend="torch")
+            assert _rel(got, want) <= 1e-12, (got, want)
         elif name == "algo_env":
             os.environ["FUSEDOPS_LCE_ALGO"] = "bogus"
             try:
@@ -516,6 +548,10 @@ _MISUSE_EXPECT = {
     "algo_env": ("ValueError", "FUSEDOPS_LCE_ALGO must be 'auto' or 'recompute'"),
     "budget_env_one_rank": ("ValueError", ["rank(s) [1]",
                                            "FUSEDOPS_LCE_MEMORY_MIB must be a positive number"]),
+    "reduction_one_rank": ("ValueError", "reduction, return_lse or FUSEDOPS_LCE_ALGO differs"),
+    "algo_one_rank": ("ValueError", "reduction, return_lse or FUSEDOPS_LCE_ALGO differs"),
+    "min_full_rows_one_rank": None,
+    "ignore_index_int64_min": None,
 }
 
 

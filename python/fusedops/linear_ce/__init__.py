@@ -170,9 +170,12 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, target: Tensor, bias: T
       given on every rank, the shards may come in any order but must tile [0, V). A DTensor
       weight (and bias) sharded on dim 0 is recognised without arguments. Loss, lse and d_hidden
       (summed over the group) are those of one device on the full weight; d_weight and d_bias
-      are this rank's rows. Per token the ranks exchange 4 statistics (not logits) in the forward
-      and d_hidden (H values) in the backward, which recomputes the shard's logits (four GEMMs
-      in all against the mean/sum path's three). check_replicated=True also checks that hidden
+      are this rank's rows. Per token the ranks exchange 4 statistics (not logits) and d_hidden
+      (H values). The mean and sum losses take three GEMMs over the shard, as on one device
+      (the statistics are combined per token chunk, then the gradients formed in the forward);
+      reduction "none", return_lse and FUSEDOPS_LCE_ALGO=recompute recompute the shard's logits
+      in the backward (four). Every rank must pass the same reduction and return_lse and see
+      the same FUSEDOPS_LCE_ALGO. check_replicated=True also checks that hidden
       and target agree across ranks (an all-reduce of a few sums).
       fusedops/linear_ce/parallel.py and docs/linear_ce.md have the design.
     * filter_eps (default None: exact gradients): gradient filtering. Blocks of 128 tokens x 128

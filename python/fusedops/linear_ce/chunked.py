@@ -136,11 +136,32 @@ def plan_chunks(n_tokens: int, hidden_size: int, vocab_size: int, elem_bytes: in
             break
     if rows_full >= max(rows, 1) or (rows_full >= 1 and cols < 1):
         return Plan(_balanced(n, rows_full), vocab_size, True)  # whole rows fit as many tokens
+    return _vocab_chunks(rows, cols, budget, hidden_size, vocab_size)
+
+
+def _vocab_chunks(rows: int, cols: int, budget: int, hidden_size: int, vocab_size: int) -> Plan:
+    """Vocab chunks of at most `cols` columns (rounded down to a multiple of 256 from 256, then
+    balanced) for token chunks of `rows` tokens."""
     if cols < 1:
         raise ValueError(f"memory_budget_mib={budget / MIB:.3f} is too small for "
                          f"H={hidden_size}, V={vocab_size}")
     cols = min(vocab_size, cols if cols < 256 else cols // 256 * 256)
     return Plan(rows, _balanced(vocab_size, cols, 256), False)
+
+
+def plan_with_rows(rows: int, n_tokens: int, hidden_size: int, vocab_size: int,
+                   elem_bytes: int, budget: int, need_dh: bool) -> Plan:
+    """The plan for token chunks of `rows` tokens, at most the rows plan_chunks gives for the same
+    arguments (so that it fits): whole rows where plan_chunks would take them at that size (or
+    where vocab chunks would be as wide or could not fit), else vocab chunks. For vocab shards,
+    whose token chunks must be the same on every rank."""
+    avail = budget - (2 << 20) - 64 * n_tokens
+    per_row_dh = hidden_size * 4 if need_dh else 0
+    cols = (avail - rows * per_row_dh) // (rows * elem_bytes)
+    if rows * vocab_size * elem_bytes <= avail and (
+            rows >= min(n_tokens, min_full_rows()) or cols >= vocab_size or cols < 1):
+        return Plan(rows, vocab_size, True)
+    return _vocab_chunks(rows, cols, budget, hidden_size, vocab_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,7 +306,8 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
                   ignore_index: int, reduction: str, label_smoothing: float, softcap: float,
                   z_loss: float, budget: int, need_dh: bool, need_dw: bool, need_db: bool,
                   backend: str, filter_eps: float = -1.0, *, combine=None,
-                  vocab_total: int | None = None, plan: Plan | None = None):
+                  vocab_total: int | None = None, plan: Plan | None = None,
+                  valid: Tensor | None = None):
     """Returns (loss, lse, d_hidden, d_weight, d_bias) with the gradients for upstream g = 1.
     filter_eps >= 0: d_hidden and d_weight skip the dz blocks below filter_eps times the token's
     weight (fusedops.linear_ce.filtered); negative: exact.
@@ -294,8 +316,9 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     vocab_total entries and targets are relative to its first row; combine(lse, zt, zsum), called
     once per token chunk with that chunk's statistics of the shard, replaces them in place by
     the whole vocabulary's, before any dz is formed; plan fixes the token chunks (the same on
-    every rank, so that every rank calls combine equally often). The loss and lse are then the
-    whole vocabulary's, d_hidden this shard's part of it.
+    every rank, so that every rank calls combine equally often); valid: the tokens that are not
+    ignore_index (shifted targets cannot tell). The loss and lse are then the whole
+    vocabulary's, d_hidden this shard's part of it.
 
     hidden (N, H) contiguous; weight (V, H) contiguous, of hidden's dtype or float32 (mixed
     precision: the GEMMs run in hidden's dtype, d_weight and d_bias come out float32).
@@ -312,7 +335,8 @@ def fused_forward(hidden: Tensor, weight: Tensor, bias: Tensor | None, target: T
     d_weight = torch.empty_like(weight) if need_dw else hidden.new_empty(0)
     d_bias32 = torch.zeros(vocab, dtype=cdt, device=dev) if need_db else None
 
-    valid = target != ignore_index
+    if valid is None:
+        valid = target != ignore_index
     if reduction == "mean":
         scale = 1.0 / valid.sum().clamp(min=1).to(cdt)
     else:

@@ -8,16 +8,16 @@ the shard lses, then the sum of exp(lse_r - max), of the target logits and of th
 The loss (label smoothing, z-loss, reduction) is then formed from the global statistics as on
 one device. Logits are never communicated.
 
-Backward: each rank recomputes its shard's logits chunk by chunk and turns them into dz with the
-global lse (softmax(z) restricted to the shard is exp(z - lse)) and the target indicator within
-the shard; that gives the shard's d_weight and d_bias (kept local) and its part of d_hidden,
-summed over the group by one all-reduce of tokens x H values.
+Gradients: each rank turns its shard's logits into dz with the global lse (softmax(z)
+restricted to the shard is exp(z - lse)) and the target indicator within the shard; that gives
+the shard's d_weight and d_bias (kept local) and its part of d_hidden, summed over the group by
+one all-reduce of tokens x H values.
 
 Three implementations of those passes, as on one device:
 * _ShardFused (mean and sum): the one-device fast path (chunked.fused_forward) on the shard,
   gradients for an upstream gradient of 1 computed in the forward and scaled in the backward.
   Per token chunk: the logits GEMM, the shard's statistics, their all-reduces (so the group's
-  collectives follow the token chunks, whose size every rank takes from the same plan), dz with
+  collectives follow the token chunks, of a size every rank agrees on: _common_plan), dz with
   the global lse, and the d_hidden and d_weight GEMMs: three GEMMs over the shard, as on one
   device; d_hidden's all-reduce ends the forward.
 * _ShardLoss (reduction "none"): cuBLAS GEMMs and the row kernels of fusedops.linear_ce.chunked,
@@ -43,10 +43,10 @@ from fusedops.linear_ce import chunked
 from fusedops.linear_ce import ops as _ops
 
 # The layout all-gather's row per rank: ok, rows, vocab_start, has_vocab_start, tokens, hidden
-# size, need_dh, bias, dtype, check_replicated, check_targets, the scratch budget in bytes, and
-# the smallest and largest target that is not ignore_index (_NO_TARGET / -_NO_TARGET when there
-# is none).
-_META = 14
+# size, need_dh, bias, dtype, check_replicated, check_targets, the token-chunk rows this rank's
+# budget allows the mean/sum sweep (0 on other paths), the path (_path_code), and the smallest
+# and largest target that is not ignore_index (_NO_TARGET / -_NO_TARGET when there is none).
+_META = 15
 _NO_TARGET = 2**62
 # vocab_start must leave room for its shard's rows in int64 arithmetic
 _MAX_VOCAB_START = 2**62
@@ -201,25 +201,25 @@ class _ShardFused(torch.autograd.Function):
     collectives stay matched)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_local, reduction, vocab, eps, zl, cap,
-                plan, backend, group, comm_dev, need):
-        ctx.save_for_backward(hidden, weight, bias, target)
-        ctx.options = (ignore_local, reduction, vocab, eps, zl, cap, plan, backend, group,
-                       comm_dev, need)
-        loss, grads = _ShardFused.sweep(hidden, weight, bias, target, *ctx.options)
+    def forward(ctx, hidden, weight, bias, target, valid, reduction, vocab, eps, zl, cap, plan,
+                backend, group, comm_dev, need):
+        ctx.save_for_backward(hidden, weight, bias, target, valid)
+        ctx.options = (reduction, vocab, eps, zl, cap, plan, backend, group, comm_dev, need)
+        loss, grads = _ShardFused.sweep(hidden, weight, bias, target, valid, *ctx.options)
         ctx.grads = grads
         return loss
 
     @staticmethod
-    def sweep(hidden, weight, bias, target, ignore_local, reduction, vocab, eps, zl, cap, plan,
-              backend, group, comm_dev, need):
+    def sweep(hidden, weight, bias, target, valid, reduction, vocab, eps, zl, cap, plan, backend,
+              group, comm_dev, need):
         import torch.distributed as dist
 
         need_dh, need_dw, need_db = need
+        # (ignore_index is not read: valid says which tokens count)
         loss, _lse, dh, dw, db = chunked.fused_forward(
-            hidden, weight, bias, target, ignore_local, reduction, eps, cap, zl, 0, need_dh,
-            need_dw, need_db, backend, combine=_combiner(group, comm_dev), vocab_total=vocab,
-            plan=plan)
+            hidden, weight, bias, target, 0, reduction, eps, cap, zl, 0, need_dh, need_dw,
+            need_db, backend, combine=_combiner(group, comm_dev), vocab_total=vocab, plan=plan,
+            valid=valid)
         if need_dh and dh.numel() > 0:  # need_dh is the same on every rank (checked)
             _all_reduce_(dh, dist.ReduceOp.SUM, group, comm_dev)
         return loss, [dh, dw, db]
@@ -228,7 +228,7 @@ class _ShardFused(torch.autograd.Function):
     def backward(ctx, g_loss):
         inputs = ctx.saved_tensors
         need = ctx.options[-1]
-        backend = ctx.options[7]
+        backend = ctx.options[6]
         grads, ctx.grads = ctx.grads, None
         if grads is None:  # a second backward through a retained graph
             with torch.no_grad():
@@ -407,7 +407,7 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
     # So do the options every rank must agree on and the range of the targets (checked against
     # V, which only the all-gather tells).
     local_error = None
-    budget = 0
+    chunk_rows = path = 0
     try:
         check_bool("check_replicated", check_replicated)
         if vocab_start is not None:
@@ -424,8 +424,9 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
         # the budget (FUSEDOPS_LCE_MEMORY_MIB too) and whether this rank's shard fits it
         budget = chunked.budget_bytes(memory_budget_mib)
         if algo != "recompute" and not return_lse:
-            _ops._stats_plan(hidden.reshape(-1, hidden.shape[-1]), weight, budget,
-                             hidden.requires_grad and torch.is_grad_enabled())
+            chunk_rows = _ops._stats_plan(hidden.reshape(-1, hidden.shape[-1]), weight, budget,
+                                          hidden.requires_grad and torch.is_grad_enabled()).rows
+        path = _path_code(reduction, return_lse, algo)
     except (TypeError, ValueError) as e:
         local_error = e
     ok = local_error is None
@@ -442,7 +443,8 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
         _DTYPE_CODES.get(hidden.dtype, -1) if ok else -1,
         int(ok and check_replicated),
         int(ok and check_targets),
-        budget if ok else 0,
+        chunk_rows if ok else 0,
+        path if ok else 0,
     ], dtype=torch.int64, device=comm_dev)
     span = (_target_range(target, ignore_index).to(comm_dev) if ok and check_targets else
             torch.tensor([_NO_TARGET, -_NO_TARGET], dtype=torch.int64, device=comm_dev))
@@ -461,8 +463,8 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
 
     lead_shape, h2, w, b, t1 = _flat_inputs(hidden, weight, bias, target)
     if check_targets:
-        bad = [r for r, row in enumerate(rows_meta) if row[12] <= row[13]
-               and (row[12] < 0 or row[13] >= vocab_size)]
+        bad = [r for r, row in enumerate(rows_meta) if row[13] <= row[14]
+               and (row[13] < 0 or row[14] >= vocab_size)]
         if rank in bad:  # this rank's own error, naming the first bad target
             _ops.check_targets_in_range(t1, vocab_size, int(ignore_index), lead_shape)
         if bad:
@@ -495,10 +497,10 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
         grad_on = torch.is_grad_enabled()
         need = (need_dh, grad_on and w.requires_grad,
                 grad_on and b is not None and b.requires_grad)
-        return _ShardFused.apply(h2, w, b, t_local.long(), int(ignore_index) - vocab_start,
-                                 reduction, vocab_size, float(label_smoothing), float(z_loss),
-                                 float(softcap or 0.0), _common_plan(rows_meta, rank, h2, need_dh),
-                                 name, group, comm_dev, need)
+        plan = _common_plan(rows_meta, h2, w.shape[0], budget, need_dh)
+        return _ShardFused.apply(h2, w, b, t_local.long(), valid, reduction, vocab_size,
+                                 float(label_smoothing), float(z_loss), float(softcap or 0.0),
+                                 plan, name, group, comm_dev, need)
     if not return_lse and not recompute:  # reduction "none"
         per_tok = _ShardLoss.apply(h2, w, b, t_local.long(), valid, vocab_size,
                                    float(label_smoothing), float(z_loss), float(softcap or 0.0),
@@ -514,19 +516,22 @@ def linear_cross_entropy(hidden, weight, target, bias, *, ignore_index, reductio
                                      z_loss, reduction, lead_shape, return_lse)
 
 
-def _common_plan(rows_meta, rank: int, h2: Tensor, need_dh: bool) -> chunked.Plan:
-    """The token chunks of the mean/sum sweep, the same on every rank (each chunk is one round
-    of collectives): planned for the largest shard under the smallest budget of the group, so
-    that every rank's chunk fits its own budget; the columns are this rank's shard (whole rows,
-    or vocab chunks of at most the planned width)."""
-    widest = max(row[1] for row in rows_meta)
-    budget = min(row[11] for row in rows_meta)
-    plan = chunked.plan_chunks(h2.shape[0], h2.shape[1], widest, h2.element_size(), budget,
-                               need_dh)
-    own = rows_meta[rank][1]
-    if plan.full_rows:
-        return chunked.Plan(plan.rows, own, True)
-    return chunked.Plan(plan.rows, min(plan.cols, own), False)
+def _path_code(reduction: str, return_lse: bool, algo: str) -> int:
+    """What decides the path, hence the collectives (once per token chunk, or once per call),
+    as one integer that every rank must agree on."""
+    return ("mean", "sum", "none").index(reduction) * 4 + 2 * bool(return_lse) + \
+        (algo == "recompute")
+
+
+def _common_plan(rows_meta, h2: Tensor, shard_rows: int, budget: int,
+                 need_dh: bool) -> chunked.Plan:
+    """The plan of the mean/sum sweep over this rank's shard: token chunks of the fewest rows
+    any rank's own plan allows (every rank then makes as many rounds of collectives, one per
+    chunk, and each chunk fits its rank's budget), whole rows or vocab chunks as this rank's
+    shard and budget take them."""
+    rows = min(row[11] for row in rows_meta)
+    return chunked.plan_with_rows(rows, h2.shape[0], h2.shape[1], shard_rows, h2.element_size(),
+                                  budget, need_dh)
 
 
 def _check_layout(rows_meta, rank: int) -> int:
@@ -537,7 +542,8 @@ def _check_layout(rows_meta, rank: int) -> int:
                       (8, "hidden's dtype"), (7, "whether a bias is given"),
                       (6, "whether hidden requires grad"),
                       (3, "whether vocab_start is given"),
-                      (9, "check_replicated"), (10, "whether targets are checked")):
+                      (9, "check_replicated"), (10, "whether targets are checked"),
+                      (12, "reduction, return_lse or FUSEDOPS_LCE_ALGO")):
         values = [row[col] for row in rows_meta]
         if len(set(values)) > 1:
             raise ValueError(f"{what} differs across the ranks of process_group "
