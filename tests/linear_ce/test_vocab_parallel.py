@@ -11,6 +11,7 @@ rank (needs >= 2 GPUs), and gloo with every rank's shard on the one GPU.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -173,6 +174,17 @@ def _run(x, w, b, t, g_loss, g_lse, opts, backend, **extra):
     return res
 
 
+@contextlib.contextmanager
+def _env(var: str, value: str, on: bool = True):
+    """var=value in this process's environment while the block runs (when on)."""
+    if on:
+        os.environ[var] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(var, None)
+
+
 def _misuse(name, rank, world, group, device):
     """Runs one misuse case on every rank; returns the exception (type name, message)."""
     import torch.distributed as dist
@@ -222,29 +234,17 @@ def _misuse(name, rank, world, group, device):
                 x[1, 2, 3] += 1e-3
             linear_cross_entropy(x, ws, t, bs, check_replicated=True, **kw)
         elif name == "budget_env_one_rank":
-            if rank == 1:
-                os.environ["FUSEDOPS_LCE_MEMORY_MIB"] = "abc"
-            try:
+            with _env("FUSEDOPS_LCE_MEMORY_MIB", "abc", rank == 1):
                 linear_cross_entropy(x, ws, t, bs, **kw)
-            finally:
-                os.environ.pop("FUSEDOPS_LCE_MEMORY_MIB", None)
         elif name == "reduction_one_rank":  # per-chunk collectives on one, per-call on the other
             linear_cross_entropy(x, ws, t, bs, reduction="none" if rank == 0 else "sum", **kw)
         elif name == "algo_one_rank":
-            if rank == 1:
-                os.environ["FUSEDOPS_LCE_ALGO"] = "recompute"
-            try:
+            with _env("FUSEDOPS_LCE_ALGO", "recompute", rank == 1):
                 linear_cross_entropy(x, ws, t, bs, **kw)
-            finally:
-                os.environ.pop("FUSEDOPS_LCE_ALGO", None)
         elif name == "min_full_rows_one_rank":  # each rank's own plan differs: still one sweep
-            if rank == 0:
-                os.environ["FUSEDOPS_LCE_MIN_FULL_ROWS"] = "1"
             budget = (2 * 2**20 + 64 * 18 + 6 * rows * 8) / 2**20  # whole rows of 6 tokens
-            try:
+            with _env("FUSEDOPS_LCE_MIN_FULL_ROWS", "1", rank == 0):
                 got = linear_cross_entropy(x, ws, t, bs, memory_budget_mib=budget, **kw)
-            finally:
-                os.environ.pop("FUSEDOPS_LCE_MIN_FULL_ROWS", None)
             want = linear_cross_entropy(x, w, t, b, backend="torch")
             assert _rel(got, want) <= 1e-12, (got, want)
         elif name == "ignore_index_int64_min":  # no shifted sentinel (it would overflow)
@@ -254,11 +254,8 @@ def _misuse(name, rank, world, group, device):
             want = linear_cross_entropy(x, w, t, b, ignore_index=lowest, backend="torch")
             assert _rel(got, want) <= 1e-12, (got, want)
         elif name == "algo_env":
-            os.environ["FUSEDOPS_LCE_ALGO"] = "bogus"
-            try:
+            with _env("FUSEDOPS_LCE_ALGO", "bogus"):
                 linear_cross_entropy(x, ws, t, bs, **kw)
-            finally:
-                del os.environ["FUSEDOPS_LCE_ALGO"]
         elif name == "bad_dtype_one_rank":
             linear_cross_entropy(x, ws.float() if rank == 1 else ws, t, bs, **kw)
         elif name == "tokens_differ":
