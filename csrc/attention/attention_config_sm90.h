@@ -124,12 +124,17 @@ struct TilesSm90 {
 // causal 4096 577/565, 16384 621/622 (and the same overlap kernel at 4096 non-causal 605 and
 // 621 under two names: the spread). Ping-pong won both times only for non-causal calls of
 // 16384 keys, so D=128 takes it for non-causal calls from 8192 keys.
+// D=64 took ping-pong from the first timing, made with 128-query tiles. With the 192-query
+// tiles (the D=64 default since) overlap is ahead at every length, causal or not (H100 80GB,
+// git f5a182a, 2026-12-06, forward only, medians of 7 interleaved rounds, TFLOP/s overlap /
+// ping-pong: L=1024 400/395, causal 287/287; 2048 466/455, causal 379/366; 4096 489/475,
+// causal 438/433; 16384 523/510, causal 497/489; in a first run of 5 rounds 8192 523/503,
+// causal 493/469), so D=64 takes overlap.
 // FUSEDOPS_ATTN_SM90_SCHEDULE overrides it, for measurement (attention_launch_sm90.cuh).
 // D=256: overlap, unmeasured (FlashAttention-3 takes turns between its consumer warpgroups only
 // up to hdim 128); the place to change once check_attention_sm90.py --dims 256 has timed it.
 constexpr int sm90_auto_schedule(int head_dim, bool causal, int max_k) {
-  if (head_dim == 64) return 2;
-  if (head_dim == 256) return 1;
+  if (head_dim == 64 || head_dim == 256) return 1;
   if (!causal) return max_k >= 8192 ? 2 : 1;
   return max_k <= 2048 ? 2 : 1;
 }
