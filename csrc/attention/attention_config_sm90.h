@@ -129,7 +129,8 @@ struct TilesSm90 {
 // git f5a182a, 2026-12-06, forward only, medians of 7 interleaved rounds, TFLOP/s overlap /
 // ping-pong: L=1024 400/395, causal 287/287; 2048 466/455, causal 379/366; 4096 489/475,
 // causal 438/433; 16384 523/510, causal 497/489; in a first run of 5 rounds 8192 523/503,
-// causal 493/469), so D=64 takes overlap.
+// causal 493/469; at git cc80059, 5 rounds: 1024 401/407, causal 286/286; 4096 493/482,
+// causal 447/445; 16384 527/524, causal 511/510), so D=64 takes overlap: level or ahead.
 // FUSEDOPS_ATTN_SM90_SCHEDULE overrides it, for measurement (attention_launch_sm90.cuh).
 // D=256: overlap, unmeasured (FlashAttention-3 takes turns between its consumer warpgroups only
 // up to hdim 128); the place to change once check_attention_sm90.py --dims 256 has timed it.
