@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import add_out_arg, append_rows, run_meta, time_ms  # noqa: E402
+from common import add_out_arg, append_rows, env_vars, run_meta, time_ms  # noqa: E402
 
 # name -> overrides, per head dim ("default": none, the measured tables)
 VARIANTS = {
@@ -36,20 +36,6 @@ VARIANTS = {
           "nonpersistent": {"FUSEDOPS_ATTN_SM90_PERSISTENT": "0"},
           "bn176": {"FUSEDOPS_ATTN_SM90_BLOCK_N": "176"}},
 }
-
-
-def with_env(env: dict, fn):
-    """fn() with the environment overrides env set, the previous values restored after."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return fn()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main():
@@ -85,7 +71,8 @@ def main():
                 with torch.no_grad():
                     for _ in range(max(1, args.rounds)):
                         for name, env in variants.items():
-                            ms[name].append(with_env(env, lambda: time_ms(fwd, args.rep_ms)))
+                            with env_vars(env):
+                                ms[name].append(time_ms(fwd, args.rep_ms))
                 rows = []
                 for name, env in variants.items():
                     med = statistics.median(ms[name])
