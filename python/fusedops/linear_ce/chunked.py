@@ -111,6 +111,12 @@ def _balanced(total: int, most: int, align: int = 128) -> int:
     return up if up <= most else size
 
 
+def _avail(budget: int, n_tokens: int) -> int:
+    """The budget's bytes left for the logits chunk and the d_hidden accumulator: less the
+    per-token arrays, the targets and small temporaries."""
+    return budget - (2 << 20) - 64 * n_tokens
+
+
 def plan_chunks(n_tokens: int, hidden_size: int, vocab_size: int, elem_bytes: int,
                 budget: int, need_dh: bool, extra_row_bytes: int = 0) -> Plan:
     """Chunk sizes whose scratch (logits chunk, d_hidden buffers, per-token arrays) fits
@@ -119,7 +125,7 @@ def plan_chunks(n_tokens: int, hidden_size: int, vocab_size: int, elem_bytes: in
     if n_tokens == 0:
         return Plan(1, vocab_size, False)
     n = n_tokens
-    avail = budget - (2 << 20) - 64 * n  # per-token arrays, targets, small temporaries
+    avail = _avail(budget, n)
     if avail <= 0:
         raise ValueError(f"memory_budget_mib={budget / MIB:.3f} is too small for {n_tokens} "
                          f"tokens (needs more than {(64 * n + (2 << 20)) / MIB:.3f})")
@@ -155,7 +161,7 @@ def plan_with_rows(rows: int, n_tokens: int, hidden_size: int, vocab_size: int,
     arguments (so that it fits): whole rows where plan_chunks would take them at that size (or
     where vocab chunks would be as wide or could not fit), else vocab chunks. For vocab shards,
     whose token chunks must be the same on every rank."""
-    avail = budget - (2 << 20) - 64 * n_tokens
+    avail = _avail(budget, n_tokens)
     per_row_dh = hidden_size * 4 if need_dh else 0
     cols = (avail - rows * per_row_dh) // (rows * elem_bytes)
     if rows * vocab_size * elem_bytes <= avail and (

@@ -260,17 +260,28 @@ class _FusedLoss(torch.autograd.Function):
             grads = [(g.to(g_loss.dtype) * g_loss).to(g.dtype) if need else None
                      for need, g in zip(ctx.need, ctx.saved_tensors, strict=True)]
         else:
-            inputs = ctx.saved_tensors
-            grads, ctx.grads = ctx.grads, None
-            if grads is None:  # a second backward through a retained graph
-                with torch.no_grad():
-                    grads = list(linear_ce_fused(*inputs, *ctx.options)[2:])
-            for need, grad in zip(ctx.need, grads, strict=True):
-                if need:
-                    scale_grad_(grad, g_loss, ctx.backend)
-            grads = [grad if need else None for need, grad in zip(ctx.need, grads, strict=True)]
-            grads = refuse_double_backward(DOUBLE_BACKWARD, (*inputs[:3], g_loss), grads)
+            grads = hand_over_grads(
+                ctx, g_loss, ctx.need, ctx.backend,
+                lambda inputs: list(linear_ce_fused(*inputs, *ctx.options)[2:]))
         return (*grads, *([None] * 13))
+
+
+def hand_over_grads(ctx, g_loss: Tensor, need, backend: str, recompute) -> list:
+    """The backward of a loss whose forward computed its (hidden, weight, bias) gradients for
+    an upstream gradient of 1 and kept them as ctx.grads: they are dropped from ctx here (so
+    that AccumulateGrad adopts them without a copy) and scaled in place by g_loss; a second
+    backward of a retained graph gets them from recompute(ctx.saved_tensors) instead. None
+    where need is false; a second-order backward through them raises."""
+    inputs = ctx.saved_tensors
+    grads, ctx.grads = ctx.grads, None
+    if grads is None:  # a second backward through a retained graph
+        with torch.no_grad():
+            grads = recompute(inputs)
+    for want, grad in zip(need, grads, strict=True):
+        if want:
+            scale_grad_(grad, g_loss, backend)
+    grads = [grad if want else None for want, grad in zip(need, grads, strict=True)]
+    return refuse_double_backward(DOUBLE_BACKWARD, (*inputs[:3], g_loss), grads)
 
 
 def fused_loss(hidden, weight, bias, target, ignore_index, reduction, label_smoothing, softcap,

@@ -31,6 +31,7 @@ Three implementations of those passes, as on one device:
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -122,6 +123,20 @@ def _all_reduce_(t: Tensor, op, group, comm_dev: torch.device) -> Tensor:
     return t
 
 
+def _combine_(lse: Tensor, zt: Tensor, zsum: Tensor, group, comm_dev) -> None:
+    """The shard's per-token statistics made the group's, in place: lse = log sum_r exp(lse_r)
+    (two all-reduces of O(tokens) values: the max, then the sums with the target logits and the
+    logit sums)."""
+    import torch.distributed as dist
+
+    gmax = _all_reduce_(lse.clone(), dist.ReduceOp.MAX, group, comm_dev)
+    packed = torch.stack([torch.exp(lse - gmax), zt, zsum])
+    _all_reduce_(packed, dist.ReduceOp.SUM, group, comm_dev)
+    torch.add(gmax, torch.log(packed[0]), out=lse)
+    zt.copy_(packed[1])
+    zsum.copy_(packed[2])
+
+
 class _ShardStats(torch.autograd.Function):
     """Global per-token (lse, target logit, logit sum) from the local shard; backward gives the
     shard's d_weight, d_bias and the group's summed d_hidden."""
@@ -129,7 +144,6 @@ class _ShardStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, softcap, backend, group, comm_dev, need_dh,
                 budget, recompute):
-        import torch.distributed as dist
 
         if recompute:
             lse_r, zt, zsum = torch.ops.fusedops.linear_ce_fwd(hidden, weight, bias, target, 0,
@@ -138,13 +152,8 @@ class _ShardStats(torch.autograd.Function):
             lse_r, zt, zsum, _ = _ops.linear_ce_stats(hidden, weight, bias, target, 0, softcap,
                                                       budget, False, need_dh, False, backend)
         if hidden.shape[0] > 0:
-            m = _all_reduce_(lse_r.clone(), dist.ReduceOp.MAX, group, comm_dev)
-            packed = torch.stack([torch.exp(lse_r - m), zt, zsum])
-            _all_reduce_(packed, dist.ReduceOp.SUM, group, comm_dev)
-            lse = m + torch.log(packed[0])
-            zt, zsum = packed[1].clone(), packed[2].clone()
-        else:
-            lse = lse_r
+            _combine_(lse_r, zt, zsum, group, comm_dev)
+        lse = lse_r
         ctx.save_for_backward(hidden, weight, bias, target, lse)
         ctx.options = (softcap, backend, group, comm_dev, need_dh, budget, recompute)
         return lse, zt, zsum
@@ -176,29 +185,12 @@ class _ShardStats(torch.autograd.Function):
         return (*grads, *([None] * 8))
 
 
-def _combiner(group, comm_dev):
-    """combine(lse, zt, zsum) for chunked.fused_forward: a token chunk's shard statistics made
-    the group's in place (two all-reduces of O(chunk tokens) values)."""
-    import torch.distributed as dist
-
-    def combine(lse: Tensor, zt: Tensor, zsum: Tensor) -> None:
-        gmax = _all_reduce_(lse.clone(), dist.ReduceOp.MAX, group, comm_dev)
-        packed = torch.stack([torch.exp(lse - gmax), zt, zsum])
-        _all_reduce_(packed, dist.ReduceOp.SUM, group, comm_dev)
-        torch.add(gmax, torch.log(packed[0]), out=lse)
-        zt.copy_(packed[1])
-        zsum.copy_(packed[2])
-
-    return combine
-
-
 class _ShardFused(torch.autograd.Function):
     """Mean or sum loss of a shard through chunked.fused_forward: the forward computes the
     whole loss and this rank's gradients for an upstream gradient of 1 (d_hidden summed over
-    the group), the backward scales them by the upstream gradient. The gradients are held as
-    ctx attributes and handed over in the first backward, as ops._FusedLoss does; a second
-    backward of a retained graph runs the forward's sweep again (every rank does, so the
-    collectives stay matched)."""
+    the group), the backward scales them by the upstream gradient (ops.hand_over_grads, as for
+    one device); a second backward of a retained graph runs the forward's sweep again (every
+    rank does, so the collectives stay matched)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, valid, reduction, vocab, eps, zl, cap, plan,
@@ -218,26 +210,17 @@ class _ShardFused(torch.autograd.Function):
         # (ignore_index is not read: valid says which tokens count)
         loss, _lse, dh, dw, db = chunked.fused_forward(
             hidden, weight, bias, target, 0, reduction, eps, cap, zl, 0, need_dh, need_dw,
-            need_db, backend, combine=_combiner(group, comm_dev), vocab_total=vocab, plan=plan,
-            valid=valid)
+            need_db, backend, combine=functools.partial(_combine_, group=group, comm_dev=comm_dev),
+            vocab_total=vocab, plan=plan, valid=valid)
         if need_dh and dh.numel() > 0:  # need_dh is the same on every rank (checked)
             _all_reduce_(dh, dist.ReduceOp.SUM, group, comm_dev)
         return loss, [dh, dw, db]
 
     @staticmethod
     def backward(ctx, g_loss):
-        inputs = ctx.saved_tensors
-        need = ctx.options[-1]
-        backend = ctx.options[6]
-        grads, ctx.grads = ctx.grads, None
-        if grads is None:  # a second backward through a retained graph
-            with torch.no_grad():
-                grads = _ShardFused.sweep(*inputs, *ctx.options)[1]
-        for want, grad in zip(need, grads, strict=True):
-            if want:
-                chunked.scale_grad_(grad, g_loss, backend)
-        grads = [grad if want else None for want, grad in zip(need, grads, strict=True)]
-        grads = refuse_double_backward(_ops.DOUBLE_BACKWARD, (*inputs[:3], g_loss), grads)
+        grads = _ops.hand_over_grads(
+            ctx, g_loss, ctx.options[-1], ctx.options[6],
+            lambda inputs: _ShardFused.sweep(*inputs, *ctx.options)[1])
         return (*grads, *([None] * 12))
 
 
@@ -255,17 +238,12 @@ class _ShardLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, valid, vocab, eps, zl, cap, budget, backend,
                 group, comm_dev, need_dh):
-        import torch.distributed as dist
 
         plan = _ops._stats_plan(hidden, weight, budget, need_dh)
         n_tokens = hidden.shape[0]
         lse, zt, zsum, _ = chunked.statistics(hidden, weight, bias, target, cap, plan, backend)
         if n_tokens > 0:
-            gmax = _all_reduce_(lse.clone(), dist.ReduceOp.MAX, group, comm_dev)
-            packed = torch.stack([torch.exp(lse - gmax), zt, zsum])
-            _all_reduce_(packed, dist.ReduceOp.SUM, group, comm_dev)
-            lse = gmax + torch.log(packed[0])
-            zt, zsum = packed[1], packed[2]
+            _combine_(lse, zt, zsum, group, comm_dev)
         per_tok = lse - (1.0 - eps) * zt - (eps / vocab) * zsum if eps else lse - zt
         if zl:
             per_tok = per_tok + zl * lse * lse
