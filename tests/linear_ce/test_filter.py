@@ -264,6 +264,32 @@ def test_sparse_kernels_match_masked_dense_products(device, dtype, accumulate):
         assert dw[3 * B: 4 * B].abs().max() == 0
 
 
+@pytest.mark.parametrize("device,dtype", _kernel_params())
+def test_kept_lists_brute_force(device, dtype):
+    """The kept-block lists of the sparse kernels (one prefix-sum launch) against the nonzero
+    positions of each mask row and column: lists longer than one 1024-entry step, empty and full
+    lists, and a 0-row mask."""
+    from fusedops.linear_ce import triton as tk
+    g = torch.Generator().manual_seed(7)
+    masks = [(torch.rand(5, 2500, generator=g) < 0.3), (torch.rand(2500, 3, generator=g) < 0.5),
+             torch.zeros(4, 7, dtype=torch.bool), torch.ones(3, 1030, dtype=torch.bool),
+             torch.zeros(0, 9, dtype=torch.bool)]
+    masks[0][1] = False
+    masks[0][2] = True
+    for m in masks:
+        m8 = m.to(torch.int8)
+        for dim in (0, 1):
+            idx, cnt = tk.kept_lists(m8.to(device), dim)
+            idx, cnt = idx.cpu(), cnt.cpu()
+            lists = m if dim == 1 else m.t()
+            assert cnt.dtype == torch.int32 and idx.dtype == torch.int32
+            assert idx.shape == lists.shape
+            for i, row in enumerate(lists):
+                want = row.nonzero().flatten()
+                assert int(cnt[i]) == len(want)
+                assert torch.equal(idx[i, : len(want)].long(), want)
+
+
 def test_sparse_route_below_the_dense_share(monkeypatch):
     """The block-sparse kernels take a chunk with fewer than DENSE_SHARE of its blocks kept;
     FUSEDOPS_LCE_FILTER_ROUTE forces either route and names itself when bad."""

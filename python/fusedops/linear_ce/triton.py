@@ -531,12 +531,40 @@ def _zero_blocks_kernel(DZ, MASK, rows, cols, ld_dz, n_kb, BLOCK: tl.constexpr):
         tl.store(DZ + r.to(tl.int64)[:, None] * ld_dz + c[None, :], zero, mask=m)
 
 
-def _kept_lists(mask, dim: int):
-    """(idx, cnt): per row of mask (dim=1) or per column (dim=0), the kept blocks' indices
-    first, in increasing order (int32, contiguous), and their count."""
-    m = mask if dim == 1 else mask.t()
-    cnt = m.sum(1, dtype=torch.int32)
-    idx = torch.argsort(m, dim=1, descending=True, stable=True).to(torch.int32).contiguous()
+@triton.jit
+def _lists_kernel(MASK, IDX, CNT, n_len, s_list, s_elem, NP: tl.constexpr):
+    # List l: the positions e < n_len of the nonzero entries MASK[l * s_list + e * s_elem], in
+    # increasing order, into IDX[l, :CNT[l]] (the rest of the row is left as it is), NP entries
+    # at a time: a prefix sum gives each kept entry its slot.
+    lst = tl.program_id(0)
+    base = 0
+    for s in range(0, n_len, NP):
+        e = s + tl.arange(0, NP)
+        em = e < n_len
+        keep = (tl.load(MASK + lst * s_list + e * s_elem, mask=em, other=0) != 0) & em
+        k = keep.to(tl.int32)
+        pos = base + tl.cumsum(k, axis=0) - 1
+        tl.store(IDX + lst.to(tl.int64) * n_len + pos, e, mask=keep)
+        base += tl.sum(k, axis=0)
+    tl.store(CNT + lst, base)
+
+
+def kept_lists(mask, dim: int):
+    """(idx, cnt): per row of mask (dim=1) or per column (dim=0), the kept blocks' indices in
+    increasing order in idx[l, :cnt[l]] (int32; entries past cnt[l] are unspecified), and their
+    count. One launch, where a sort took about seven (the host's launch time bounded the 64 MiB
+    setting's filtered chunks)."""
+    n_r, n_k = mask.shape
+    n_lists, n_len = (n_r, n_k) if dim == 1 else (n_k, n_r)
+    s_list, s_elem = (n_k, 1) if dim == 1 else (1, n_k)
+    idx = torch.empty(n_lists, n_len, dtype=torch.int32, device=mask.device)
+    cnt = torch.empty(n_lists, dtype=torch.int32, device=mask.device)
+    if n_lists and n_len:
+        np2 = min(triton.next_power_of_2(n_len), 1024)
+        _lists_kernel[(n_lists,)](mask.contiguous(), idx, cnt, n_len, s_list, s_elem, NP=np2,
+                                  num_warps=4)
+    else:
+        cnt.zero_()
     return idx, cnt
 
 
@@ -569,7 +597,7 @@ def _sparse_product(dz, b, out, accumulate: bool, mask, block: int, dw: bool):
     hidden = b.shape[1]
     if n_out == 0:
         return
-    idx, cnt = _kept_lists(mask, 0 if dw else 1)
+    idx, cnt = kept_lists(mask, 0 if dw else 1)
     grid = (triton.cdiv(n_out, block), triton.cdiv(hidden, _SPARSE_TILE["BH"]))
     _sparse_kernel[grid](dz, b, out, idx, cnt, n_out, n_red, hidden, dz.stride(0), idx.shape[1],
                          ACCUM=accumulate, DW=dw, BLOCK=block, **_SPARSE_TILE)
