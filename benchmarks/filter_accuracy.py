@@ -3,7 +3,8 @@ float64 exact gradients, on bench_linear_ce.py's data recipes with N cut down, o
 
     python benchmarks/filter_accuracy.py --shapes llama3,gemma2,llama2 --tokens 512
 
-Per shape and data mode, the mean loss's gradients and their Frobenius-norm relative errors:
+Per shape and data mode, the mean loss's gradients and their Frobenius-norm relative errors, and
+"kept": the share of 128 x 128 blocks of dz the filter keeps (methods with the filter):
 - "eager bf16": plain PyTorch in bfloat16 (bf16 operands, float32 accumulation, each GEMM's
   result rounded to bf16 as cuBLAS does, softmax in float32), the yardstick of the oracle rule;
 - "filter, float64": fusedops' filter alone (torch backend in float64, filter_eps on), i.e. the
@@ -48,11 +49,9 @@ def exact(x, w, t, softcap, eps=None):
     return float(loss.detach()), dh.float(), dw.float()  # float32 copies: the errors are ~1e-3
 
 
-def eager_bf16(x, w, t, softcap, eps=None):
-    """bf16 eager's gradients (float32 GEMMs of bf16 values, results rounded to bf16), with the
-    filter's blocks of dz dropped when eps is given."""
-    xf, wf = x.float(), w.float()
-    z = (xf @ wf.T).bfloat16().float()
+def eager_dz(x, w, t, softcap):
+    """The mean loss's float32 dz of bf16 eager (logits rounded to bf16, softmax in float32)."""
+    z = (x.float() @ w.float().T).bfloat16().float()
     if softcap:
         z = softcap * torch.tanh(z / softcap)
     n = len(t)
@@ -60,10 +59,20 @@ def eager_bf16(x, w, t, softcap, eps=None):
     dz[torch.arange(n), t] -= 1.0
     if softcap:
         dz *= 1.0 - (z / softcap) ** 2
-    dz /= n
+    return dz / n
+
+
+def filter_mask(dz, eps):
+    return filtered.block_mask(dz, torch.full((dz.shape[0],), eps / dz.shape[0]))
+
+
+def eager_bf16(x, w, t, softcap, eps=None):
+    """bf16 eager's gradients (float32 GEMMs of bf16 values, results rounded to bf16), with the
+    filter's blocks of dz dropped when eps is given."""
+    xf, wf = x.float(), w.float()
+    dz = eager_dz(x, w, t, softcap)
     if eps is not None:
-        mask = filtered.block_mask(dz, torch.full((n,), eps / n))
-        filtered.zero_dropped_(dz, mask)
+        filtered.zero_dropped_(dz, filter_mask(dz, eps))
     dz = dz.bfloat16().float()
     return (dz @ wf).bfloat16(), (dz.T @ xf).bfloat16()
 
@@ -87,21 +96,23 @@ def main():
         for data in args.data.split(","):
             x, w, t = make_inputs(args.tokens, h, v, data)
             loss, dh, dw = exact(x, w, t, softcap)
+            kept = float(filter_mask(eager_dz(x, w, t, softcap), args.eps).float().mean())
             runs = (("eager_bf16", eager_bf16, None), ("filter_float64", exact, args.eps),
                     ("eager_bf16_filter", eager_bf16, args.eps))
             for method, fn, eps in runs:  # one method's gradients alive at a time (GiBs each)
                 a, b = fn(x, w, t, softcap, eps)[-2:]
                 rows.append(dict(op="linear_ce_filter", method=method, shape=shape,
                                  N=args.tokens, H=h, V=v, softcap=softcap, data=data,
-                                 filter_eps=args.eps, loss=round(loss, 4),
+                                 filter_eps=args.eps, kept=None if eps is None else kept,
+                                 loss=round(loss, 4),
                                  err_dh=rel(a, dh), err_dw=rel(b, dw), **meta))
                 del a, b
             del dh, dw
             append_rows("linear_ce_filter", rows[-3:], args.out)
             print(f"{shape} {data}: done", file=sys.stderr, flush=True)
     print_table(rows, [("shape", "shape", ""), ("data", "data", ""), ("loss", "loss", ".3f"),
-                       ("method", "method", ""), ("err_dh", "err_dh", ".2e"),
-                       ("err_dw", "err_dw", ".2e")])
+                       ("method", "method", ""), ("kept", "kept", ".3f"),
+                       ("err_dh", "err_dh", ".2e"), ("err_dw", "err_dw", ".2e")])
 
 
 if __name__ == "__main__":
