@@ -552,8 +552,8 @@ def _lists_kernel(MASK, IDX, CNT, n_len, s_list, s_elem, NP: tl.constexpr):
 def kept_lists(mask, dim: int):
     """(idx, cnt): per row of mask (dim=1) or per column (dim=0), the kept blocks' indices in
     increasing order in idx[l, :cnt[l]] (int32; entries past cnt[l] are unspecified), and their
-    count. One launch, where a sort took about seven (the host's launch time bounded the 64 MiB
-    setting's filtered chunks)."""
+    count. One launch: the filtered chunks are many at small budgets, and their time is the
+    host's launch time."""
     n_r, n_k = mask.shape
     n_lists, n_len = (n_r, n_k) if dim == 1 else (n_k, n_r)
     s_list, s_elem = (n_k, 1) if dim == 1 else (1, n_k)
