@@ -144,7 +144,6 @@ class _ShardStats(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, softcap, backend, group, comm_dev, need_dh,
                 budget, recompute):
-
         if recompute:
             lse_r, zt, zsum = torch.ops.fusedops.linear_ce_fwd(hidden, weight, bias, target, 0,
                                                                softcap, False, backend)
@@ -238,7 +237,6 @@ class _ShardLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, valid, vocab, eps, zl, cap, budget, backend,
                 group, comm_dev, need_dh):
-
         plan = _ops._stats_plan(hidden, weight, budget, need_dh)
         n_tokens = hidden.shape[0]
         lse, zt, zsum, _ = chunked.statistics(hidden, weight, bias, target, cap, plan, backend)
