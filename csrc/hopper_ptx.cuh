@@ -224,6 +224,32 @@ __device__ __forceinline__ void named_bar_arrive(int id) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "n"(kThreads) : "memory");
 }
 
+// bar.red over named barrier id's kThreads threads (whole warps, each executing it
+// convergently): every thread gets the OR (named_bar_any) or the AND (named_bar_all) of all
+// their predicates.
+template <int kThreads>
+__device__ __forceinline__ bool named_bar_any(int id, bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n"
+      " selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(static_cast<uint32_t>(pred)), "r"(id), "n"(kThreads)
+      : "memory");
+  return r != 0;
+}
+template <int kThreads>
+__device__ __forceinline__ bool named_bar_all(int id, bool pred) {
+  uint32_t r;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.and.pred q, %2, %3, p;\n"
+      " selp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"(static_cast<uint32_t>(pred)), "r"(id), "n"(kThreads)
+      : "memory");
+  return r != 0;
+}
+
 // ---- register reallocation between warpgroups ---------------------------------------------
 template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() {
