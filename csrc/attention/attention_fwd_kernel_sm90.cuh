@@ -605,16 +605,22 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
           spec_ok = named_bar_all<128>(spec_bar, m_run[0] != -INFINITY && m_run[1] != -INFINITY);
         return true;
       };
-      // The softmax of tile i, with S computed again when the speculation failed. Only then is
-      // the tile's K stage released.
+      // The softmax of tile i, with S computed again when the speculation failed; only then is
+      // the tile's K stage released. Without kSpec the stage goes back first, as S is final
+      // (the order these kernels had before: D=256 ping-pong spilled 4 bytes the other way).
       auto softmax_then_release_k = [&](int i) {
-        if (!softmax(i)) {
-          issue_qk(i);
-          wgmma_wait<0>();
-          reg_fence(sacc);
+        if constexpr (!kSpec) {
+          release_kv(kempty(i));
           softmax(i);
+        } else {
+          if (!softmax(i)) {
+            issue_qk(i);
+            wgmma_wait<0>();
+            reg_fence(sacc);
+            softmax(i);
+          }
+          release_kv(kempty(i));
         }
-        release_kv(kempty(i));
       };
       // O *= alpha_run where a maximum moved; only while no wgmma writing O is in flight.
       auto rescale_o = [&] {
@@ -666,8 +672,14 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
           issue_qk(i);
           wgmma_wait<0>();
           reg_fence(sacc);
-          softmax_then_release_k(i);
-          if (i + 1 == n_tiles) release_q();
+          if constexpr (kSpec) {
+            softmax_then_release_k(i);
+            if (i + 1 == n_tiles) release_q();  // after a possible S recomputation
+          } else {
+            release_kv(kempty(i));
+            if (i + 1 == n_tiles) release_q();
+            softmax(i);
+          }
           rescale_o();
           to_p();
           issue_pv(i);
