@@ -1,6 +1,7 @@
 // The Hopper (sm_90a) attention forward kernel: TMA loads through an mbarrier pipeline, wgmma
 // for both products, online softmax in registers (the sm80 kernel's algorithm, kSlack lazy
-// rescaling included), lse in natural log, rows that see no key -> zeros and lse -inf.
+// rescaling included; speculative exponentials on full tiles, below), lse in natural log, rows
+// that see no key -> zeros and lse -inf.
 //
 // Persistent: each CTA runs a sequence of work tiles -- BM queries (128; 192 with three consumer
 // warpgroups) of one (sequence, head) each, TileOrderSm90 below -- and the producer loads the
@@ -129,6 +130,11 @@ namespace attn {
 //   last CTA resets both counters. tests/attention/test_sm90_sync_model.py models all of this.
 // - Ping-pong turns (named barriers 1 .. NW, 256 threads): balanced within each non-empty tile
 //   (see take_turn); the epilogue uses ids NW + 1 .. 2 NW (128 threads each), also per tile.
+// - Speculative exponentials (kSpec): each warpgroup's 4 warps take the same path through every
+//   softmax (its conditions are the warpgroup's), and each path ends in one bar.red of ids
+//   2 NW + 1 .. 3 NW (128 threads): or of the failed checks on the speculative path, and of
+//   the finite running maxima on the exact one. A key tile's K stage goes back after its
+//   softmax, as a failed check computes S again from it; still one release per use.
 // - The O staging buffer (o_in_q false): a warpgroup's storing thread waits until its previous
 //   TMA store has read its rows, then a named barrier lets the warpgroup write them; it waits
 //   for the last one before the CTA exits.
