@@ -496,8 +496,10 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       // once spec_ok): p = 2^(x - m_run) at once, without the tile's row maxima, whose FMNMX
       // chain and quad shuffles every exponential would otherwise wait for (measured: the
       // forward 7-9% faster). They are the exponentials the maxima would have given whenever no
-      // x exceeds m_run + kSlack (the maximum would not have moved); each lane's row sums of
-      // its p bound every p, so sums within 2^kSlack in the whole warpgroup accept the tile.
+      // x exceeds m_run + kSlack (the maximum would not have moved; up to ex2.approx's rounding
+      // within a few ulps of kSlack), their sum added to l_run per tile rather than one by one;
+      // each lane's row sums of its p bound every p, so sums within 2^kSlack in the whole
+      // warpgroup accept the tile.
       // Otherwise (a larger score, an infinity or a NaN) softmax returns false with sacc
       // overwritten: the caller computes S again (its K stage is still held) and calls softmax
       // once more, which then takes the exact path (spec_ok cleared). Both decisions are the
