@@ -434,6 +434,10 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       // may take the speculative exponentials (softmax below). False until a tile's first
       // softmax.
       bool spec_ok = false;
+      // How far a tile's row maximum may exceed the running one before it moves: kSlack, but 0
+      // in the exact softmax after a failed speculation, so that scores which settle a few
+      // units above the running maximum move it once instead of failing every later tile.
+      float slack = kSlack;
       // S = Q K^T: D / 16 k-steps of 16 head-dim elements (32 bytes inside a 128-byte row).
       auto issue_qk = [&](int i) {
         const uint32_t it = kv + i, s = it % S;
@@ -581,7 +585,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
               mx[r] = mxc[r][0];
             mx[r] = quad_max(mx[r]);
             if constexpr (kPath == 0) mx[r] *= score.scale_log2();
-            if (mx[r] > m_run[r] + kSlack) {
+            if (mx[r] > m_run[r] + slack) {
               const float alpha = ex2(m_run[r] - mx[r]);
               m_run[r] = mx[r];
               l_run[r] *= alpha;
@@ -610,7 +614,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         run_path(full && score.scale_log2() > 0.f, score.capped(), tile);
         rescale = __any_sync(0xffffffffu, moved);  // warp-uniform
         if constexpr (kSpec)
-          spec_ok = named_bar_all<128>(spec_bar, m_run[0] != -INFINITY && m_run[1] != -INFINITY);
+          spec_ok = named_bar_all<128>(spec_bar, m_run[0] > -INFINITY && m_run[1] > -INFINITY);
         return true;
       };
       // The softmax of tile i, with S computed again when the speculation failed; only then is
@@ -625,7 +629,9 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
             issue_qk(i);
             wgmma_wait<0>();
             reg_fence(sacc);
+            slack = 0.f;
             softmax(i);
+            slack = kSlack;
           }
           release_kv(kempty(i));
         }

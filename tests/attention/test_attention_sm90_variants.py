@@ -63,17 +63,20 @@ def _jump_inputs(causal, seed=7):
     must be redone exactly. Key 300 (tile 2) scores up to about 6x the others: the maximum moves
     by more than kSlack. Key 700 (tile 5) about 40x: 2^(x - m) overflows float32, so the
     speculative pass holds infinities. Batch 1 ramps every key's scale from 0.5 to 3 (the maximum
-    creeps up tile by tile), and its key 900 is scaled by 1e-3 at a tile boundary."""
+    creeps up tile by tile), and its key 900 is scaled by 1e-3 at a tile boundary. Batch 2's keys
+    after the first tile score about twice as high (they settle above the first tile's maximum,
+    by less than kSlack for many)."""
     g = torch.Generator().manual_seed(seed)
     sq, sk = (200, 1100) if causal else (1024, 1024)
-    q = torch.randn(2, sq, 2, 128, generator=g)
-    k = torch.randn(2, sk, 2, 128, generator=g)
-    v = torch.randn(2, sk, 2, 128, generator=g)
-    scale = torch.ones(2, sk, 2, 1)
-    scale[:, 300] = 6.0
-    scale[:, 700] = 40.0
+    q = torch.randn(3, sq, 2, 128, generator=g)
+    k = torch.randn(3, sk, 2, 128, generator=g)
+    v = torch.randn(3, sk, 2, 128, generator=g)
+    scale = torch.ones(3, sk, 2, 1)
+    scale[:2, 300] = 6.0
+    scale[:2, 700] = 40.0
     scale[1] *= torch.linspace(0.5, 3.0, sk)[:, None, None]
     scale[1, 900] *= 1e-3
+    scale[2, 128:] = 2.0
     return q, k * scale, v, torch.randn(q.shape, generator=g)
 
 
@@ -83,6 +86,10 @@ _JUMP_LAUNCHES = {
     "d64": (64, {}), "d64-m128": (64, {"FUSEDOPS_ATTN_SM90_TILE": "m128"}),
     "d128": (128, {"FUSEDOPS_ATTN_SM90_MULTICAST": "0"}),
     "d128-multicast": (128, {"FUSEDOPS_ATTN_SM90_MULTICAST": "require"}),
+    # several work tiles per CTA (spec_ok starts over with each), and the 176-key tiles
+    "d64-3cta": (64, {"FUSEDOPS_ATTN_SM90_PERSISTENT": "3"}),
+    "d128-3cta": (128, {"FUSEDOPS_ATTN_SM90_PERSISTENT": "3", "FUSEDOPS_ATTN_SM90_MULTICAST": "0"}),
+    "d128-bn176": (128, {"FUSEDOPS_ATTN_SM90_BLOCK_N": "176"}),
 }
 
 
@@ -102,7 +109,7 @@ def test_sm90_score_jumps(launch, schedule, causal, dtype, monkeypatch):
     poison_cuda_outputs(monkeypatch)
     q, k, v, dout = (t[..., :D].contiguous() for t in _jump_inputs(causal))
     inp = dict(q=q.cuda(), k=k.cuda(), v=v.cuda(), dout=dout.cuda(), extra={})
-    case = A.Case(2, q.shape[1], k.shape[1], 2, 2, D, dtype, "cuda", causal=causal)
+    case = A.Case(3, q.shape[1], k.shape[1], 2, 2, D, dtype, "cuda", causal=causal)
     ref = A.run(lambda *a, **kw: A.attention(*a, **kw, return_lse=True, backend="torch"), inp,
                 case, torch.float64)
     eager = A.run(A.eager_attention, inp, case, dtype)
