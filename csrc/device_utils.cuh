@@ -69,20 +69,12 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x, MUFU.EX2 (ex2(-inf) = 0
   return y;
 }
 
-// min(x, y) that returns NaN when either is NaN (fminf returns the other operand).
-__device__ __forceinline__ float min_nan(float x, float y) {
-  float r;
-  asm("min.NaN.f32 %0, %1, %2;\n" : "=f"(r) : "f"(x), "f"(y));
-  return r;
-}
-
 // 2^x on the FMA pipe, for kernels whose exponentials outrun MUFU.EX2 (16 per clock per SM on
 // sm_80/sm_90, against 128 FMAs): Cody-Waite reduction x = j + f, j = round(x), f in [-0.5, 0.5],
 // then 2^f by a minimax polynomial (Horner, FFMA) times 2^j, a float whose exponent field is
 // j + 127 (one shift of the rounding sum's bits). Inputs are clamped to -127 first, where
 // 2^j's bits are all zero: -inf and everything below -127 give exactly 0 (no garbage exponent),
-// NaN stays NaN (max.NaN). Valid for x <= 127 (beyond, 2^j's exponent bits wrap): the attention
-// softmax passes x <= kSlack, or clamps x first (min_nan).
+// NaN stays NaN (max.NaN). Valid for x <= 127; the attention softmax passes x <= kSlack.
 // Relative error (tests/attention/test_exp2_poly.py, a float32 model of these steps): degree 3
 // 7.5e-5, degree 4 2.7e-6 (ex2.approx: a few float32 ulps). Instructions: 3 FADD, kDegree FFMA
 // and one FMUL on the FMA pipe, the clamp (FMNMX) and the shift (SHF or IMAD.SHL). Coefficients:

@@ -508,9 +508,9 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       // overwritten: the caller computes S again (its K stage is still held) and calls softmax
       // once more, which then takes the exact path (spec_ok cleared). Both decisions are the
       // warpgroup's (bar.red on its own named barrier, ids 2 NW + 1 .. 3 NW), as the S wgmma
-      // of a redo is a warpgroup instruction. Not at D=256, whose ping-pong kernel then spilled
-      // 4 bytes. With kPolyBlocks, those column blocks take ex2_poly of x clamped to 64.
-      constexpr bool kSpec = D <= 128;
+      // of a redo is a warpgroup instruction. Not with the polynomial exponentials (a
+      // measurement switch), nor at D=256, whose ping-pong kernel then spilled 4 bytes.
+      constexpr bool kSpec = kPolyBlocks == 0 && D <= 128;
       const int spec_bar = 1 + 2 * NW + cw;
       auto softmax = [&](int i) -> bool {
         const int n0 = (t_lo + i) * BN;
@@ -522,11 +522,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
           for (int ni = 0; ni < BN / 8; ++ni)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-              const float x = fmaf(sacc[ni][e], score.scale_log2(), -m_run[e >> 1]);
-              // ex2_poly is exact only up to x = 127 (its exponent bits wrap beyond): 64 keeps
-              // a too large x too large for the check, and NaN stays NaN (min.NaN).
-              const bool poly = (ni * kPolyBlocks) % (BN / 8) < kPolyBlocks;
-              const float pv = poly ? ex2_poly<kPolyDegree>(min_nan(x, 64.f)) : ex2(x);
+              const float pv = ex2(fmaf(sacc[ni][e], score.scale_log2(), -m_run[e >> 1]));
               sacc[ni][e] = pv;
               lt[e >> 1] += pv;
             }

@@ -81,7 +81,7 @@ def _jump_inputs(causal, seed=7):
 
 
 # (head dim, launch overrides): D=64 in its 192- and 128-query tiles, D=128 with and without
-# K/V multicast (required: the launch fails where it cannot apply), both with ex2_poly.
+# K/V multicast (required: the launch fails where it cannot apply).
 _JUMP_LAUNCHES = {
     "d64": (64, {}), "d64-m128": (64, {"FUSEDOPS_ATTN_SM90_TILE": "m128"}),
     "d128": (128, {"FUSEDOPS_ATTN_SM90_MULTICAST": "0"}),
@@ -90,9 +90,6 @@ _JUMP_LAUNCHES = {
     "d64-3cta": (64, {"FUSEDOPS_ATTN_SM90_PERSISTENT": "3"}),
     "d128-3cta": (128, {"FUSEDOPS_ATTN_SM90_PERSISTENT": "3", "FUSEDOPS_ATTN_SM90_MULTICAST": "0"}),
     "d128-bn176": (128, {"FUSEDOPS_ATTN_SM90_BLOCK_N": "176"}),
-    # part of each tile's exponentials by ex2_poly, whose input the speculative path clamps
-    "d64-poly": (64, {"FUSEDOPS_ATTN_SM90_EXP2": "poly"}),
-    "d128-poly": (128, {"FUSEDOPS_ATTN_SM90_EXP2": "poly", "FUSEDOPS_ATTN_SM90_MULTICAST": "0"}),
 }
 
 
