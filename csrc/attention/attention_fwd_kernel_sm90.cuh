@@ -44,6 +44,7 @@
 #include <type_traits>
 
 #include "../hopper_ptx.cuh"
+#include "../mma_sm80.cuh"
 #include "attention_common.cuh"
 #include "attention_config_sm90.h"
 #include "attention_order_sm90.h"
@@ -95,7 +96,8 @@ namespace attn {
 //   running count q_use on both sides: the consumers wait full at parity q_use & 1, the producer
 //   waits empty at parity (q_use & 1) ^ 1 before loading the next Q (issued after that tile's
 //   first K, so that K streams in while Q is still held). The 4 NW empty arrivals: each consumer
-//   warp's lane 0 after its last Q K^T of the tile (release_q), or -- for a warpgroup that
+//   warp's lane 0 after its last Q K^T of the tile (release_q; with kSpec after the last
+//   softmax, which may read its rows again), or -- for a warpgroup that
 //   stages O in its Q rows (q_late) -- one arrive of count 4 by its storing thread after the TMA
 //   store has read them. Either way each consumer warp is accounted for exactly once per use,
 //   and the producer cannot complete the next phase of full before the consumers have waited
@@ -130,11 +132,14 @@ namespace attn {
 //   last CTA resets both counters. tests/attention/test_sm90_sync_model.py models all of this.
 // - Ping-pong turns (named barriers 1 .. NW, 256 threads): balanced within each non-empty tile
 //   (see take_turn); the epilogue uses ids NW + 1 .. 2 NW (128 threads each), also per tile.
-// - Speculative exponentials (kSpec): each warpgroup's 4 warps take the same path through every
-//   softmax (its conditions are the warpgroup's), and each path ends in one bar.red of ids
-//   2 NW + 1 .. 3 NW (128 threads): or of the failed checks on the speculative path, and of
-//   the finite running maxima on the exact one. A key tile's K stage goes back after its
-//   softmax, as a failed check computes S again from it; still one release per use.
+// - Speculative exponentials (kSpec): with kWarpRedo every decision is the warp's own (warp
+//   votes, no named barrier), as a failed check computes the warp's rows of S again by
+//   mma.sync, a warp instruction. Otherwise each warpgroup's 4 warps take the same path
+//   through every softmax (its conditions are the warpgroup's), and each path ends in one
+//   bar.red of ids 2 NW + 1 .. 3 NW (128 threads): or of the failed checks on the speculative
+//   path, and of the finite running maxima on the exact one; S is computed again by wgmma. A
+//   key tile's K stage goes back after its softmax, as the recomputation reads it (Q after the
+//   last softmax); still one release per use.
 // - The O staging buffer (o_in_q false): a warpgroup's storing thread waits until its previous
 //   TMA store has read its rows, then a named barrier lets the warpgroup write them; it waits
 //   for the last one before the CTA exits.
@@ -430,9 +435,9 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       float sacc[BN / 8][4];    // S of a tile, then its probabilities in float
       uint32_t pa[BN / 16][4];  // P as wgmma A fragments (bf16/fp16 pairs)
       bool rescale = false;     // the last softmax moved a running maximum: O needs alpha_run
-      // Every row of this warpgroup has a finite running maximum (warpgroup-uniform): full tiles
-      // may take the speculative exponentials (softmax below). False until a tile's first
-      // softmax.
+      // Every row of this warp (kWarpRedo) or warpgroup has a finite running maximum (uniform
+      // over it): full tiles may take the speculative exponentials (softmax below). False until
+      // a tile's first softmax.
       bool spec_ok = false;
       // How far a tile's row maximum may exceed the running one before it moves: kSlack, but 0
       // in the exact softmax after a failed speculation, so that scores which settle a few
@@ -484,8 +489,9 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       };
       auto kempty = [&](int i) { return bar_kempty((kv + i) % S); };
       auto vempty = [&](int i) { return bar_vempty((kv + i) % S); };
-      // Q is handed back once this warp's last Q K^T has completed, unless this warpgroup stages
-      // O in its Q rows (then after the TMA store has read them, in the epilogue).
+      // Q is handed back once this warp's last Q K^T has completed (with kSpec: its last
+      // softmax, which may compute S again from Q), unless this warpgroup stages O in its Q rows
+      // (then after the TMA store has read them, in the epilogue).
       auto release_q = [&] {
         if (!q_late) release(bar_qempty);
       };
@@ -496,27 +502,64 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       // row tile: Path<0> (every pair visible, no softcap, a positive scale) takes the maximum of
       // the raw scores and folds the scale into one FFMA per exponential; the masked paths mask
       // by index (a select, so that scores of another sequence's keys never reach P).
-      // Speculative exponentials (tiles whose every pair the warpgroup's rows see, no softcap,
-      // once spec_ok): p = 2^(x - m_run) at once, without the tile's row maxima, whose FMNMX
-      // chain and quad shuffles every exponential would otherwise wait for (measured: the
-      // forward 7-9% faster). They are the exponentials the maxima would have given whenever no
-      // x exceeds m_run + kSlack (the maximum would not have moved; up to ex2.approx's rounding
-      // within a few ulps of kSlack), their sum added to l_run per tile rather than one by one;
-      // each lane's row sums of its p bound every p, so sums within 2^kSlack in the whole
-      // warpgroup accept the tile.
-      // Otherwise (a larger score, an infinity or a NaN) softmax returns false with sacc
-      // overwritten: the caller computes S again (its K stage is still held) and calls softmax
-      // once more, which then takes the exact path (spec_ok cleared). Both decisions are the
-      // warpgroup's (bar.red on its own named barrier, ids 2 NW + 1 .. 3 NW), as the S wgmma
-      // of a redo is a warpgroup instruction. Not with the polynomial exponentials (a
-      // measurement switch), nor at D=256, whose ping-pong kernel then spilled 4 bytes.
+      // The warp's 16 rows of S = Q K^T of tile i once more (kWarpRedo), by mma.sync m16n8k16 from the Q
+      // rows and the K stage in shared memory (both in the 128-byte swizzle: row r's 16-byte
+      // chunk c at c ^ (r % 8)): its C fragments are the wgmma accumulator's rows of this warp,
+      // sacc's layout. Only after a failed speculative check (rare); float32 sums of the same
+      // products, in another order.
+      auto recompute_s = [&](int i) {
+        const uint32_t sk = sK + ((kv + i) % S) * C::kKvBytes;
+        const int mat = lane >> 3, r8 = lane & 7;
+#pragma unroll
+        for (int ni = 0; ni < BN / 8; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sacc[ni][e] = 0.f;
+        // ldmatrix.x4 lane addresses: A's matrices (rows 0-7 / 8-15 of the warp's) x (k 0-7 /
+        // 8-15), B's (k 0-7 / 8-15) x (keys 0-7 / 8-15) of each 16-key pair of n-blocks; a key
+        // row's swizzle is r8 (key % 8). A loop, not unrolled: the registers of the fast path's
+        // neighbours stay free.
+        const uint32_t qrow = row0 + (mat & 1) * 8 + r8;
+        const uint32_t a_row = sQ + qrow * 128, b_row = sk + ((mat >> 1) * 8 + r8) * 128;
+#pragma unroll 1
+        for (int kk = 0; kk < D / 16; ++kk) {
+          const uint32_t ca = 2 * kk + (mat >> 1), cb = 2 * kk + (mat & 1);
+          uint32_t a[4];
+          sm80::ldmatrix_x4(a, a_row + (ca / 8) * (BM * 128) + (((ca % 8) ^ (qrow % 8)) << 4));
+          const uint32_t b_addr = b_row + (cb / 8) * (BN * 128) + (((cb % 8) ^ r8) << 4);
+#pragma unroll
+          for (int j = 0; j < BN / 16; ++j) {
+            uint32_t b[4];
+            sm80::ldmatrix_x4(b, b_addr + j * 16 * 128);
+            sm80::mma_16816<T>(sacc[2 * j], a, b[0], b[1]);
+            sm80::mma_16816<T>(sacc[2 * j + 1], a, b[2], b[3]);
+          }
+        }
+      };
+      // Speculative exponentials (tiles whose every pair the warp's rows see, no softcap, once
+      // spec_ok): p = 2^(x - m_run) at once, without the tile's row maxima, whose FMNMX chain
+      // and quad shuffles every exponential would otherwise wait for. They are the exponentials
+      // the maxima would have given whenever no x exceeds m_run + kSlack (the maximum would not
+      // have moved; up to ex2.approx's rounding within a few ulps of kSlack), their sum added to
+      // l_run per tile rather than one by one; each lane's row sums of its p bound every p, so
+      // sums within 2^kSlack in the whole warp accept the tile. Otherwise (a larger score, an
+      // infinity or a NaN) softmax returns false with sacc overwritten (spec_ok cleared): the
+      // caller computes S again and calls softmax once more, which then takes the exact path.
+      // kWarpRedo (two consumer warpgroups, 128 keys): every decision is the warp's (a vote)
+      // and the warp computes its rows of S again by mma.sync (recompute_s), so no other warp
+      // waits for it (measured: the forward up to 6% faster than with warpgroup decisions).
+      // Otherwise (three consumer warpgroups and 176-key tiles, where recompute_s made ptxas
+      // spill) the decisions are the warpgroup's (bar.red on its own named barrier, ids
+      // 2 NW + 1 .. 3 NW) and S is computed again by its wgmma, a warpgroup instruction. Not
+      // with the polynomial exponentials (a measurement switch), nor at D=256, whose ping-pong
+      // kernel then spilled 4 bytes.
       constexpr bool kSpec = kPolyBlocks == 0 && D <= 128;
+      constexpr bool kWarpRedo = kSpec && NW == 2 && BN == 128;
       const int spec_bar = 1 + 2 * NW + cw;
       auto softmax = [&](int i) -> bool {
         const int n0 = (t_lo + i) * BN;
         const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16, n0, n0 + BN, p);
         if (kSpec && spec_ok && score.scale_log2() > 0.f && !score.capped() &&
-            sq.all_visible(m0 + 64 * cw, m0 + 64 * cw + 64, n0, n0 + BN, p)) {
+            (kWarpRedo ? full : sq.all_visible(m0 + 64 * cw, m0 + 64 * cw + 64, n0, n0 + BN, p))) {
           float lt[2] = {0.f, 0.f};
 #pragma unroll
           for (int ni = 0; ni < BN / 8; ++ni)
@@ -528,7 +571,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
             }
           constexpr float kSpecMax = static_cast<float>(1 << static_cast<int>(kSlack));
           const bool bad = !(lt[0] <= kSpecMax && lt[1] <= kSpecMax);  // NaN is bad
-          if (named_bar_any<128>(spec_bar, bad)) {
+          if (kWarpRedo ? __any_sync(0xffffffffu, bad) : named_bar_any<128>(spec_bar, bad)) {
             spec_ok = false;
             return false;
           }
@@ -614,21 +657,29 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         run_path(full && score.scale_log2() > 0.f, score.capped(), tile);
         rescale = __any_sync(0xffffffffu, moved);  // warp-uniform
         if constexpr (kSpec)
-          spec_ok = named_bar_all<128>(spec_bar, m_run[0] > -INFINITY && m_run[1] > -INFINITY);
+        {
+          const bool finite = m_run[0] > -INFINITY && m_run[1] > -INFINITY;
+          spec_ok = kWarpRedo ? __all_sync(0xffffffffu, finite) : named_bar_all<128>(spec_bar, finite);
+        }
         return true;
       };
-      // The softmax of tile i, with S computed again when the speculation failed; only then is
-      // the tile's K stage released. Without kSpec the stage goes back first, as S is final
-      // (the order these kernels had before: D=256 ping-pong spilled 4 bytes the other way).
+      // The softmax of tile i, with S computed again when the speculation failed, and the
+      // release of its K stage: after it with kSpec (the recomputation reads the stage), before
+      // it otherwise, as S is final (the order these kernels had before: D=256 ping-pong
+      // spilled 4 bytes the other way).
       auto softmax_then_release_k = [&](int i) {
         if constexpr (!kSpec) {
           release_kv(kempty(i));
           softmax(i);
         } else {
           if (!softmax(i)) {
-            issue_qk(i);
-            wgmma_wait<0>();
-            reg_fence(sacc);
+            if constexpr (kWarpRedo) {
+              recompute_s(i);
+            } else {
+              issue_qk(i);
+              wgmma_wait<0>();
+              reg_fence(sacc);
+            }
             slack = 0.f;
             softmax(i);
             slack = kSlack;
@@ -732,7 +783,7 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
           rescale_o();
           to_p();
         }
-        release_q();  // the last Q K^T (of tile n_tiles - 1) has completed
+        release_q();  // the last Q K^T (of tile n_tiles - 1) and its softmax have completed
         take_turn();
         issue_pv(n_tiles - 1);
         hand_over(true);
