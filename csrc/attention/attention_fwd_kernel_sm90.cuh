@@ -134,13 +134,12 @@ namespace attn {
 //   (see take_turn); the epilogue uses ids NW + 1 .. 2 NW (128 threads each), also per tile.
 // - Speculative exponentials (kSpec): with kWarpRedo every decision is the warp's own (warp
 //   votes, no named barrier), as a failed check computes the warp's rows of S again by
-//   mma.sync, a warp instruction, from its Q rows (Q is released after the tile's last
-//   softmax) and K in global memory, so the K stage goes back before the softmax as without
-//   kSpec. Otherwise each warpgroup's 4 warps take the same path through every softmax (its
-//   conditions are the warpgroup's), and each path ends in one bar.red of ids 2 NW + 1 .. 3 NW
-//   (128 threads): or of the failed checks on the speculative path, and of the finite running
-//   maxima on the exact one; S is computed again by wgmma from the K stage, which goes back
-//   only after the softmax. Either way one release per use.
+//   mma.sync, a warp instruction. Otherwise each warpgroup's 4 warps take the same path
+//   through every softmax (its conditions are the warpgroup's), and each path ends in one
+//   bar.red of ids 2 NW + 1 .. 3 NW (128 threads): or of the failed checks on the speculative
+//   path, and of the finite running maxima on the exact one; S is computed again by wgmma. A
+//   key tile's K stage goes back after its softmax, as the recomputation reads it (Q after the
+//   last softmax); still one release per use.
 // - The O staging buffer (o_in_q false): a warpgroup's storing thread waits until its previous
 //   TMA store has read its rows, then a named barrier lets the warpgroup write them; it waits
 //   for the last one before the CTA exits.
@@ -503,35 +502,36 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       // row tile: Path<0> (every pair visible, no softcap, a positive scale) takes the maximum of
       // the raw scores and folds the scale into one FFMA per exponential; the masked paths mask
       // by index (a select, so that scores of another sequence's keys never reach P).
-      // The warp's 16 rows of S = Q K^T of tile i once more (kWarpRedo), by mma.sync m16n8k16:
-      // A (its Q rows) by ldmatrix from shared memory (128-byte swizzle: row r's 16-byte chunk c
-      // at c ^ (r % 8)), B from K in global memory (the tile's K stage is already released;
-      // its rows are in L2 and, the tile being full, inside the sequence). Its C fragments are
-      // the wgmma accumulator's rows of this warp, sacc's layout. Only after a failed
-      // speculative check (rare); float32 sums of the same products, in another order.
+      // The warp's 16 rows of S = Q K^T of tile i once more (kWarpRedo), by mma.sync m16n8k16 from the Q
+      // rows and the K stage in shared memory (both in the 128-byte swizzle: row r's 16-byte
+      // chunk c at c ^ (r % 8)): its C fragments are the wgmma accumulator's rows of this warp,
+      // sacc's layout. Only after a failed speculative check (rare); float32 sums of the same
+      // products, in another order.
       auto recompute_s = [&](int i) {
+        const uint32_t sk = sK + ((kv + i) % S) * C::kKvBytes;
         const int mat = lane >> 3, r8 = lane & 7;
-        const uint32_t qrow = row0 + (mat & 1) * 8 + r8;  // A: rows 0-7 / 8-15, k 0-7 / 8-15
-        const uint32_t a_row = sQ + qrow * 128;
-        // B of n-block j: key 8 j + g, head dims 16 kk + 2 tq (+ 8) as bf16/fp16 pairs.
-        const T* kg = static_cast<const T*>(p.k) +
-                      static_cast<int64_t>(sq.k_start + (t_lo + i) * BN + g) * p.k_row +
-                      static_cast<int64_t>(h / (p.hq / p.hkv)) * D + 2 * tq;
 #pragma unroll
         for (int ni = 0; ni < BN / 8; ++ni)
 #pragma unroll
           for (int e = 0; e < 4; ++e) sacc[ni][e] = 0.f;
-        // A loop, not unrolled: the registers of the fast path's neighbours stay free.
+        // ldmatrix.x4 lane addresses: A's matrices (rows 0-7 / 8-15 of the warp's) x (k 0-7 /
+        // 8-15), B's (k 0-7 / 8-15) x (keys 0-7 / 8-15) of each 16-key pair of n-blocks; a key
+        // row's swizzle is r8 (key % 8). A loop, not unrolled: the registers of the fast path's
+        // neighbours stay free.
+        const uint32_t qrow = row0 + (mat & 1) * 8 + r8;
+        const uint32_t a_row = sQ + qrow * 128, b_row = sk + ((mat >> 1) * 8 + r8) * 128;
 #pragma unroll 1
         for (int kk = 0; kk < D / 16; ++kk) {
-          const uint32_t ca = 2 * kk + (mat >> 1);
+          const uint32_t ca = 2 * kk + (mat >> 1), cb = 2 * kk + (mat & 1);
           uint32_t a[4];
           sm80::ldmatrix_x4(a, a_row + (ca / 8) * (BM * 128) + (((ca % 8) ^ (qrow % 8)) << 4));
+          const uint32_t b_addr = b_row + (cb / 8) * (BN * 128) + (((cb % 8) ^ r8) << 4);
 #pragma unroll
-          for (int j = 0; j < BN / 8; ++j) {
-            const T* kp = kg + static_cast<int64_t>(8 * j) * p.k_row + 16 * kk;
-            sm80::mma_16816<T>(sacc[j], a, *reinterpret_cast<const uint32_t*>(kp),
-                               *reinterpret_cast<const uint32_t*>(kp + 8));
+          for (int j = 0; j < BN / 16; ++j) {
+            uint32_t b[4];
+            sm80::ldmatrix_x4(b, b_addr + j * 16 * 128);
+            sm80::mma_16816<T>(sacc[2 * j], a, b[0], b[1]);
+            sm80::mma_16816<T>(sacc[2 * j + 1], a, b[2], b[3]);
           }
         }
       };
@@ -664,25 +664,28 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         return true;
       };
       // The softmax of tile i, with S computed again when the speculation failed, and the
-      // release of its K stage: before it where S is final or recompute_s reads K from global
-      // memory (measured: the forward up to 3.5% faster at 16384 keys than releasing it after),
-      // after it where the recomputation is the wgmma from the stage (D=256 ping-pong spilled 4
-      // bytes with the later release).
+      // release of its K stage: after it with kSpec (the recomputation reads the stage), before
+      // it otherwise, as S is final (the order these kernels had before: D=256 ping-pong
+      // spilled 4 bytes the other way).
       auto softmax_then_release_k = [&](int i) {
-        if constexpr (!kSpec || kWarpRedo) release_kv(kempty(i));
-        if (!softmax(i)) {  // only with kSpec
-          if constexpr (kWarpRedo) {
-            recompute_s(i);
-          } else {
-            issue_qk(i);
-            wgmma_wait<0>();
-            reg_fence(sacc);
-          }
-          slack = 0.f;
+        if constexpr (!kSpec) {
+          release_kv(kempty(i));
           softmax(i);
-          slack = kSlack;
+        } else {
+          if (!softmax(i)) {
+            if constexpr (kWarpRedo) {
+              recompute_s(i);
+            } else {
+              issue_qk(i);
+              wgmma_wait<0>();
+              reg_fence(sacc);
+            }
+            slack = 0.f;
+            softmax(i);
+            slack = kSlack;
+          }
+          release_kv(kempty(i));
         }
-        if constexpr (kSpec && !kWarpRedo) release_kv(kempty(i));
       };
       // O *= alpha_run where a maximum moved; only while no wgmma writing O is in flight.
       auto rescale_o = [&] {
