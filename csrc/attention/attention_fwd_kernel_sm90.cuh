@@ -541,12 +541,12 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       // the maxima would have given whenever no x exceeds m_run + kSlack (the maximum would not
       // have moved; up to ex2.approx's rounding within a few ulps of kSlack), their sum added to
       // l_run per tile rather than one by one; each lane's row sums of its p bound every p, so
-      // sums within 2^kSlack in the whole warp accept the tile. Otherwise (a larger score, an
+      // sums within 2^kSlack in the deciding warp (warpgroup) accept it. Otherwise (a larger score, an
       // infinity or a NaN) softmax returns false with sacc overwritten (spec_ok cleared): the
       // caller computes S again and calls softmax once more, which then takes the exact path.
       // kWarpRedo (two consumer warpgroups, 128 keys): every decision is the warp's (a vote)
       // and the warp computes its rows of S again by mma.sync (recompute_s), so no other warp
-      // waits for it (measured: the forward up to 6% faster than with warpgroup decisions).
+      // waits for it (measured: the forward 1-5% faster than with warpgroup decisions).
       // Otherwise (three consumer warpgroups and 176-key tiles, where recompute_s made ptxas
       // spill) the decisions are the warpgroup's (bar.red on its own named barrier, ids
       // 2 NW + 1 .. 3 NW) and S is computed again by its wgmma, a warpgroup instruction. Not
