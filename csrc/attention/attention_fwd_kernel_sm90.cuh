@@ -502,11 +502,11 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       // row tile: Path<0> (every pair visible, no softcap, a positive scale) takes the maximum of
       // the raw scores and folds the scale into one FFMA per exponential; the masked paths mask
       // by index (a select, so that scores of another sequence's keys never reach P).
-      // The warp's 16 rows of S = Q K^T of tile i once more (kWarpRedo), by mma.sync m16n8k16 from the Q
-      // rows and the K stage in shared memory (both in the 128-byte swizzle: row r's 16-byte
-      // chunk c at c ^ (r % 8)): its C fragments are the wgmma accumulator's rows of this warp,
-      // sacc's layout. Only after a failed speculative check (rare); float32 sums of the same
-      // products, in another order.
+      // The warp's 16 rows of S = Q K^T of tile i once more (kWarpRedo), by mma.sync m16n8k16
+      // from the Q rows and the K stage in shared memory (both in the 128-byte swizzle: row r's
+      // 16-byte chunk c at c ^ (r % 8)): its C fragments are the wgmma accumulator's rows of
+      // this warp, sacc's layout. Only after a failed speculative check (rare); float32 sums of
+      // the same products, in another order.
       auto recompute_s = [&](int i) {
         const uint32_t sk = sK + ((kv + i) % S) * C::kKvBytes;
         const int mat = lane >> 3, r8 = lane & 7;
@@ -541,8 +541,8 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       // the maxima would have given whenever no x exceeds m_run + kSlack (the maximum would not
       // have moved; up to ex2.approx's rounding within a few ulps of kSlack), their sum added to
       // l_run per tile rather than one by one; each lane's row sums of its p bound every p, so
-      // sums within 2^kSlack in the deciding warp (warpgroup) accept it. Otherwise (a larger score, an
-      // infinity or a NaN) softmax returns false with sacc overwritten (spec_ok cleared): the
+      // sums within 2^kSlack in the deciding warp (warpgroup) accept it. Otherwise (a larger
+      // score, inf or NaN) softmax returns false with sacc overwritten (spec_ok cleared): the
       // caller computes S again and calls softmax once more, which then takes the exact path.
       // kWarpRedo (two consumer warpgroups, 128 keys): every decision is the warp's (a vote)
       // and the warp computes its rows of S again by mma.sync (recompute_s), so no other warp
@@ -656,10 +656,10 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         };
         run_path(full && score.scale_log2() > 0.f, score.capped(), tile);
         rescale = __any_sync(0xffffffffu, moved);  // warp-uniform
-        if constexpr (kSpec)
-        {
+        if constexpr (kSpec) {
           const bool finite = m_run[0] > -INFINITY && m_run[1] > -INFINITY;
-          spec_ok = kWarpRedo ? __all_sync(0xffffffffu, finite) : named_bar_all<128>(spec_bar, finite);
+          spec_ok = kWarpRedo ? __all_sync(0xffffffffu, finite)
+                              : named_bar_all<128>(spec_bar, finite);
         }
         return true;
       };
