@@ -87,8 +87,8 @@ namespace attn {
 //   producer thread and by every consumer thread; key tile kv uses stage kv % S at phase
 //   (kv / S) & 1. "full" barriers (count 1: the producer's arrive.expect_tx, plus the bytes)
 //   complete once per use; "empty" barriers (count 4 NW: lane 0 of each consumer warp, after the
-//   warp's wgmma reading the stage has completed; 8 NW with multicast, below) complete once per
-//   use, and the producer
+//   warp's wgmma reading the stage has completed -- K with kSpec only after the tile's softmax,
+//   which may read it again, below; 8 NW with multicast) complete once per use, and the producer
 //   waits for phase ((kv / S) & 1) ^ 1 before refilling (a fresh barrier passes parity 1, so
 //   the first S fills do not wait). The producer can run at most S key tiles ahead, into the
 //   next work tile as well, since the indices simply continue.
@@ -109,7 +109,7 @@ namespace attn {
 //   offsets. Each full barrier still counts the whole tile (its own expect_tx, both halves'
 //   bytes). A stage is refilled only when both CTAs' consumers have released it: each consumer
 //   warp's lane 0 arrives on its own CTA's empty barrier and lane 1 on the other's (count 8 NW,
-//   after the warp's wait_group: its reads of the stage are complete). The host enables it only where
+//   after the warp's last read of the stage). The host enables it only where
 //   both CTAs see identical key sequences (no mask or window, equal lengths, an even number of
 //   q-blocks and CTAs, the static order, one launch); a skipped tile under multicast traps. A cluster barrier after the barriers' initialisation
 //   and one at the end keep either CTA from touching the other's shared memory before it is
@@ -475,8 +475,8 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         }
         wgmma_commit();
       };
-      // After the wgmma reading a stage has completed (this warp's wait_group), the warp hands
-      // the stage back to the producer.
+      // After its last read of a stage (the wgmma's, after this warp's wait_group; with kSpec a
+      // K stage after the tile's softmax), the warp hands the stage back to the producer.
       auto release = [&](uint32_t bar) {
         __syncwarp();
         if (lane == 0) mbar_arrive(bar);
@@ -498,10 +498,6 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       // ex2_poly's degree: 3 rounds 0.9% of bf16 probabilities one ulp away from the exact 2^x's
       // rounding, but 5% of fp16 ones; 4 brings fp16 to 0.2% (tests/attention/test_exp2_poly.py).
       constexpr int kPolyDegree = std::is_same_v<T, __half> ? 4 : 3;
-      // Softmax of tile i in place (sacc becomes probabilities), as fwd_kernel (sm80) with one
-      // row tile: Path<0> (every pair visible, no softcap, a positive scale) takes the maximum of
-      // the raw scores and folds the scale into one FFMA per exponential; the masked paths mask
-      // by index (a select, so that scores of another sequence's keys never reach P).
       // The warp's 16 rows of S = Q K^T of tile i once more (kWarpRedo), by mma.sync m16n8k16
       // from the Q rows and the K stage in shared memory (both in the 128-byte swizzle: row r's
       // 16-byte chunk c at c ^ (r % 8)): its C fragments are the wgmma accumulator's rows of
@@ -535,6 +531,10 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
           }
         }
       };
+      // Softmax of tile i in place (sacc becomes probabilities), as fwd_kernel (sm80) with one
+      // row tile: Path<0> (every pair visible, no softcap, a positive scale) takes the maximum of
+      // the raw scores and folds the scale into one FFMA per exponential; the masked paths mask
+      // by index (a select, so that scores of another sequence's keys never reach P).
       // Speculative exponentials (tiles whose every pair the warp's rows see, no softcap, once
       // spec_ok): p = 2^(x - m_run) at once, without the tile's row maxima, whose FMNMX chain
       // and quad shuffles every exponential would otherwise wait for. They are the exponentials
@@ -547,8 +547,8 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       // kWarpRedo (two consumer warpgroups, 128 keys): every decision is the warp's (a vote)
       // and the warp computes its rows of S again by mma.sync (recompute_s), so no other warp
       // waits for it (measured: the forward 1-5% faster than with warpgroup decisions).
-      // Otherwise (three consumer warpgroups and 176-key tiles, where recompute_s made ptxas
-      // spill) the decisions are the warpgroup's (bar.red on its own named barrier, ids
+      // Otherwise (three consumer warpgroups at D=64, and the 176-key tiles at D=128, where
+      // recompute_s made ptxas spill) the decisions are the warpgroup's (bar.red on its own named barrier, ids
       // 2 NW + 1 .. 3 NW) and S is computed again by its wgmma, a warpgroup instruction. Not
       // with the polynomial exponentials (a measurement switch), nor at D=256, whose ping-pong
       // kernel then spilled 4 bytes.
