@@ -548,10 +548,10 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
       // and the warp computes its rows of S again by mma.sync (recompute_s), so no other warp
       // waits for it (measured: the forward 1-5% faster than with warpgroup decisions).
       // Otherwise (three consumer warpgroups at D=64, and the 176-key tiles at D=128, where
-      // recompute_s made ptxas spill) the decisions are the warpgroup's (bar.red on its own named barrier, ids
-      // 2 NW + 1 .. 3 NW) and S is computed again by its wgmma, a warpgroup instruction. Not
-      // with the polynomial exponentials (a measurement switch), nor at D=256, whose ping-pong
-      // kernel then spilled 4 bytes.
+      // recompute_s made ptxas spill) the decisions are the warpgroup's (bar.red on its own
+      // named barrier, ids 2 NW + 1 .. 3 NW) and S is computed again by its wgmma, a warpgroup
+      // instruction. Not with the polynomial exponentials (a measurement switch), nor at D=256,
+      // whose ping-pong kernel then spilled 4 bytes.
       constexpr bool kSpec = kPolyBlocks == 0 && D <= 128;
       constexpr bool kWarpRedo = kSpec && NW == 2 && BN == 128;
       const int spec_bar = 1 + 2 * NW + cw;
@@ -559,7 +559,8 @@ __global__ void __launch_bounds__(TilesSm90<D, kN, kWarpgroups>::kThreads, 1)
         const int n0 = (t_lo + i) * BN;
         const bool full = sq.all_visible(m0 + row0, m0 + row0 + 16, n0, n0 + BN, p);
         if (kSpec && spec_ok && score.scale_log2() > 0.f && !score.capped() &&
-            (kWarpRedo ? full : sq.all_visible(m0 + 64 * cw, m0 + 64 * cw + 64, n0, n0 + BN, p))) {
+            (kWarpRedo ? full
+                       : sq.all_visible(m0 + 64 * cw, m0 + 64 * cw + 64, n0, n0 + BN, p))) {
           float lt[2] = {0.f, 0.f};
 #pragma unroll
           for (int ni = 0; ni < BN / 8; ++ni)
