@@ -123,7 +123,11 @@ struct TilesSm90 {
 // causal 4096 578/598, 16384 628/637; git 000cc76 non-causal 16384 630/648,
 // causal 4096 577/565, 16384 621/622 (and the same overlap kernel at 4096 non-causal 605 and
 // 621 under two names: the spread). Ping-pong won both times only for non-causal calls of
-// 16384 keys, so D=128 takes it for non-causal calls from 8192 keys.
+// 16384 keys, so D=128 took it for non-causal calls from 8192 keys. With the speculative
+// exponentials (a shorter softmax to hide) overlap is ahead there (H100 80GB, git 31fcce3,
+// 2026-12-06, 5 interleaved rounds, TFLOP/s overlap / ping-pong, both with K/V multicast:
+// L=8192 688/670, 16384 708/678; without multicast 660/655 and 706/665; at 4096 overlap 666
+// without multicast, ping-pong 645 with it), so non-causal D=128 takes overlap at every length.
 // D=64 took ping-pong from the first timing, made with 128-query tiles. With the 192-query
 // tiles (the D=64 default since) overlap is ahead at every length, causal or not (H100 80GB,
 // git f5a182a, 2026-12-06, forward only, medians of 7 interleaved rounds, TFLOP/s overlap /
@@ -136,7 +140,7 @@ struct TilesSm90 {
 // up to hdim 128); the place to change once check_attention_sm90.py --dims 256 has timed it.
 constexpr int sm90_auto_schedule(int head_dim, bool causal, int max_k) {
   if (head_dim == 64 || head_dim == 256) return 1;
-  if (!causal) return max_k >= 8192 ? 2 : 1;
+  if (!causal) return 1;
   return max_k <= 2048 ? 2 : 1;
 }
 
@@ -185,7 +189,9 @@ constexpr bool sm90_auto_persistent(int head_dim, bool causal, int max_k, bool d
 // TFLOP/s with / without): D=128 L=1024 558/574, 2048 597/594, 4096 623/627, 8192 646/623, 16384
 // 663/634 (FA4 659 and 674 at 8192 and 16384 in the same run); D=64 level (L=4096 484/481, 8192
 // 518/517, 16384 530/525). Before that change (H200, git 07324d0) it was level or slower: D=128
-// L=4096 601/604, L=16384 621/615; D=64 L=4096 459/473. FUSEDOPS_ATTN_SM90_MULTICAST overrides it.
+// L=4096 601/604, L=16384 621/615; D=64 L=4096 459/473. Under the overlap schedule (H100 80GB,
+// git 31fcce3, with / without): L=8192 688/660, 16384 708/706. FUSEDOPS_ATTN_SM90_MULTICAST
+// overrides it.
 constexpr bool sm90_auto_multicast(int head_dim, int max_k) {
   return head_dim == 128 && max_k >= 8192;
 }
