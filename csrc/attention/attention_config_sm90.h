@@ -138,10 +138,13 @@ struct TilesSm90 {
 // FUSEDOPS_ATTN_SM90_SCHEDULE overrides it, for measurement (attention_launch_sm90.cuh).
 // D=256: overlap, unmeasured (FlashAttention-3 takes turns between its consumer warpgroups only
 // up to hdim 128); the place to change once check_attention_sm90.py --dims 256 has timed it.
-constexpr int sm90_auto_schedule(int head_dim, bool causal, int max_k) {
-  if (head_dim == 64 || head_dim == 256) return 1;
-  if (!causal) return 1;
-  return max_k <= 2048 ? 2 : 1;
+// Causal D=128 took ping-pong up to 2048 keys; with the speculative exponentials overlap is
+// level at 1024 and ahead at 2048 (H100 80GB, 2026-12-06, 9 interleaved rounds, TFLOP/s overlap
+// / ping-pong: git 63eab54 L=1024 404/404, 2048 512/498; with this table 1024 399/402, 2048
+// 507/491, 4096 576/557). So every head dim, mask and length takes overlap; ping-pong stays a
+// measurement variant.
+constexpr int sm90_auto_schedule(int /*head_dim*/, bool /*causal*/, int /*max_k*/) {
+  return 1;
 }
 
 // Consumer warpgroups of a call's CTA (TilesSm90's kWarpgroups), from an H200 timing of
