@@ -442,7 +442,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
                     const __grid_constant__ CUtensorMap tm_dv) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fusedops::sm90;
-  using C = TilesBwdSm90<D, kBM>;
+  using C = TilesBwdSm90<D, kBM, kDkLate && TilesBwdSm90<D, kBM>::kDqT ? 3 : 2>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, S = C::kStages;
   constexpr int kBlocks = D / 64;  // 64-element (128-byte) column blocks of a Q/K/V/dO row
   static_assert(!kLag || (!kOverlap && !kDet), "the lagged dQ is a form of the serial schedule");

@@ -207,9 +207,12 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
       }
     };
     const auto kernel = pick();
+    size_t smem_dq80 = C::kSmem;  // the 80-query kernel; three stages in the dK-late schedule
+    if constexpr (C::kDqT)
+      if (sm90_bwd_dklate(p)) smem_dq80 = TilesBwdSm90<D, BM, 3>::kSmem;
     const int smem = static_cast<int>(p.dq_sem != nullptr ? C::kSmemDet
                                       : kPersistKernel  ? C::kSmemPersist
-                                                        : C::kSmem);
+                                                        : smem_dq80);
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     kernel<<<launch_grid, C::kThreads, smem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk,
