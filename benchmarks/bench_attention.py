@@ -18,9 +18,7 @@ Methods with a suffix run the fusedops backend under an environment override (ME
 linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backward, -bwd-regs
 the sm90 backward storing dK/dV from registers, -bwd-immediate its dK/dV store waited for before
 the next key block, -bwd-nonpersistent its one-CTA-per-key-block launch, -bwd-lagged /
--bwd-lockstep its dQ products a step behind or not, -bwd-dklate its dK products issued after
-the next step's S^T and dP^T (-bwd-dklate-bm64 in 64-query steps at D=128), -bwd-overlap its
-overlapped schedule,
+-bwd-lockstep its dQ products a step behind or not, -bwd-overlap its overlapped schedule,
 -bm64 / -bm80 its query steps at D=128,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
 -m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
@@ -120,9 +118,6 @@ METHOD_ENV = {
     "-bwd-immediate": {"FUSEDOPS_ATTN_SM90_BWD_EPILOGUE": "immediate"},
     "-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
-    "-bwd-dklate-bm64": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "dklate",
-                         "FUSEDOPS_ATTN_SM90_BWD_BM": "64"},  # before -bm64
-    "-bwd-dklate": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "dklate"},
     "-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},  # before -overlap
     "-bm64": {"FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
     "-bm80": {"FUSEDOPS_ATTN_SM90_BWD_BM": "80"},

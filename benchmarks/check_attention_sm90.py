@@ -246,15 +246,6 @@ BWD_VARIANTS = {
     "sm90-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm90-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "sm90-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
-    # dK issued after the next step's S^T and dP^T, in 64- and 80-query steps at D=128, and
-    # with several tiles per CTA
-    "sm90-dklate": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "dklate"},
-    "sm90-dklate-bm64": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "dklate",
-                         "FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
-    "sm90-dklate-bm80": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "dklate",
-                         "FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
-    "sm90-dklate-3cta": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
-                         "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "dklate"},
     "sm90-bm80": {"FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
     "sm90-bm64": {"FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
     "sm80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},

@@ -432,8 +432,6 @@ struct WgmmaSs;
                    : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransA), "n"(kTransB));     \
     }                                                                                         \
   };
-FUSEDOPS_WGMMA_SS(__nv_bfloat16, 64, "bf16", 32, 33, 34, 35, 36)
-FUSEDOPS_WGMMA_SS(__half, 64, "f16", 32, 33, 34, 35, 36)
 FUSEDOPS_WGMMA_SS(__nv_bfloat16, 80, "bf16", 40, 41, 42, 43, 44)
 FUSEDOPS_WGMMA_SS(__half, 80, "f16", 40, 41, 42, 43, 44)
 FUSEDOPS_WGMMA_SS(__nv_bfloat16, 128, "bf16", 64, 65, 66, 67, 68)

@@ -431,7 +431,7 @@ FUSEDOPS_WGMMA_TT(__half, "f16")
 #undef FUSEDOPS_WGMMA_TT
 
 template <typename T, int D, bool kOverlap, bool kDet = false, bool kLag = false,
-          int kBM = TilesBwdSm90<D>::kBlockM, bool kDkLate = false>
+          int kBM = TilesBwdSm90<D>::kBlockM>
 __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     bwd_kernel_sm90(const AttnParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k,
@@ -442,14 +442,13 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
                     const __grid_constant__ CUtensorMap tm_dv) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using namespace fusedops::sm90;
-  using C = TilesBwdSm90<D, kBM, kDkLate && TilesBwdSm90<D, kBM>::kDqT ? 3 : 2>;
+  using C = TilesBwdSm90<D, kBM>;
   constexpr int BM = C::kBlockM, BN = C::kBlockN, S = C::kStages;
   constexpr int kBlocks = D / 64;  // 64-element (128-byte) column blocks of a Q/K/V/dO row
   static_assert(!kLag || (!kOverlap && !kDet), "the lagged dQ is a form of the serial schedule");
   // The transposed dQ (80-query steps) in the lockstep serial schedule only.
   constexpr bool kDqT = C::kDqT;
   static_assert(!kDqT || (!kOverlap && !kDet && !kLag), "kDqT: the lockstep serial schedule");
-  static_assert(!kDkLate || (!kOverlap && !kDet && !kLag), "kDkLate: a lockstep serial schedule");
   // Persistent (the top says how): every kernel but the deterministic mode's (its tickets order
   // the CTAs; at D=128 its dQ staging also takes the room) and kDqT's (no room for a second K/V
   // buffer).
@@ -812,7 +811,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     // dQ piece of this warpgroup: query rows 64 dq_r + [0, 64), columns 64 dq_c + [0, 64).
     constexpr bool kRowSplit = C::kDqRowSplit == 2;
     const int dq_r = kRowSplit ? cw : 0, dq_c = kRowSplit ? 0 : cw;
-    if constexpr (kDqT || kOverlap || kDkLate)
+    if constexpr (kDqT || kOverlap)
       if (score.capped()) __trap();  // the launcher never sends softcap here: no such path
     // Every consumer thread arrives: an arrival releases only its own thread's earlier reads
     // (of the stage's statistics, here), so one lane arriving for its warp would not order the
@@ -970,186 +969,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     first_step(h, m);
     int h_prev = h, m_prev = m;  // kLag: the step whose dQ_part is still to be formed
 
-    // kDkLate (attention_launch_bwd_sm90.cuh's sm90_bwd_dklate): the lockstep schedule with each
-    // step's dK += dS^T Q issued after the next step's S^T and dP^T, with dS^T read from shared
-    // memory (its registers are free once stored), so that the tensor cores run it during that
-    // step's elementwise phase, where both warpgroups otherwise leave them idle together. The
-    // loop is rotated so that nothing is in flight across its back edge (ptxas checks the wgmma
-    // pipelines path-insensitively and would serialise them all): a turn begins once dQ_part of
-    // the step before has completed, adds it, and ends with the next one's.
-    if constexpr (kDkLate) {
-      if (n_it > 0) {
-        float st[BM / 8][4], dpt[BM / 8][4], dq[kDqN8][4];
-        // The operands' descriptors made opaque (opaque_desc; p.batch > 0, so `zero` is 0):
-        // each k-step is then one 64-bit add of an immediate.
-        const uint32_t zero = static_cast<uint32_t>(p.batch) >> 31;
-        const SmemDesc oK_km = opaque_desc(dK_km, zero), oV_km = opaque_desc(dV_km, zero);
-        const SmemDesc oQ_km = opaque_desc(dQ_km, zero), oDo_km = opaque_desc(dDo_km, zero);
-        const SmemDesc oQ_mn = opaque_desc(dQ_mn, zero), oDo_mn = opaque_desc(dDo_mn, zero);
-        // S^T = K Q^T and dP^T = V dO^T of global step g_ (stage g_ % S), one group.
-        auto issue_sdp = [&](int g_) {
-          const int s_ = g_ % S;
-          sm90::mbar_wait(bar_full(s_), (g_ / S) & 1);
-          reg_fence(st);
-          reg_fence(dpt);
-          wgmma_fence();
-          // Every base made opaque per step (g_ >= 0): ptxas would otherwise hoist the k-steps'
-          // descriptors out of the loop (the stage's offset added last) and spill them.
-          const uint32_t zg = static_cast<uint32_t>(g_) >> 31;
-          const SmemDesc dq_s = opaque_desc(oQ_km + s_ * C::kQBytes, zg);
-          const SmemDesc ddo_s = opaque_desc(oDo_km + s_ * C::kQBytes, zg);
-          const SmemDesc k_d = opaque_desc(oK_km, zg), v_d = opaque_desc(oV_km, zg);
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t off = (kk / 4) * BN * 128 + (kk % 4) * 32;
-            const uint32_t offq = (kk / 4) * BM * 128 + (kk % 4) * 32;
-            Wgmma<T, BM>::ss(st, k_d + off, dq_s + offq, kk > 0 ? 1 : 0);
-          }
-#pragma unroll
-          for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t off = (kk / 4) * BN * 128 + (kk % 4) * 32;
-            const uint32_t offq = (kk / 4) * BM * 128 + (kk % 4) * 32;
-            Wgmma<T, BM>::ss(dpt, v_d + off, ddo_s + offq, kk > 0 ? 1 : 0);
-          }
-          wgmma_commit();
-        };
-        // P^T and dS^T in place (S^T, dP^T complete) for the step at query m_ of stage s_, then
-        // dV += P^T dO issued (A from registers, B the stage's dO, MN-major).
-        auto grad = [&](int s_, int m_) {
-          reg_fence(st);
-          reg_fence(dpt);
-          const float* l_s = stats_lse(s_);
-          const float* d_s = stats_delta(s_);
-          const int jw = kPersist ? j0 - g : n0 + 64 * cw + 16 * warp;
-          const bool full = m_ + BM <= sq.lq && sq.all_visible(m_, m_ + BM, jw, jw + 16, p);
-          auto tile = [&](auto path) {
-            constexpr bool kMasked = decltype(path)::value;
-#pragma unroll
-            for (int ni = 0; ni < BM / 8; ++ni)
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const int c = ni * 8 + 2 * tq + (e & 1);
-                float pv = ex2(st[ni][e] * score.scale_log2() - l_s[c]);
-                if constexpr (kMasked) {
-                  const int i = m_ + c;
-                  if (!((i < sq.lq) & sq.visible(i, j0 + (e >> 1) * 8, p))) pv = 0.f;
-                }
-                dpt[ni][e] = pv * (dpt[ni][e] - d_s[c]);
-                st[ni][e] = pv;
-              }
-          };
-          if (full)
-            tile(std::false_type{});
-          else
-            tile(std::true_type{});
-          uint32_t pa[BM / 16][4];
-#pragma unroll
-          for (int kk = 0; kk < BM / 16; ++kk) {
-            pa[kk][0] = pack2<T>(st[2 * kk][0], st[2 * kk][1]);
-            pa[kk][1] = pack2<T>(st[2 * kk][2], st[2 * kk][3]);
-            pa[kk][2] = pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]);
-            pa[kk][3] = pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3]);
-          }
-          reg_fence(dv);
-          wgmma_fence();
-          const SmemDesc b = opaque_desc(oDo_mn + s_ * C::kQBytes, static_cast<uint32_t>(m_) >> 31);
-#pragma unroll
-          for (int kk = 0; kk < BM / 16; ++kk) Wgmma<T, D>::rs_mn(dv, pa[kk], b + kk * 2048, 1);
-          wgmma_commit();
-        };
-        // dS^T of step it_ into buffer it_ & 1 (as the loop below stores it), for dQ and dK.
-        auto store_ds = [&](int it_) {
-          const uint32_t sDs_b = sDs + (it_ & 1) * C::kDsBytes;
-          uint32_t dsa[BM / 16][4];
-#pragma unroll
-          for (int kk = 0; kk < BM / 16; ++kk) {
-            dsa[kk][0] = pack2<T>(dpt[2 * kk][0], dpt[2 * kk][1]);
-            dsa[kk][1] = pack2<T>(dpt[2 * kk][2], dpt[2 * kk][3]);
-            dsa[kk][2] = pack2<T>(dpt[2 * kk + 1][0], dpt[2 * kk + 1][1]);
-            dsa[kk][3] = pack2<T>(dpt[2 * kk + 1][2], dpt[2 * kk + 1][3]);
-          }
-          if constexpr (kDqT) {
-            const uint32_t lane_q = sDs_b + cw * BM * 128 + (8 * (lane >> 4) + (lane & 7)) * 128 +
-                                    (((2 * warp + ((lane >> 3) & 1)) ^ (lane & 7)) << 4);
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk)
-              stmatrix_x4_trans(lane_q + kk * 2048, dsa[kk][0], dsa[kk][1], dsa[kk][2],
-                                dsa[kk][3]);
-          } else {
-            const int ds_row = 64 * cw + 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
-            const uint32_t lane_x = sDs_b + ds_row * 128 + ((((lane >> 4) ^ lane) & 7) << 4);
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk)
-              stmatrix_x4((lane_x ^ (((2 * kk) % 8) << 4)) + ((2 * kk) / 8) * BN * 128,
-                          dsa[kk][0], dsa[kk][1], dsa[kk][2], dsa[kk][3]);
-          }
-          fence_proxy_async_smem();  // the stores, before the wgmmas (async proxy) read them
-        };
-        // Both warpgroups' dS^T of step it_ written: dQ_part, waited for with dV's products.
-        auto form_dq = [&](int it_) {
-          named_bar_sync<256>(1);
-          reg_fence(dq);
-          issue_dq(it_ & 1, dq);
-          wgmma_wait<0>();
-          reg_fence(dq);
-          reg_fence(dv);
-        };
-        // dK += dS^T Q of step it_ (stage s_): A the warpgroup's 64 keys of the dS^T buffer,
-        // K-major (rows of keys), or (kDqT) of the dS buffer (queries x keys: column block cw,
-        // MN-major); B the stage's Q, MN-major.
-        // (kDqT: from K's descriptor, whose LBO, unused by a 64-wide MN-major A, it keeps; one
-        // more descriptor base of its own made ptxas spill the k-steps' descriptors. kDqT's
-        // kernel has one K/V buffer, so sKt = sK and the offset is positive.)
-        const SmemDesc dDs_a =
-            kDqT ? dK_km + static_cast<uint32_t>(C::kDsOff - C::kKOff + cw * (BM - 64) * 128)
-                 : opaque_desc(smem_desc_sw128(sDs + cw * 64 * 128, 16, 1024), zero);
-        auto issue_dk_smem = [&](int it_, int s_) {
-          reg_fence(dk);
-          wgmma_fence();
-          const uint32_t zi = static_cast<uint32_t>(it_) >> 31;
-          const SmemDesc a = opaque_desc(dDs_a + (it_ & 1) * C::kDsBytes, zi);
-          const SmemDesc b = opaque_desc(oQ_mn + s_ * C::kQBytes, zi);
-          if constexpr (kDqT) {
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk)
-              WgmmaSs<T, D>::template run<1, 1>(dk, a + kk * 2048, b + kk * 2048, 1);
-          } else {
-#pragma unroll
-            for (int kk = 0; kk < BM / 16; ++kk)
-              WgmmaSs<T, D>::template run<0, 1>(dk, a + ((kk / 4) * BN * 128 + (kk % 4) * 32),
-                                                b + kk * 2048, 1);
-          }
-          wgmma_commit();
-        };
-        issue_sdp(gs);
-        release_kv_pend(kb ^ 1);  // (the last tile's store, while S^T and dP^T run)
-        wgmma_wait<0>();
-        grad(gs % S, m);
-        store_ds(0);
-        form_dq(0);
-#pragma unroll 1
-        for (int it = 0; it + 1 < n_it; ++it) {
-          add_dq(dq, h, m);
-          step_on(h, m);
-          issue_sdp(gs + it + 1);
-          issue_dk_smem(it, (gs + it) % S);
-          wgmma_wait<1>();  // S^T and dP^T; dK runs on
-          grad((gs + it + 1) % S, m);
-          wgmma_wait<1>();  // dK; dV runs on
-          reg_fence(dk);
-          release(bar_empty((gs + it) % S));  // Q, dO and the stats of step it
-          store_ds(it + 1);
-          form_dq(it + 1);
-        }
-        add_dq(dq, h, m);
-        issue_dk_smem(n_it - 1, (gs + n_it - 1) % S);
-        wgmma_wait<0>();
-        reg_fence(dk);
-        release(bar_empty((gs + n_it - 1) % S));
-      }
-    }
-
-    for (int it = 0; it < (kDkLate ? 0 : n_it); ++it) {
+    for (int it = 0; it < n_it; ++it) {
       const int s = (gs + it) % S;
       const uint32_t sDs_b = sDs + (it & 1) * C::kDsBytes;
       sm90::mbar_wait(bar_full(s), ((gs + it) / S) & 1);

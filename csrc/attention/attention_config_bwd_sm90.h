@@ -11,7 +11,7 @@ namespace attn {
 // The tiles follow FlashAttention-3's published backward shapes (keys as wgmma's M, 128 keys per
 // CTA in two consumer warpgroups of 64) and the register budget; they have not been measured
 // against neighbouring shapes yet (the stages have).
-template <int D, int BM = D == 128 ? 64 : 128, int NS = 2>
+template <int D, int BM = D == 128 ? 64 : 128>
 struct TilesBwdSm90 {
   static_assert(D == 64 || D == 128, "the sm90 backward takes head dim 64 or 128");
   static_assert(BM == (D == 128 ? 64 : 128) || (D == 128 && BM == 80),
@@ -34,9 +34,7 @@ struct TilesBwdSm90 {
   // Q/dO stages: 3 (192 KiB of shared memory) measured no faster than 2 on the H200
   // (2026-12-01, bf16, B*L = 16384, H*D = 2048, TFLOP/s 2 / 3 stages: D=128 L=4096 535/509,
   // L=16384 547/537; D=64 L=4096 436/436, L=16384 462/463).
-  // (NS = 3: the 80-query kernel of the dK-late schedule, whose stage goes back a step later;
-  // exactly 227 KiB.)
-  static constexpr int kStages = NS;
+  static constexpr int kStages = 2;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // setmaxnreg: 24 + 2 x 240 registers per lane = 504, the 168 x 3 the CTA holds at entry

@@ -43,18 +43,8 @@ inline bool sm90_bwd_overlap(const AttnParams& p) {
 inline bool sm90_bwd_lagged(int head_dim) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
   if (s != nullptr && std::strcmp(s, "lagged") == 0) return true;
-  if (s != nullptr && (std::strcmp(s, "lockstep") == 0 || std::strcmp(s, "dklate") == 0))
-    return false;
+  if (s != nullptr && std::strcmp(s, "lockstep") == 0) return false;
   return head_dim == 64;
-}
-// The lockstep schedule with each step's dK += dS^T Q issued after the next step's S^T and dP^T
-// (dS^T read from shared memory), so that the tensor cores run it during that step's
-// elementwise phase instead of idling there (attention_bwd_kernel_sm90.cuh's kDkLate):
-// FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=dklate, not with softcap or the deterministic mode.
-inline bool sm90_bwd_dklate(const AttnParams& p) {
-  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
-  return s != nullptr && std::strcmp(s, "dklate") == 0 && !(p.softcap > 0.f) &&
-         p.dq_sem == nullptr;
 }
 
 // The CTAs of the backward's persistent grid (attention_params.h): one per SM, or (as the
@@ -195,24 +185,18 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
       return cudaErrorInvalidValue;
     auto pick = [&] {
       if constexpr (C::kDqT) {
-        // sm90_bwd_q80's schedule
-        return sm90_bwd_dklate(p) ? bwd_kernel_sm90<T, D, false, false, false, BM, true>
-                                  : bwd_kernel_sm90<T, D, false, false, false, BM>;
+        return bwd_kernel_sm90<T, D, false, false, false, BM>;  // sm90_bwd_q80's schedule
       } else {
         return p.dq_sem != nullptr ? bwd_kernel_sm90<T, D, false, true>
                : sm90_bwd_overlap(p) ? bwd_kernel_sm90<T, D, true, false>
-               : sm90_bwd_dklate(p)  ? bwd_kernel_sm90<T, D, false, false, false, BM, true>
                : sm90_bwd_lagged(D) ? bwd_kernel_sm90<T, D, false, false, true>
                                     : bwd_kernel_sm90<T, D, false, false>;
       }
     };
     const auto kernel = pick();
-    size_t smem_dq80 = C::kSmem;  // the 80-query kernel; three stages in the dK-late schedule
-    if constexpr (C::kDqT)
-      if (sm90_bwd_dklate(p)) smem_dq80 = TilesBwdSm90<D, BM, 3>::kSmem;
     const int smem = static_cast<int>(p.dq_sem != nullptr ? C::kSmemDet
                                       : kPersistKernel  ? C::kSmemPersist
-                                                        : smem_dq80);
+                                                        : C::kSmem);
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (err != cudaSuccess) return err;
     kernel<<<launch_grid, C::kThreads, smem, p.stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk,

@@ -485,17 +485,6 @@ SM90_BWD_VARIANTS = {
     "sm90-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm90-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "sm90-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
-    # dK of each step issued after the next step's S^T and dP^T (the 80-query kernel where it is
-    # the default, the persistent ones otherwise), and at D=128 in 64-query steps
-    "sm90-bwd-dklate": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "dklate"},
-    "sm90-bwd-dklate-bm64": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "dklate",
-                             "FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
-    "sm90-bwd-dklate-bm80": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "dklate",
-                             "FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
-    "sm90-bwd-3cta-dklate": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
-                             "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "dklate"},
-    "sm90-bwd-after-dklate": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
-                              "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "dklate"},
     # the persistent grid capped at 3 CTAs (several tiles per CTA through both K/V buffers, the
     # key blocks past a sequence's end passed over), and a CTA per key block instead
     "sm90-bwd-3cta": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3"},
@@ -576,7 +565,7 @@ def test_cuda_sm90_backward_and_its_sm80_switch(feature, shape, dtype, variant, 
 
 @pytest.mark.gpu
 @NEEDS_EXT
-@pytest.mark.parametrize("schedule", ["default", "other", "dklate"])
+@pytest.mark.parametrize("schedule", ["default", "other"])
 @pytest.mark.parametrize("feature", ["plain", "causal", "window", "varlen_everything"])
 @pytest.mark.parametrize("shape", [(3, 1100, 1100, 8, 8, 64), (4, 2100, 2100, 8, 4, 128)],
                          ids=lambda s: "x".join(map(str, s)))
@@ -596,9 +585,6 @@ def test_sm90_persistent_backward_runs_many_tiles_per_cta(shape, feature, schedu
     if schedule == "other":
         monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE",
                            "lockstep" if shape[-1] == 64 else "lagged")
-    elif schedule == "dklate":
-        monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "dklate")
-        monkeypatch.setenv("FUSEDOPS_ATTN_SM90_BWD_BM", "64")  # the persistent kernel
     kw = dict(FEATURES[feature])
     if kw.get("varlen"):  # three sequences, two of them long
         sq, sk = shape[1], shape[2]

@@ -2,35 +2,32 @@
 interleavings (CPU only; the kernel itself needs a Hopper GPU).
 
 The actors follow bwd_kernel_sm90 of csrc/attention/attention_bwd_kernel_sm90.cuh with kPersist
-(every kernel but the deterministic mode's and the 80-query steps'): the TMA thread (producer), the
-two consumer warpgroups (each as one actor: its 128 threads' arrivals on an mbarrier as one count
-of 128, on a named barrier as one arrival), and an asynchronous engine that completes TMA loads and
-TMA-store reads at random moments. Shared memory: two K/V buffers, each with its tile slot, its
-full barrier bar_kv (count 1 + transaction bytes) and its empty barrier bar_kv_empty (256 consumer
-threads); S = 2 Q/dO/statistics stages with bar_full (1 + bytes) and bar_empty (256); two dS^T
-buffers, step it of a tile writing buffer it & 1, each warpgroup its 64 key rows. Both schedules:
-lockstep (named barrier 1 after each step's dS^T writes) and lagged (kLag: step it forms dQ_part(it
-- 1) from the buffer both filled a step before, through the "ready" and "free" barriers of each
-warpgroup and buffer); and the lockstep form with dK late (kDkLate: dK += dS^T Q of step it reads
-this warpgroup's half of dS^T buffer it & 1 and the stage's Q from shared memory, issued after S^T
-and dP^T of step it + 1 and waited for after that step's elementwise phase, and the stage of step
-it released only then). The epilogue after named barrier 1: dK and dV staged in the warpgroup's
-rows of the K and V buffer and stored by TMA (one thread waits for the store's read before its
-arrival on bar_kv_empty), or stored from registers. With the overlapped dQ conversion (p.dq_done) a
-counting thread of the producer warpgroup follows the tiles too: per tile it waits for the buffer's
-full barrier, reads the slot, waits for dQ-full barrier kb (every consumer thread arrives once its
-tile's dQ additions are issued), counts, and arrives on bar_kv_empty (whose count then includes
-it).
+(every kernel but the deterministic mode's and the 80-query steps'): the TMA thread (producer),
+the two consumer warpgroups (each as one actor: its 128 threads' arrivals on an mbarrier as one
+count of 128, on a named barrier as one arrival), and an asynchronous engine that completes TMA
+loads and TMA-store reads at random moments. Shared memory: two K/V buffers, each with its tile
+slot, its full barrier bar_kv (count 1 + transaction bytes) and its empty barrier bar_kv_empty
+(256 consumer threads); S = 2 Q/dO/statistics stages with bar_full (1 + bytes) and bar_empty
+(256); two dS^T buffers, step it of a tile writing buffer it & 1, each warpgroup its 64 key rows.
+Both schedules: lockstep (named barrier 1 after each step's dS^T writes) and lagged (kLag: step
+it forms dQ_part(it - 1) from the buffer both filled a step before, through the "ready" and
+"free" barriers of each warpgroup and buffer). The epilogue after named barrier 1: dK and dV
+staged in the warpgroup's rows of the K and V buffer and stored by TMA (one thread waits for the
+store's read before its arrival on bar_kv_empty), or stored from registers. With the
+overlapped dQ conversion (p.dq_done) a counting thread of the producer warpgroup follows the
+tiles too: per tile it waits for the buffer's full barrier, reads the slot, waits for dQ-full
+barrier kb (every consumer thread arrives once its tile's dQ additions are issued), counts, and
+arrives on bar_kv_empty (whose count then includes it).
 
-Over random tile lists (tiles without keys, which the producer passes over; 0..6 steps) and random
-relative speeds it checks: no deadlock; every mbarrier parity wait observes the phase it is meant
-to (none overtaken); every read of a K/V buffer, stage or dS^T buffer sees the tile's or step's
-data, fully landed and not being written; no TMA load into a buffer being read (by a wgmma or a TMA
-store) or loading; no write into rows another product still reads; every slot read holds the tile
-written for it; every count follows both warpgroups' dQ additions of its tile; no warpgroup arrives
-twice on a named-barrier generation before it completes, and none is left half-arrived at exit. A
-change to the kernel's barriers, counts or release points must be made here too; the mutation tests
-show that the model catches the classic mistakes.
+Over random tile lists (tiles without keys, which the producer passes over; 0..6 steps) and
+random relative speeds it checks: no deadlock; every mbarrier parity wait observes the phase it
+is meant to (none overtaken); every read of a K/V buffer, stage or dS^T buffer sees the tile's or
+step's data, fully landed and not being written; no TMA load into a buffer being read (by a wgmma
+or a TMA store) or loading; no write into rows another product still reads; every slot read
+holds the tile written for it; every count follows both warpgroups' dQ additions of its tile; no
+warpgroup arrives twice on a named-barrier generation before it completes, and none is left
+half-arrived at exit. A change to the kernel's barriers, counts or release points must be made
+here too; the mutation tests show that the model catches the classic mistakes.
 """
 import itertools
 import random
@@ -111,13 +108,11 @@ class Buf:
 ANY = lambda: True  # noqa: E731  (a scheduling point)
 
 
-def run(tiles, lagged, seed, count=False, bug=None, defer=False, dklate=False):
+def run(tiles, lagged, seed, count=False, bug=None, defer=False):
     """tiles: (has_keys, n_it, (registers epilogue of warpgroup 0, of 1)) in the order the TMA
     thread takes them; count: the counting thread (p.dq_done) runs; defer: the storing thread's
     wait for its dK/dV store and its arrival on bar_kv_empty come after the next tile's first
-    S^T / dP^T are issued (or before that tile's epilogue, or at the exit; p.dkv_defer);
-    dklate: the kDkLate schedule (lagged False)."""
-    assert not (lagged and dklate)
+    S^T / dP^T are issued (or before that tile's epilogue, or at the exit; p.dkv_defer)."""
     rng = random.Random(seed)
     nkv = 1 if bug == "one_kv_buffer" else 2
     kv_full = [MBar(f"bar_kv{k}", 1) for k in range(2)]
@@ -235,9 +230,7 @@ def run(tiles, lagged, seed, count=False, bug=None, defer=False, dklate=False):
                     raise Fail(f"warpgroup {w} exits while a dK/dV store reads shared memory")
                 return
             n, K, V = tiles[t][1], sK[kb], sV[kb]
-            if dklate and n > 0:
-                yield from dklate_steps(w, j, t, n, gs, K, V, kb, release_pend)
-            for it in range(0 if dklate else n):
+            for it in range(n):
                 g, b = gs + it, it & 1
                 s, st = g % S, stage[g % S]
                 yield until(full[s], (g // S) & 1, g // S)
@@ -312,58 +305,6 @@ def run(tiles, lagged, seed, count=False, bug=None, defer=False, dklate=False):
             if bug != "early_store_release":
                 kv_empty[kb].arrive(1)
 
-    def dklate_steps(w, j, t, n, gs, K, V, kb, release_pend):
-        """kDkLate's steps (the loop rotated: a turn adds dQ_part of step it, issues S^T and
-        dP^T of it + 1 and dK of it, ...)."""
-        def sdp(g):  # S^T and dP^T of global step g, issued
-            yield until(full[g % S], (g // S) & 1, g // S)
-            return reads((K[w], t), (stage[g % S]["Q"], g), (V[w], t), (stage[g % S]["dO"], g))
-
-        def grad_dv(g):  # P^T, dS^T from the statistics; dV += P^T dO issued
-            r = reads((stage[g % S]["lse"], g), (stage[g % S]["delta"], g))
-            yield ANY
-            done(r)
-            return reads((stage[g % S]["dO"], g))
-
-        def buf(it):
-            return 0 if bug == "dklate_one_ds_buffer" else it & 1
-
-        def ds_dq(it, dv):  # dS^T(it) written, both halves; dQ_part waited for with dV
-            yield from write([sDs[buf(it)][w]], (j, it))
-            if bug != "no_step_barrier":
-                yield from nb1.sync(w)
-            dq = reads(*((x, (j, it)) for x in sDs[buf(it)]), (K[0], t), (K[1], t))
-            yield ANY
-            done(dv + dq)
-
-        def dk_late(it):  # dK += dS^T Q of step it from shared memory, issued
-            return reads((sDs[buf(it)][w], (j, it)), (stage[(gs + it) % S]["Q"], gs + it))
-
-        r = yield from sdp(gs)
-        yield from release_pend(kb ^ 1 if nkv == 2 else 0)
-        yield ANY
-        done(r)
-        dv = yield from grad_dv(gs)
-        yield from ds_dq(0, dv)
-        for it in range(n - 1):
-            g = gs + it
-            r = yield from sdp(g + 1)
-            dk = dk_late(it)
-            if bug == "dklate_early_release":
-                empty[g % S].arrive(128)
-            yield ANY
-            done(r)  # wgmma_wait<1>: S^T and dP^T; dK runs on
-            dv = yield from grad_dv(g + 1)
-            yield ANY
-            done(dk)  # wgmma_wait<1>: dK; dV runs on
-            if bug != "dklate_early_release":
-                empty[g % S].arrive(128)  # Q, dO and the statistics of step it
-            yield from ds_dq(it + 1, dv)
-        dk = dk_late(n - 1)
-        yield ANY
-        done(dk)
-        empty[(gs + n - 1) % S].arrive(128)
-
     actors = {"producer": producer(), "wg0": consumer(0), "wg1": consumer(1)}
     if count:
         actors["counter"] = counter()
@@ -393,27 +334,6 @@ def test_bwd_sync_model_has_no_deadlock_or_hazard(lagged, count, part):
     rng = random.Random(100 * lagged + 10 * count + part)
     for _ in range(150):
         run(random_tiles(rng), lagged, rng.randrange(1 << 30), count)
-
-
-@pytest.mark.parametrize("count", [False, True], ids=["no_count", "count"])
-@pytest.mark.parametrize("defer", [False, True], ids=["immediate", "defer"])
-def test_bwd_sync_model_dk_late(defer, count):
-    """kDkLate: each step's dK from shared memory during the next step's elementwise phase."""
-    rng = random.Random(11 + count + 2 * defer)
-    for _ in range(300):
-        run(random_tiles(rng), False, rng.randrange(1 << 30), count, defer=defer, dklate=True)
-
-
-@pytest.mark.parametrize("bug", ["dklate_early_release", "dklate_one_ds_buffer",
-                                 "no_step_barrier", "no_tile_barrier"])
-def test_bwd_sync_model_dk_late_catches_mistakes(bug):
-    """In the kDkLate schedule: the stage released before dK read its Q, one dS^T buffer (the
-    next step's dS^T written while dK reads this one's), and the two barriers of the lockstep
-    form."""
-    rng = random.Random(13)
-    with pytest.raises(Fail):
-        for _ in range(300):
-            run(random_tiles(rng), False, rng.randrange(1 << 30), bug=bug, dklate=True)
 
 
 @pytest.mark.parametrize("count", [False, True], ids=["no_count", "count"])
