@@ -110,6 +110,11 @@ METHOD_ENV = {
                              "FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
     "-after": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
     "-deterministic": {"FUSEDOPS_ATTN_DQ": "separate"},
+    # The deterministic kernel with its writers' turns skipped and every block added (a
+    # non-deterministic probe: the staged dQ without the ordering), in its order or ascending.
+    "-det-nowait": {"FUSEDOPS_ATTN_DQ": "separate", "FUSEDOPS_ATTN_SM90_BWD_DET_PROBE": "3"},
+    "-det-nowait-asc": {"FUSEDOPS_ATTN_DQ": "separate", "FUSEDOPS_ATTN_SM90_BWD_DET_PROBE": "3",
+                        "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "-deterministic-ascending": {"FUSEDOPS_ATTN_DQ": "separate",
                                  "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "-bwd80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},
