@@ -15,9 +15,7 @@ to the same drift.
 
 Methods with a suffix run the fusedops backend under an environment override (METHOD_ENV):
 -atomic-dq / -deterministic the dQ modes (-deterministic-ascending with the deterministic mode's
-linear order of key blocks forced), -staged / -staged-asc / -dq-regs the sm90 backward's dQ staged
-in shared memory without order (in the deterministic mode's order of key blocks or ascending) or
-added from registers, -bwd80 the sm90 forward with the sm80 backward, -bwd-regs
+linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backward, -bwd-regs
 the sm90 backward storing dK/dV from registers, -bwd-immediate its dK/dV store waited for before
 the next key block, -bwd-nonpersistent its one-CTA-per-key-block launch, -bwd-lagged /
 -bwd-lockstep its dQ products a step behind or not, -bwd-overlap its overlapped schedule,
@@ -112,10 +110,6 @@ METHOD_ENV = {
                              "FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
     "-after": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
     "-deterministic": {"FUSEDOPS_ATTN_DQ": "separate"},
-    "-staged": {"FUSEDOPS_ATTN_SM90_BWD_DQ": "staged"},
-    "-staged-asc": {"FUSEDOPS_ATTN_SM90_BWD_DQ": "staged",
-                    "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
-    "-dq-regs": {"FUSEDOPS_ATTN_SM90_BWD_DQ": "regs"},
     "-deterministic-ascending": {"FUSEDOPS_ATTN_DQ": "separate",
                                  "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "-bwd80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},

@@ -253,8 +253,6 @@ BWD_VARIANTS = {
     "sm90-det": {},
     "sm90-det-asc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "sm90-det-desc": {"FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
-    # dQ staged in shared memory, added by the writer warps without order
-    "sm90-staged": {"FUSEDOPS_ATTN_SM90_BWD_DQ": "staged"},
     "sm90-after": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
     "sm90-after-lagged": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
                           "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
@@ -293,7 +291,7 @@ class bwd_env:
                                 "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER",
                                 "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE", "FUSEDOPS_ATTN_SM90_BWD_BM",
                                 "FUSEDOPS_ATTN_SM90_BWD_CONVERT",
-                                "FUSEDOPS_ATTN_SM90_BWD_PERSISTENT", "FUSEDOPS_ATTN_SM90_BWD_DQ")}
+                                "FUSEDOPS_ATTN_SM90_BWD_PERSISTENT")}
         os.environ.update(self.env)
 
     def __exit__(self, *exc):

@@ -86,9 +86,6 @@
 // polls instead of hanging. The order, and so the bits of dQ (and of dK and dV, whose steps
 // it reorders), depends on the GPU's SM count through that bound: bit-identical run to run on
 // one GPU model.
-// The same kernel stages dQ without order (p.dq_unordered, the launcher's sm90_bwd_staged): its
-// writers add every block as soon as it is staged, without waiting for a turn, onto the zeroed
-// accumulator; the counters then only count the key blocks done (the overlapped conversion).
 //
 // Constraints: T is __half or __nv_bfloat16; D is 64 or 128 (TilesBwdSm90); the packed layout
 // of attention_params.h with row strides that are multiples of 8 elements, rows that do not
@@ -273,8 +270,7 @@ __global__ void __launch_bounds__(256) bwd_prep_kernel_sm90(const AttnParams p) 
     } else {
       const int m0 = i / BM * BM;
       bool zero = true;
-      if (p.dq_sem != nullptr && !p.dq_unordered && !(p.dq_probe & 2) && sq.q_start % 8 == 0 &&
-          m0 + BM <= sq.lq) {
+      if (p.dq_sem != nullptr && !(p.dq_probe & 2) && sq.q_start % 8 == 0 && m0 + BM <= sq.lq) {
         int klo, khi;
         sq.keys_of(m0, m0 + BM, p, klo, khi);
         zero = klo >= khi;  // no contributor: nobody stores the block
@@ -726,8 +722,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       // Per step of its own, once the consumers have staged its dQ block: wait for the block's turn
       // (lane 0 polls the counter with relaxed loads, the fence after it is the acquire), add
       // the block to dq_acc, and once the additions are performed pass the turn on (release).
-      // p.dq_unordered (the staged dQ without order): no waits, every block added (the
-      // preprocess zeroed the accumulator), the counters counting the key blocks done.
       // Sequences whose rows start on an 8-row tile of dq_acc add a whole block (m + BM <= lq)
       // with one tensor-map reduction (tm_dq: its BM / 8 runs of 8 rows x D, the staging
       // layout) -- or, its first turn, store it (the preprocess left those rows unzeroed) --
@@ -756,7 +750,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         int* const sem = p.dq_sem + dq_sem_index_sm90<BM>(p, sq.q_start, b, h, m, 0);
         const int rows = min(BM, sq.lq - m);
         sm90::mbar_wait(bar_dq_full(f), (it >> 1) & 1);
-        if (lane == 0 && !p.dq_unordered && !(p.dq_probe & 1)) {
+        if (lane == 0 && !(p.dq_probe & 1)) {
           for (uint32_t polls = 0; ld_relaxed_gpu(sem) != turn; ++polls)
             if (polls == (1u << 25)) __trap();  // a turn that never comes: an error, not a hang
           fence_acq_rel_gpu();
@@ -766,7 +760,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
           if (lane == 0) {
             fence_proxy_async_global();  // the acquire, before the copy engine's additions
             if (rows == BM) {
-              if (turn == 0 && !p.dq_unordered && !(p.dq_probe & 2))
+              if (turn == 0 && !(p.dq_probe & 2))
                 tma_store_4d(&tm_dq, src, 0, 0, h, (sq.q_start + m) / 8);
               else
                 tma_reduce_add_4d(&tm_dq, src, 0, 0, h, (sq.q_start + m) / 8);

@@ -77,27 +77,10 @@ inline void sm90_bwd_dq_order(AttnParams& p, int key_blocks) {
   const bool desc = s != nullptr && std::strcmp(s, "descending") == 0;
   p.dq_desc = desc || (!asc && p.right >= 0);
   p.dq_rot = false;
-  // (The staged dQ without order has no waits to shorten.)
-  if (asc || desc || p.left >= 0 || p.right >= 0 || p.dq_unordered) return;
+  if (asc || desc || p.left >= 0 || p.right >= 0) return;
   DeviceSm90 dev;
   if (device_sm90(dev) != cudaSuccess) return;
   p.dq_rot = 2 * key_blocks <= dev.sms;
-}
-
-// Where dQ is added: by the consumers from registers (red.global.add, each warpgroup its piece
-// of every step), or staged (p.dq_unordered): the deterministic mode's kernel without its order
-// -- the consumers stage each step's block in shared memory and go on, the dQ writer warps add it
-// by one tensor-map reduction -- in 64-query steps at D=128, a CTA per key block, key blocks
-// taken in the deterministic mode's order (sm90_bwd_dq_order). Needs the counters of the
-// overlapped conversion (p.dq_done, which it takes as p.dq_sem: tickets and counts), so not with
-// FUSEDOPS_ATTN_SM90_BWD_CONVERT=after. FUSEDOPS_ATTN_SM90_BWD_DQ=staged|regs forces either
-// (measurement and tests); read at every call.
-inline bool sm90_bwd_staged(const AttnParams& p) {
-  if (p.dq_sem != nullptr || p.dq_done == nullptr) return false;
-  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_DQ");
-  if (s != nullptr && std::strcmp(s, "staged") == 0) return true;
-  if (s != nullptr && std::strcmp(s, "regs") == 0) return false;
-  return false;
 }
 
 // The deterministic mode's map of the dQ accumulator (dq_acc_index's layout, rows rounded up to
@@ -245,12 +228,6 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
 
 template <typename T, int D>
 cudaError_t run_bwd_sm90(const AttnParams& p) {
-  if (sm90_bwd_staged(p)) {
-    AttnParams staged = p;
-    staged.dq_sem = p.dq_done;
-    staged.dq_unordered = true;
-    return run_bwd_sm90_bm<T, D, TilesBwdSm90<D>::kBlockM>(staged);
-  }
   if constexpr (D == 128)
     if (sm90_bwd_q80(p)) return run_bwd_sm90_bm<T, D, 80>(p);
   return run_bwd_sm90_bm<T, D, TilesBwdSm90<D>::kBlockM>(p);

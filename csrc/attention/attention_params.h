@@ -26,8 +26,7 @@ struct AttnParams {
   float* dq_acc = nullptr;
   // The sm90 backward's deterministic mode (with dq_acc): int32 counters that order the dQ
   // reductions (attention_bwd_kernel_sm90.cuh), at least dq_sem_count_sm90 of them, zeroed by
-  // the backward's preprocess; null: unordered reductions from registers (or, set by the
-  // launcher with dq_unordered below, the staged ones). dq_desc: the order (set by the
+  // the backward's preprocess; null: unordered reductions. dq_desc: the order (set by the
   // launcher).
   int* dq_sem = nullptr;
   bool dq_desc = false;
@@ -43,12 +42,6 @@ struct AttnParams {
   // left; false (FUSEDOPS_ATTN_SM90_BWD_PERSISTENT=0, the conversion after the backward, or the
   // kernels without it: the deterministic mode, 80-query steps): a CTA per key block.
   bool persist = false;
-  // The sm90 backward's dQ staged without order (attention_launch_bwd_sm90.cuh's
-  // sm90_bwd_staged): the deterministic mode's kernel (each step's dQ block staged in shared
-  // memory, added by the dQ writer warps with one tensor-map reduction), its writers not waiting
-  // for turns and every block added onto the accumulator that the preprocess zeroes; dq_sem is
-  // then dq_done (the CTAs' tickets and the overlapped conversion's counts).
-  bool dq_unordered = false;
   // Measurement only (FUSEDOPS_ATTN_SM90_BWD_DET_PROBE): parts of the ordered reductions left
   // out to time them (bit 0: the dQ writer's wait for a turn; results then not ordered, and
   // wrong where a block's first turn stores), or changed (bit 1: every turn adds, onto an

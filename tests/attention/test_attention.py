@@ -515,12 +515,6 @@ SM90_BWD_VARIANTS = {
                              "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
     "sm90-bwd-ordered-desc": {"FUSEDOPS_ATTN_DQ": "separate",
                               "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "descending"},
-    # dQ staged in shared memory and added by the writer warps without order (the
-    # deterministic mode's kernel without its turns), in its order of key blocks and ascending
-    "sm90-bwd-staged": {"FUSEDOPS_ATTN_SM90_BWD_DQ": "staged"},
-    "sm90-bwd-staged-asc": {"FUSEDOPS_ATTN_SM90_BWD_DQ": "staged",
-                            "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER": "ascending"},
-    "sm90-bwd-dq-regs": {"FUSEDOPS_ATTN_SM90_BWD_DQ": "regs"},
     # dQ converted after the backward (the default converts each block as its count completes)
     "sm90-bwd-after": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after"},
     "sm90-bwd-after-lagged": {"FUSEDOPS_ATTN_SM90_BWD_CONVERT": "after",
@@ -542,7 +536,7 @@ SM90_BWD_VARIANTS = {
 SM90_BWD_ENV = ("FUSEDOPS_ATTN_SM90_BWD", "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE", "FUSEDOPS_ATTN_DQ",
                 "FUSEDOPS_ATTN_SM90_BWD_DQ_ORDER", "FUSEDOPS_ATTN_SM90_BWD_BM",
                 "FUSEDOPS_ATTN_SM90_BWD_CONVERT", "FUSEDOPS_ATTN_SM90_BWD_PERSISTENT",
-                "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE", "FUSEDOPS_ATTN_SM90_BWD_DQ")
+                "FUSEDOPS_ATTN_SM90_BWD_EPILOGUE")
 
 
 @pytest.mark.gpu
