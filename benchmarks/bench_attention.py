@@ -19,7 +19,6 @@ linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backwa
 the sm90 backward storing dK/dV from registers, -bwd-immediate its dK/dV store waited for before
 the next key block, -bwd-nonpersistent its one-CTA-per-key-block launch, -bwd-lagged /
 -bwd-lockstep its dQ products a step behind or not, -bwd-overlap its overlapped schedule,
--bwd-pingpong its lagged schedule with the consumer warpgroups taking turns at the tensor cores,
 -bm64 / -bm80 its query steps at D=128,
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
 -m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
@@ -120,7 +119,6 @@ METHOD_ENV = {
     "-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
     "-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},  # before -overlap
-    "-bwd-pingpong": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "pingpong"},  # before -pingpong
     "-bm64": {"FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
     "-bm80": {"FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
     "-qstart": {"FUSEDOPS_ATTN_SM90_QALIGN": "start"},

@@ -234,8 +234,7 @@ def fwd(q, k, v, cu_q, cu_k, mq, mk, scale, causal, left, right, softcap, arch):
 
 # Arch 90's backwards at D=64/128, as the environment overrides that select them: the sm90
 # kernel (attention_bwd_kernel_sm90.cuh; FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=overlap its overlapped
-# schedule, =lagged / lockstep its dQ products a step behind or not, =pingpong lagged with the
-# consumer warpgroups taking turns at the tensor cores,
+# schedule, =lagged / lockstep its dQ products a step behind or not,
 # FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs its dK/dV stores from registers,
 # FUSEDOPS_ATTN_SM90_BWD_BM=80|64 its query steps at D=128) and
 # FUSEDOPS_ATTN_SM90_BWD=sm80, the sm80 backward; the det variants run the op's
@@ -247,9 +246,6 @@ BWD_VARIANTS = {
     "sm90-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm90-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "sm90-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
-    "sm90-pingpong": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "pingpong"},
-    "sm90-pingpong-3cta": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
-                           "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "pingpong"},
     "sm90-bm80": {"FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
     "sm90-bm64": {"FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
     "sm80": {"FUSEDOPS_ATTN_SM90_BWD": "sm80"},

@@ -459,9 +459,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
   // consumer warpgroup w and dS^T buffer b: "ready" (w's half of buffer b written) and "free"
   // (w's dQ products have read buffer b).
   constexpr int kBarReady = 4, kBarFree = 8;
-  // kLag with p.bwd_pingpong: warpgroup w's turn at the tensor cores (256 threads: w's 128 sync,
-  // the other's 128 arrive).
-  constexpr int kBarTurn = 12;
   // The overlapped dQ conversion may start once every CTA of this grid runs (or has ended).
   if (p.dq_done != nullptr && threadIdx.x == 0)
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -971,21 +968,6 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
     int h, m;
     first_step(h, m);
     int h_prev = h, m_prev = m;  // kLag: the step whose dQ_part is still to be formed
-    // kLag with p.bwd_pingpong: the two warpgroups take turns at issuing their products, in the
-    // cycle 0: S^T, dP^T; 1: S^T, dP^T; 0: dQ_part, dK; 1: dQ_part, dK; 0: ..., each waiting
-    // at its own turn barrier until the other has issued, so that one's elementwise phase runs
-    // while the other's products do (in lockstep both leave the tensor cores idle together).
-    // Warpgroup 1 hands warpgroup 0 its first turn of the tile, and its own last turn of the
-    // tile is handed to nobody: each warpgroup takes 2 n_it turns and receives as many, so no
-    // arrival is left over for the next tile or at the exit.
-    const bool pingpong = kLag && p.bwd_pingpong;
-    auto take_turn = [&] {
-      if (pingpong) named_bar_sync<256>(kBarTurn + cw);
-    };
-    auto hand_over = [&](bool last) {
-      if (pingpong && !(last && cw == 1)) named_bar_arrive<256>(kBarTurn + (1 - cw));
-    };
-    if (pingpong && cw == 1 && n_it > 0) named_bar_arrive<256>(kBarTurn);
 
     for (int it = 0; it < n_it; ++it) {
       const int s = (gs + it) % S;
@@ -1007,12 +989,10 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
           Wgmma<T, BM>::ss(acc, da + off, db + offq, kk > 0 ? 1 : 0);
         }
       };
-      take_turn();
       keys_by_queries(st, dK_km, dQ_km + s * C::kQBytes);
       if constexpr (kOverlap) wgmma_commit();  // S^T and dP^T as two groups
       keys_by_queries(dpt, dV_km, dDo_km + s * C::kQBytes);
       wgmma_commit();
-      hand_over(false);
       if (it == 0) release_kv_pend(kb ^ 1);  // (the last tile's store, while S^T and dP^T run)
 
       // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
@@ -1189,10 +1169,8 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
         if (it >= 1) named_bar_sync<256>(kBarReady + 2 * (1 - cw) + ((it - 1) & 1));
         reg_fence(dk);
         reg_fence(dq);
-        take_turn();
         issue_dq((it - 1) & 1, dq);
         issue_dk(s);
-        hand_over(it + 1 == n_it);
         wgmma_wait<1>();  // dV(it) and dQ_part(it - 1) have completed
         reg_fence(dq);
         if (it >= 1) add_dq(dq, h_prev, m_prev);

@@ -40,16 +40,9 @@ inline bool sm90_bwd_overlap(const AttnParams& p) {
 // 523/494, 446/457, 520/558, 556/556). So lagged at D=64, lockstep at D=128;
 // FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=lagged|lockstep forces one (measurement). The deterministic
 // mode always runs the lockstep form. Read at every call.
-// FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=pingpong: lagged, the consumer warpgroups taking turns at the
-// tensor cores (AttnParams::bwd_pingpong).
-inline bool sm90_bwd_pingpong() {
-  const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
-  return s != nullptr && std::strcmp(s, "pingpong") == 0;
-}
 inline bool sm90_bwd_lagged(int head_dim) {
   const char* s = std::getenv("FUSEDOPS_ATTN_SM90_BWD_SCHEDULE");
   if (s != nullptr && std::strcmp(s, "lagged") == 0) return true;
-  if (sm90_bwd_pingpong()) return true;
   if (s != nullptr && std::strcmp(s, "lockstep") == 0) return false;
   return head_dim == 64;
 }
@@ -148,7 +141,6 @@ cudaError_t run_bwd_sm90_bm(const AttnParams& params) {
                                                      TilesBwdSm90<D>::kBlockN);
   if (const char* probe = std::getenv("FUSEDOPS_ATTN_SM90_BWD_DET_PROBE"))
     p.dq_probe = std::atoi(probe);
-  p.bwd_pingpong = p.dq_sem == nullptr && sm90_bwd_pingpong();
   if (const char* epi = std::getenv("FUSEDOPS_ATTN_SM90_BWD_EPILOGUE")) {
     p.dkv_regs = std::strcmp(epi, "regs") == 0;
     if (std::strcmp(epi, "immediate") == 0) p.dkv_defer = false;

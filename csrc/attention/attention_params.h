@@ -56,9 +56,6 @@ struct AttnParams {
   // first products; false (FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=immediate, measurement and
   // debugging), before going on.
   bool dkv_defer = true;
-  // The sm90 backward's lagged schedule with its consumer warpgroups taking turns at the tensor
-  // cores (FUSEDOPS_ATTN_SM90_BWD_SCHEDULE=pingpong; attention_bwd_kernel_sm90.cuh's take_turn).
-  bool bwd_pingpong = false;
   // The sm90 forward's tile scheduler: two counters (next tile, CTAs done) on the launch's
   // stream, zero before the launch and left at zero by its last CTA
   // (attention_fwd_kernel_sm90.cuh); null: the static order only.

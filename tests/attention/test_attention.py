@@ -485,7 +485,6 @@ SM90_BWD_VARIANTS = {
     "sm90-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     "sm90-bwd-lagged": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "sm90-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
-    "sm90-bwd-pingpong": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "pingpong"},
     # the persistent grid capped at 3 CTAs (several tiles per CTA through both K/V buffers, the
     # key blocks past a sequence's end passed over), and a CTA per key block instead
     "sm90-bwd-3cta": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3"},
@@ -493,11 +492,7 @@ SM90_BWD_VARIANTS = {
                              "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lagged"},
     "sm90-bwd-3cta-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
                                "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
-    "sm90-bwd-3cta-pingpong": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
-                               "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "pingpong"},
     "sm90-bwd-nonpersistent": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "0"},
-    "sm90-bwd-nonpersistent-pingpong": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "0",
-                                        "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "pingpong"},
     "sm90-bwd-3cta-overlap": {"FUSEDOPS_ATTN_SM90_BWD_PERSISTENT": "3",
                               "FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},
     # the dK/dV store's wait and the K/V buffer's release before the next tile (the default
