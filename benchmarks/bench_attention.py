@@ -19,7 +19,8 @@ linear order of key blocks forced), -bwd80 the sm90 forward with the sm80 backwa
 the sm90 backward storing dK/dV from registers, -bwd-immediate its dK/dV store waited for before
 the next key block, -bwd-nonpersistent its one-CTA-per-key-block launch, -bwd-lagged /
 -bwd-lockstep its dQ products a step behind or not, -bwd-overlap its overlapped schedule,
--bm64 / -bm80 its query steps at D=128,
+-bm64 / -bm80 its query steps at D=128, -masked-steps every key step of its backward on the masked
+path (a probe),
 -static / -dynamic the sm90 forward's tile order, -nonpersistent its one-CTA-per-tile launch,
 -m128 / -m192 its 128- or 192-query tiles at D=64, -overlap / -pingpong its consumers'
 schedule, -bn176 its 176-key tiles at D=128, -mc / -nomc its K/V multicast in clusters of two
@@ -120,6 +121,7 @@ METHOD_ENV = {
     "-bwd-lockstep": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "lockstep"},
     "-bwd-overlap": {"FUSEDOPS_ATTN_SM90_BWD_SCHEDULE": "overlap"},  # before -overlap
     "-bm64": {"FUSEDOPS_ATTN_SM90_BWD_BM": "64"},
+    "-masked-steps": {"FUSEDOPS_ATTN_SM90_BWD_DET_PROBE": "4"},
     "-bm80": {"FUSEDOPS_ATTN_SM90_BWD_BM": "80"},
     "-qstart": {"FUSEDOPS_ATTN_SM90_QALIGN": "start"},
     "-qend": {"FUSEDOPS_ATTN_SM90_QALIGN": "end"},

@@ -1000,7 +1000,9 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       const float* d_s = stats_delta(s);
       // The warp's first key (as j0 - g it held one register less in the persistent kernels).
       const int jw = kPersist ? j0 - g : n0 + 64 * cw + 16 * warp;
-      const bool full = m + BM <= sq.lq && sq.all_visible(m, m + BM, jw, jw + 16, p);
+      // (p.dq_probe bit 2, measurement: every step takes the masked path.)
+      const bool full = !(p.dq_probe & 4) && m + BM <= sq.lq &&
+                        sq.all_visible(m, m + BM, jw, jw + 16, p);
       // Both at once (the serial schedule, and the softcap's, whose dS needs tanh of S).
       auto grad_tile = [&](auto path) {  // three copies: see run_path
         constexpr int kPath = decltype(path)::value;

@@ -45,7 +45,8 @@ struct AttnParams {
   // Measurement only (FUSEDOPS_ATTN_SM90_BWD_DET_PROBE): parts of the ordered reductions left
   // out to time them (bit 0: the dQ writer's wait for a turn; results then not ordered, and
   // wrong where a block's first turn stores), or changed (bit 1: every turn adds, onto an
-  // accumulator the preprocess zeroed whole).
+  // accumulator the preprocess zeroed whole; bit 2, any sm90 backward kernel: every key step
+  // takes the masked path, as if some pair were masked).
   int dq_probe = 0;
   // The sm90 backward's dK/dV stores: false, through shared memory by TMA where a warpgroup's
   // keys lie inside the sequence; true (FUSEDOPS_ATTN_SM90_BWD_EPILOGUE=regs, measurement and
