@@ -998,27 +998,11 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
       // P^T and dS^T in place (st, dpt); column c of the accumulators is query m + c.
       const float* l_s = stats_lse(s);
       const float* d_s = stats_delta(s);
-      // The warp's first key: lane 0's j0 (g = 0), read by a shuffle so that the compiler
-      // knows it warp-uniform and the test below runs on uniform registers. As j0 - g, ptxas
-      // re-read the thread index (S2R) for it at every step.
-      const int jw = __shfl_sync(0xffffffffu, j0, 0);
+      // The warp's first key (as j0 - g it held one register less in the persistent kernels).
+      const int jw = kPersist ? j0 - g : n0 + 64 * cw + 16 * warp;
       // (p.dq_probe bit 2, measurement: every step takes the masked path.)
       const bool full = !(p.dq_probe & 4) && m + BM <= sq.lq &&
                         sq.all_visible(m, m + BM, jw, jw + 16, p);
-      // 64-query steps at D=128, serial schedule: the step's 16 lse2 values per lane read into
-      // registers while S^T and dP^T run, before the wait (the wait's memory clobber keeps them
-      // after it otherwise, and the first exponentials waited on the shared loads). Not in the
-      // 80-query kernel: 20 more registers there made ptxas spill and serialise its wgmmas.
-      constexpr bool kPreLse = D == 128 && !kOverlap && !kDqT;
-      float lse_r[kPreLse ? BM / 8 : 1][2];
-      if constexpr (kPreLse) {
-#pragma unroll
-        for (int ni = 0; ni < BM / 8; ++ni) {
-          const float2 v = *reinterpret_cast<const float2*>(l_s + ni * 8 + 2 * tq);
-          lse_r[ni][0] = v.x;
-          lse_r[ni][1] = v.y;
-        }
-      }
       // Both at once (the serial schedule, and the softcap's, whose dS needs tanh of S).
       auto grad_tile = [&](auto path) {  // three copies: see run_path
         constexpr int kPath = decltype(path)::value;
@@ -1027,7 +1011,7 @@ __global__ void __launch_bounds__(TilesBwdSm90<D, kBM>::kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int c = ni * 8 + 2 * tq + (e & 1);
-            const float lse2 = kPreLse ? lse_r[ni][e & 1] : l_s[c], dl = d_s[c];
+            const float lse2 = l_s[c], dl = d_s[c];
             float pv, ds;
             if constexpr (kPath > 0) {
               float t = 0.f;
